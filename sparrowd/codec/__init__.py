@@ -1,0 +1,48 @@
+"""The patch codec: pure functions from weight snapshots to chunks and back (no I/O)."""
+
+from .bits import DTYPES, RawTensor, dtype_info
+from .chunk import ABSOLUTE, ULP, Chunk, Segment, chunk_hash, decode_chunk
+from .extract import diff_bits, fingerprint
+from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
+from .patch import (
+    DEFAULT_CHUNK_SIZE,
+    PatchEncoder,
+    apply_patch,
+    apply_segments,
+    check_base,
+    check_result,
+    encode_patch,
+    new_targets,
+)
+from .patchfile import PatchView, parse_patch, patch_parts
+
+__all__ = [
+    "ABSOLUTE",
+    "ULP",
+    "FULL",
+    "PATCH",
+    "REMOVE",
+    "DEFAULT_CHUNK_SIZE",
+    "DTYPES",
+    "RawTensor",
+    "dtype_info",
+    "Chunk",
+    "ChunkEntry",
+    "Segment",
+    "Manifest",
+    "TensorEntry",
+    "PatchEncoder",
+    "PatchView",
+    "apply_patch",
+    "apply_segments",
+    "check_base",
+    "check_result",
+    "chunk_hash",
+    "decode_chunk",
+    "diff_bits",
+    "encode_patch",
+    "fingerprint",
+    "new_targets",
+    "parse_patch",
+    "patch_parts",
+]

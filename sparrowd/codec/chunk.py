@@ -1,0 +1,271 @@
+"""Segments and chunks: the unit that travels.
+
+A *segment* is one tensor's changes inside the element range ``[start, stop)``
+of its flat index space: either ``sparse`` (sorted changed positions and their
+values) or ``dense`` (every element of the range: new, reshaped or retyped
+tensors, and anchors). The ranges of one tensor's segments never overlap, so
+segments apply in any order.
+
+A *chunk* is one zstd frame holding whole segments. Decompressed it reads::
+
+    b"SPC1" | u32 LE header length | msgpack header | blobs...
+
+where the header is ``{"segments": [...]}``, each segment a map giving its
+tensor, dtype, range, count, encodings and the byte length of each blob that
+follows, in order. Blobs are byte planes (see :mod:`.bits`):
+
+* sparse indices: gaps ``idx[i] - idx[i-1] - 1`` (the first from ``start``),
+  Rice-coded with the parameter ``index_k``: a bit-packed unary stream of
+  quotients, then a bit-packed stream of ``k``-bit remainders;
+* absolute values: the new bit patterns, rotated left one bit for floats
+  (sign to the bottom, exponent in the top byte), in byte planes;
+* ulp values: for a distance ``d != 0`` the bit-packed signs (1: up), then
+  ``|d| - 1`` clipped to one byte plane, 255 meaning "escape"; the escapes
+  (``|d| - 1 - 255``, in order) follow in full-width byte planes;
+* dense values: like absolute values, for every element of the range.
+
+A chunk is named by the BLAKE3 hash of its compressed bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+import zstandard
+
+from ..errors import FormatError, IntegrityError
+from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
+from .bits import (
+    dtype_info,
+    from_planes,
+    rice_decode,
+    rice_encode,
+    rice_k,
+    rotl1,
+    rotr1,
+    to_planes,
+    uint_type,
+)
+
+__all__ = [
+    "Segment",
+    "Chunk",
+    "encode_chunk",
+    "decode_chunk",
+    "chunk_hash",
+    "MAX_CHUNK_RAW",
+    "ABSOLUTE",
+    "ULP",
+    "SPARSE",
+    "DENSE",
+]
+
+CHUNK_MAGIC = b"SPC1"
+ABSOLUTE, ULP = "absolute", "ulp"
+SPARSE, DENSE = "sparse", "dense"
+ESCAPE = 255
+# Largest decompressed chunk accepted: far above any sane target, small enough
+# that a hostile frame cannot make a reader allocate without bound.
+MAX_CHUNK_RAW = 256 << 20
+
+
+def chunk_hash(data) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One tensor's changes in ``[start, stop)``.
+
+    ``data`` holds unsigned integers of the dtype's width: for ``sparse`` +
+    ``absolute`` and for ``dense`` the new bit patterns; for ``sparse`` +
+    ``ulp`` the zigzag-coded ulp distances. ``indices`` (int64, absolute flat
+    positions) exists for sparse segments only.
+    """
+
+    name: str
+    dtype: str
+    kind: str
+    values: str
+    start: int
+    stop: int
+    data: np.ndarray
+    indices: np.ndarray | None = None
+
+    @property
+    def count(self) -> int:
+        return int(self.data.size)
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    hash: bytes
+    data: bytes
+    raw_size: int
+    segments: tuple[tuple[str, int, int, int], ...]  # (name, start, stop, count)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _encode_values(seg: Segment, info) -> list[np.ndarray]:
+    if seg.values == ULP:
+        t = seg.data.dtype.type
+        with np.errstate(over="ignore"):
+            zm = seg.data - t(1)  # zigzag z = 2|d| - (d < 0): zm = 2(|d| - 1) + up
+        mag = zm >> t(1)
+        narrow = np.minimum(mag, ESCAPE).astype(np.uint8)
+        esc = mag[mag >= ESCAPE] - t(ESCAPE)
+        return [np.packbits((zm & t(1)).astype(np.uint8)), narrow, to_planes(esc)]
+    bits = rotl1(seg.data) if info.is_float else seg.data
+    return [to_planes(bits)]
+
+
+def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
+    info = dtype_info(seg.dtype)
+    if seg.data.dtype != uint_type(info.itemsize):
+        raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
+    blobs: list[np.ndarray] = []
+    k = 0
+    if seg.kind == SPARSE:
+        gaps = (np.diff(seg.indices, prepend=np.int64(seg.start - 1)) - 1).astype(np.uint64)
+        k = rice_k(gaps)
+        blobs += rice_encode(gaps, k)
+    elif seg.count != seg.stop - seg.start:
+        raise ValueError(f"dense segment {seg.name}: {seg.count} values for range of {seg.stop - seg.start}")
+    blobs += _encode_values(seg, info)
+    header = {
+        "name": seg.name,
+        "dtype": seg.dtype,
+        "kind": seg.kind,
+        "values": seg.values,
+        "start": seg.start,
+        "stop": seg.stop,
+        "count": seg.count,
+        "index_k": k,
+        "blobs": [int(b.nbytes) for b in blobs],
+    }
+    return header, blobs
+
+
+def encode_chunk(segments: list[Segment], cctx: zstandard.ZstdCompressor) -> Chunk:
+    headers, blobs = [], []
+    for seg in segments:
+        h, b = _encode_segment(seg)
+        headers.append(h)
+        blobs += b
+    head = pack({"segments": headers})
+    raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+    data = cctx.compress(raw)
+    return Chunk(
+        hash=chunk_hash(data),
+        data=data,
+        raw_size=len(raw),
+        segments=tuple((s.name, s.start, s.stop, s.count) for s in segments),
+    )
+
+
+# ---------------------------------------------------------------- decoding
+
+_SEGMENT = {
+    "name": Str,
+    "dtype": Str,
+    "kind": Str,
+    "values": Str,
+    "start": NonNegInt,
+    "stop": NonNegInt,
+    "count": NonNegInt,
+    "index_k": Int,
+    "blobs": List,
+}
+
+
+def _take(buf: memoryview, pos: int, n: int, what: str) -> tuple[memoryview, int]:
+    if n < 0 or pos + n > len(buf):
+        raise FormatError(f"chunk: {what} runs past the end of the chunk")
+    return buf[pos : pos + n], pos + n
+
+
+def _decode_segment(h: dict, buf: memoryview, pos: int) -> tuple[Segment, int]:
+    fields(h, _SEGMENT, what="chunk segment")
+    info = dtype_info(h["dtype"])
+    w = info.itemsize
+    kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
+    name = h["name"]
+    if kind not in (SPARSE, DENSE) or values not in (ABSOLUTE, ULP):
+        raise FormatError(f"chunk segment {name!r}: unknown encoding {kind}/{values}")
+    if values == ULP and (kind != SPARSE or not info.is_float):
+        raise FormatError(f"chunk segment {name!r}: ulp values need a sparse float segment")
+    if stop < start or n > stop - start or (kind == DENSE and n != stop - start):
+        raise FormatError(f"chunk segment {name!r}: count {n} does not fit range [{start}, {stop})")
+    lens = h["blobs"]
+    expect = (2 if kind == SPARSE else 0) + (3 if values == ULP else 1)
+    if len(lens) != expect or not all(isinstance(x, int) and not isinstance(x, bool) for x in lens):
+        raise FormatError(f"chunk segment {name!r}: expected {expect} blob lengths")
+    blobs = []
+    for i, ln in enumerate(lens):
+        b, pos = _take(buf, pos, ln, f"blob {i} of {name!r}")
+        blobs.append(b)
+    indices = None
+    if kind == SPARSE:
+        gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
+        if n and int(gaps.max()) >= stop - start:
+            raise FormatError(f"chunk segment {name!r}: index gap outside its range")
+        indices = np.cumsum(gaps.astype(np.int64) + 1) + (start - 1)
+        if n and int(indices[-1]) >= stop:
+            raise FormatError(f"chunk segment {name!r}: index beyond its range")
+        blobs = blobs[2:]
+    if values == ULP:
+        signs = np.frombuffer(blobs[0], dtype=np.uint8)
+        narrow = np.frombuffer(blobs[1], dtype=np.uint8)
+        if narrow.size != n or signs.size != (n + 7) // 8:
+            raise FormatError(f"chunk segment {name!r}: ulp codes do not match {n} elements")
+        esc_mask = narrow == ESCAPE
+        esc = from_planes(blobs[2], int(np.count_nonzero(esc_mask)), w)
+        mag = narrow.astype(uint_type(w))
+        t = mag.dtype.type
+        with np.errstate(over="ignore"):
+            mag[esc_mask] = esc + t(ESCAPE)
+            data = (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1)
+    else:
+        data = from_planes(blobs[0], n, w)
+        if info.is_float:
+            data = rotr1(data)
+    seg = Segment(name, h["dtype"], kind, values, start, stop, data, indices)
+    return seg, pos
+
+
+def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
+    """Decode one chunk; checks its hash first when ``expect_hash`` is given."""
+    if expect_hash is not None and chunk_hash(data) != expect_hash:
+        raise IntegrityError(f"chunk {expect_hash.hex()[:16]}: hash mismatch (corrupt or wrong chunk)")
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"chunk: not a zstd frame ({e})") from None
+    if size < 0 or size > MAX_CHUNK_RAW:
+        raise FormatError("chunk: missing or oversized content size")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_CHUNK_RAW)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"chunk: cannot decompress ({e})") from None
+    buf = memoryview(raw)
+    if len(buf) < 8 or bytes(buf[:4]) != CHUNK_MAGIC:
+        raise FormatError("chunk: bad magic")
+    (hlen,) = struct.unpack_from("<I", buf, 4)
+    head_bytes, pos = _take(buf, 8, hlen, "chunk header")
+    head = fields(unpack(head_bytes, what="chunk header"), {"segments": List}, what="chunk header")
+    segments = []
+    for h in head["segments"]:
+        seg, pos = _decode_segment(h, buf, pos)
+        segments.append(seg)
+    if pos != len(buf):
+        raise FormatError("chunk: trailing bytes after the last segment")
+    return segments

@@ -1,0 +1,77 @@
+"""Finding changed elements, and fingerprints of tensors.
+
+``diff_bits`` walks the old and new bit patterns of a tensor in blocks of a
+few hundred kilobytes (so the mask stays in cache). Each block is compared as
+64-bit words (four bf16 elements per comparison), and only the few words that
+differ are resolved to element positions with a second, tiny comparison. The
+blocks of a large tensor are spread over a thread pool when one is given:
+numpy releases the GIL in these kernels, so two cores nearly halve the time.
+
+Fingerprints (xxh3-128 of the tensor's bytes) catch a wrong base or a bad
+apply; they are not for security: chunks are named by BLAKE3 and manifests are
+signed elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+__all__ = ["diff_bits", "split_ranges", "fingerprint", "BLOCK_WORDS", "PART_ELEMENTS"]
+
+BLOCK_WORDS = 1 << 18  # 2 MiB of each side per block
+PART_ELEMENTS = 1 << 24  # a unit of work for a thread pool
+
+
+def fingerprint(bits: np.ndarray) -> bytes:
+    """Fingerprint of a tensor's bytes (16 bytes, xxh3-128)."""
+    if bits.size == 0:
+        return xxhash.xxh3_128(b"").digest()
+    return xxhash.xxh3_128(memoryview(np.ascontiguousarray(bits)).cast("B")).digest()
+
+
+def _diff_words(ow: np.ndarray, nw: np.ndarray, lo: int, hi: int, per_word: int, lane) -> list[np.ndarray]:
+    out = []
+    mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=bool)
+    for s in range(lo, hi, BLOCK_WORDS):
+        e = min(s + BLOCK_WORDS, hi)
+        cand = np.flatnonzero(np.not_equal(ow[s:e], nw[s:e], out=mask[: e - s]))
+        if cand.size:
+            cand += s
+            if per_word == 1:
+                out.append(cand)
+            else:
+                lanes = np.flatnonzero((ow[cand] ^ nw[cand]).view(lane))
+                out.append(cand[lanes // per_word] * per_word + lanes % per_word)
+    return out
+
+
+def diff_bits(old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """Sorted flat int64 indices in ``[lo, hi)`` where ``old`` and ``new`` differ.
+
+    ``old`` and ``new`` are 1-D arrays of the same unsigned dtype and length;
+    ``lo`` and ``hi`` (elements) let a caller split a large tensor into parts
+    for a thread pool: :func:`split_ranges` gives word-aligned ones.
+    """
+    if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
+        raise ValueError("diff_bits needs two 1-D arrays of the same unsigned dtype and length")
+    hi = old.size if hi is None else hi
+    old, new = np.ascontiguousarray(old[lo:hi]), np.ascontiguousarray(new[lo:hi])
+    per_word = 8 // old.dtype.itemsize
+    done = (old.size // per_word) * per_word
+    found: list[np.ndarray] = []
+    if done:
+        found += _diff_words(old[:done].view(np.uint64), new[:done].view(np.uint64), 0, done // per_word, per_word, old.dtype)
+    if done < old.size:
+        found.append(np.flatnonzero(old[done:] != new[done:]) + done)
+    if not found:
+        return np.empty(0, np.int64)
+    idx = np.concatenate(found).astype(np.int64, copy=False)
+    if lo:
+        idx += lo
+    return idx
+
+
+def split_ranges(n: int, part: int = PART_ELEMENTS) -> list[tuple[int, int]]:
+    """Element ranges of at most ``part`` elements (a multiple of 8) covering ``[0, n)``."""
+    return [(s, min(s + part, n)) for s in range(0, n, part)] or [(0, 0)]

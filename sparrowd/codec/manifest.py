@@ -1,0 +1,247 @@
+"""The manifest: what a patch changes and which chunks carry it.
+
+A manifest names the version it produces and the version it applies to, the
+value mode, one entry per touched tensor (dtype, shape, operation, fingerprint
+of the base and of the result, elements changed) and the chunk list (BLAKE3
+hash, size, and the segments each chunk covers). It is deterministic msgpack:
+maps are built in a fixed key order and tensors are sorted by name, so the same
+patch always gives the same bytes, which is what the trainer signs.
+
+Operations on a tensor:
+
+* ``patch``: same dtype and shape; sparse segments change some elements;
+* ``full``: the tensor is (re)written whole by dense segments: it is new, or
+  its dtype or shape changed (``base_dtype``/``base_shape`` say what it was);
+* ``remove``: the tensor is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import FormatError
+from ..schema import Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
+from .bits import dtype_info
+from .chunk import ABSOLUTE, ULP
+
+__all__ = ["TensorEntry", "ChunkEntry", "Manifest", "PATCH", "FULL", "REMOVE", "FORMAT_NAME", "FORMAT_VERSION"]
+
+FORMAT_NAME = "sparrowd-patch"
+FORMAT_VERSION = 1
+PATCH, FULL, REMOVE = "patch", "full", "remove"
+MAX_MANIFEST = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    op: str
+    dtype: str | None  # result dtype (None for remove)
+    shape: tuple[int, ...] | None
+    base_fp: bytes | None  # fingerprint of the base tensor (None when new)
+    result_fp: bytes | None  # fingerprint of the result (None for remove)
+    changed: int = 0  # elements written by this patch
+    base_dtype: str | None = None
+    base_shape: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape is not None else 0
+
+    def to_wire(self) -> dict:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "dtype": self.dtype,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "base_fp": self.base_fp,
+            "result_fp": self.result_fp,
+            "changed": self.changed,
+            "base_dtype": self.base_dtype,
+            "base_shape": list(self.base_shape) if self.base_shape is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    hash: bytes
+    size: int
+    raw_size: int
+    segments: tuple[tuple[str, int, int, int], ...]  # (tensor name, start, stop, count)
+
+    def to_wire(self) -> dict:
+        return {
+            "hash": self.hash,
+            "size": self.size,
+            "raw_size": self.raw_size,
+            "segments": [list(s) for s in self.segments],
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    base_version: int | None
+    values: str
+    chunk_size: int
+    tensors: tuple[TensorEntry, ...]
+    chunks: tuple[ChunkEntry, ...]
+    meta: dict = field(default_factory=dict)  # free-form str -> str, e.g. the producer
+
+    def tensor(self, name: str) -> TensorEntry:
+        return self._by_name()[name]
+
+    def _by_name(self) -> dict[str, TensorEntry]:
+        cache = self.__dict__.get("_names")
+        if cache is None:
+            cache = {t.name: t for t in self.tensors}
+            object.__setattr__(self, "_names", cache)
+        return cache
+
+    @property
+    def elements_changed(self) -> int:
+        return sum(t.changed for t in self.tensors)
+
+    @property
+    def elements_touched(self) -> int:
+        """Elements of every tensor the patch touches (the density denominator)."""
+        return sum(t.numel for t in self.tensors if t.op != REMOVE)
+
+    @property
+    def patch_bytes(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def to_bytes(self) -> bytes:
+        return pack(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "version": self.version,
+                "base_version": self.base_version,
+                "values": self.values,
+                "chunk_size": self.chunk_size,
+                "tensors": [t.to_wire() for t in self.tensors],
+                "chunks": [c.to_wire() for c in self.chunks],
+                "meta": dict(sorted(self.meta.items())),
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data) -> "Manifest":
+        m = fields(
+            unpack(data, what="manifest", max_len=MAX_MANIFEST),
+            {
+                "format": Str,
+                "format_version": Int,
+                "version": NonNegInt,
+                "base_version": Opt(NonNegInt),
+                "values": Str,
+                "chunk_size": NonNegInt,
+                "tensors": List,
+                "chunks": List,
+            },
+            what="manifest",
+        )
+        if m["format"] != FORMAT_NAME:
+            raise FormatError(f"manifest: not a sparrowd patch manifest ({m['format']!r})")
+        if m["format_version"] != FORMAT_VERSION:
+            raise FormatError(f"manifest: format version {m['format_version']} is not supported (this reads {FORMAT_VERSION})")
+        if m["values"] not in (ABSOLUTE, ULP):
+            raise FormatError(f"manifest: unknown value mode {m['values']!r}")
+        meta = m.get("meta") or {}
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise FormatError("manifest: meta must map strings to strings")
+        tensors = tuple(_tensor_from_wire(t) for t in m["tensors"])
+        chunks = tuple(_chunk_from_wire(c) for c in m["chunks"])
+        man = cls(m["version"], m["base_version"], m["values"], m["chunk_size"], tensors, chunks, meta)
+        man.validate()
+        return man
+
+    def validate(self) -> None:
+        """Cross-field checks: names unique and sorted, segments inside their tensors."""
+        names = [t.name for t in self.tensors]
+        if names != sorted(set(names)):
+            raise FormatError("manifest: tensor names must be unique and sorted")
+        by = self._by_name()
+        written: dict[str, int] = {}
+        for c in self.chunks:
+            for name, start, stop, count in c.segments:
+                t = by.get(name)
+                if t is None or t.op == REMOVE:
+                    raise FormatError(f"manifest: chunk {c.hash.hex()[:16]} covers unknown tensor {name!r}")
+                if not (0 <= start <= stop <= t.numel) or count > stop - start:
+                    raise FormatError(f"manifest: segment [{start}, {stop}) x{count} does not fit tensor {name!r}")
+                written[name] = written.get(name, 0) + count
+        for t in self.tensors:
+            if written.get(t.name, 0) != t.changed:
+                raise FormatError(f"manifest: tensor {t.name!r} claims {t.changed} changes, chunks carry {written.get(t.name, 0)}")
+            if t.op == FULL and t.changed != t.numel:
+                raise FormatError(f"manifest: full tensor {t.name!r} must be written whole")
+
+
+_SHAPE_ERR = "shape must be a list of non-negative integers"
+
+
+def _shape(v, what):
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise FormatError(f"{what}: {_SHAPE_ERR}")
+    return tuple(v)
+
+
+def _tensor_from_wire(t) -> TensorEntry:
+    fields(
+        t,
+        {
+            "name": Str,
+            "op": Str,
+            "dtype": Opt(Str),
+            "shape": Opt(List),
+            "base_fp": Opt(Bytes),
+            "result_fp": Opt(Bytes),
+            "changed": NonNegInt,
+            "base_dtype": Opt(Str),
+            "base_shape": Opt(List),
+        },
+        what="manifest tensor",
+    )
+    what = f"manifest tensor {t['name']!r}"
+    op = t["op"]
+    if op not in (PATCH, FULL, REMOVE):
+        raise FormatError(f"{what}: unknown op {op!r}")
+    if op != REMOVE:
+        if t["dtype"] is None or t["shape"] is None or t["result_fp"] is None:
+            raise FormatError(f"{what}: needs dtype, shape and result fingerprint")
+        dtype_info(t["dtype"])
+    if op in (PATCH, REMOVE) and t["base_fp"] is None:
+        raise FormatError(f"{what}: needs a base fingerprint")
+    return TensorEntry(
+        name=t["name"],
+        op=op,
+        dtype=t["dtype"],
+        shape=_shape(t["shape"], what),
+        base_fp=t["base_fp"],
+        result_fp=t["result_fp"],
+        changed=t["changed"],
+        base_dtype=t["base_dtype"],
+        base_shape=_shape(t["base_shape"], what),
+    )
+
+
+def _chunk_from_wire(c) -> ChunkEntry:
+    fields(c, {"hash": Bytes, "size": NonNegInt, "raw_size": NonNegInt, "segments": List}, what="manifest chunk")
+    if len(c["hash"]) != 32:
+        raise FormatError("manifest chunk: hash must be 32 bytes")
+    segs = []
+    for s in c["segments"]:
+        if (
+            not isinstance(s, list)
+            or len(s) != 4
+            or not isinstance(s[0], str)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s[1:])
+        ):
+            raise FormatError("manifest chunk: segment must be [name, start, stop, count]")
+        segs.append((s[0], s[1], s[2], s[3]))
+    return ChunkEntry(c["hash"], c["size"], c["raw_size"], tuple(segs))

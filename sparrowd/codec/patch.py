@@ -1,0 +1,323 @@
+"""Making and applying patches, tensor by tensor.
+
+:class:`PatchEncoder` is streaming: ``add`` takes one tensor pair, extracts its
+changes and returns the chunks that became full, so a caller can ship chunks
+while later tensors are still being compared; ``finish`` flushes the rest and
+returns the manifest. Large tensors are split by element range across chunks;
+chunk sizes track the target through a running estimate of the compression
+ratio (zstd's output size is only known after compressing).
+
+Applying is three pure steps a driver can put around its own storage:
+``check_base`` (fingerprints of every tensor the patch touches),
+``apply_segments`` (scatter into writable arrays the caller prepared with the
+base bits: overwrite for absolute values, integer add on the order key for
+ulp), and ``check_result``. :func:`apply_patch` chains them in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import zstandard
+
+from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
+from .bits import RawTensor, dtype_info, uint_type, ulp_apply, ulp_encode
+from .chunk import ABSOLUTE, DENSE, SPARSE, ULP, Chunk, Segment, decode_chunk, encode_chunk
+from .extract import diff_bits, fingerprint, split_ranges
+from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
+
+__all__ = [
+    "PatchEncoder",
+    "DEFAULT_CHUNK_SIZE",
+    "encode_patch",
+    "check_base",
+    "apply_segments",
+    "check_result",
+    "apply_patch",
+    "new_targets",
+]
+
+DEFAULT_CHUNK_SIZE = 2 << 20
+MIN_CHUNK_SIZE = 4 << 10
+DEFAULT_LEVEL = 3
+
+
+class PatchEncoder:
+    """Streams tensor pairs in, chunks out; ``finish`` gives the manifest."""
+
+    def __init__(
+        self,
+        *,
+        version: int,
+        base_version: int | None,
+        values: str = ULP,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        level: int = DEFAULT_LEVEL,
+        meta: Mapping[str, str] | None = None,
+    ):
+        if values not in (ABSOLUTE, ULP):
+            raise InputError(f"value mode must be 'absolute' or 'ulp', not {values!r}")
+        if chunk_size < MIN_CHUNK_SIZE:
+            raise InputError(f"chunk size must be at least {MIN_CHUNK_SIZE} bytes")
+        if version < 0 or (base_version is not None and not 0 <= base_version < version):
+            raise InputError(f"version {version} must be above its base version {base_version}")
+        self.version, self.base_version, self.values = version, base_version, values
+        self.chunk_size = chunk_size
+        self.meta = dict(meta or {})
+        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        self._tensors: dict[str, TensorEntry] = {}
+        self._chunks: list[ChunkEntry] = []
+        self._pending: list[Segment] = []
+        self._pending_est = 0.0
+        self._ratio = 0.75  # compressed / raw, refined after every chunk
+        self._finished = False
+
+    # ------------------------------------------------------------ input side
+
+    def add(self, name: str, old: RawTensor | None, new: RawTensor | None) -> list[Chunk]:
+        """Add one tensor: ``old`` None means new, ``new`` None means removed."""
+        if self._finished:
+            raise RuntimeError("PatchEncoder.add after finish")
+        if name in self._tensors:
+            raise InputError(f"tensor {name!r} added twice")
+        if old is None and new is None:
+            raise InputError(f"tensor {name!r}: neither side given")
+        if new is None:
+            self._tensors[name] = TensorEntry(name, REMOVE, None, None, fingerprint(old.bits), None)
+            return []
+        if old is None or old.dtype != new.dtype or old.shape != new.shape:
+            return self._add_full(name, old, new)
+        idx = diff_bits(old.bits, new.bits)
+        if idx.size == 0:
+            return []
+        return self.add_extract(name, old, new, idx, fingerprint(old.bits), fingerprint(new.bits))
+
+    def add_extract(
+        self, name: str, old: RawTensor, new: RawTensor, indices: np.ndarray, old_fp: bytes, new_fp: bytes
+    ) -> list[Chunk]:
+        """Add a same-shape tensor whose changed ``indices`` were found elsewhere (e.g. on a GPU)."""
+        if indices.size == 0:
+            return []
+        info = dtype_info(new.dtype)
+        nv = new.bits[indices]
+        if self.values == ULP and info.is_float:
+            data, mode = ulp_encode(old.bits[indices], nv), ULP
+        else:
+            data, mode = nv, ABSOLUTE
+        self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, old_fp, new_fp, int(indices.size))
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
+
+    def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
+        self._tensors[name] = TensorEntry(
+            name,
+            FULL,
+            new.dtype,
+            new.shape,
+            fingerprint(old.bits) if old is not None else None,
+            fingerprint(new.bits),
+            new.numel,
+            old.dtype if old is not None else None,
+            old.shape if old is not None else None,
+        )
+        if new.numel == 0:
+            return []
+        return self._push(Segment(name, new.dtype, DENSE, ABSOLUTE, 0, new.numel, new.bits))
+
+    # ------------------------------------------------------------ chunking
+
+    def _bytes_per_element(self, seg: Segment) -> float:
+        w = seg.data.dtype.itemsize
+        raw = w if seg.kind == DENSE else (2 + (1 if seg.values == ULP else w))
+        return raw * self._ratio
+
+    def _push(self, seg: Segment) -> list[Chunk]:
+        out: list[Chunk] = []
+        per = self._bytes_per_element(seg)
+        while True:
+            room = self.chunk_size - self._pending_est
+            if self._pending and room < self.chunk_size / 16:
+                out.append(self._flush())
+                continue
+            fit = max(1, int(room / per))
+            if fit >= seg.count:
+                self._pending.append(seg)
+                self._pending_est += seg.count * per
+                return out
+            head, seg = _split(seg, fit)
+            self._pending.append(head)
+            self._pending_est += head.count * per
+            out.append(self._flush())
+
+    def _flush(self) -> Chunk:
+        chunk = encode_chunk(self._pending, self._cctx)
+        self._pending, self._pending_est = [], 0.0
+        if chunk.raw_size:
+            self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / chunk.raw_size)
+        self._chunks.append(ChunkEntry(chunk.hash, chunk.size, chunk.raw_size, chunk.segments))
+        return chunk
+
+    def finish(self) -> tuple[Manifest, list[Chunk]]:
+        """Flush what is pending; the manifest lists every chunk handed out."""
+        if self._finished:
+            raise RuntimeError("PatchEncoder.finish called twice")
+        self._finished = True
+        rest = [self._flush()] if self._pending else []
+        manifest = Manifest(
+            version=self.version,
+            base_version=self.base_version,
+            values=self.values,
+            chunk_size=self.chunk_size,
+            tensors=tuple(self._tensors[n] for n in sorted(self._tensors)),
+            chunks=tuple(self._chunks),
+            meta=self.meta,
+        )
+        manifest.validate()
+        return manifest, rest
+
+
+def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
+    """The first ``k`` elements of a segment, and the rest; ranges stay disjoint."""
+    if seg.kind == DENSE:
+        cut = seg.start + k
+        return (
+            Segment(seg.name, seg.dtype, DENSE, seg.values, seg.start, cut, seg.data[:k]),
+            Segment(seg.name, seg.dtype, DENSE, seg.values, cut, seg.stop, seg.data[k:]),
+        )
+    cut = int(seg.indices[k - 1]) + 1
+    return (
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:]),
+    )
+
+
+def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
+    return a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
+
+
+def encode_patch(
+    old: Mapping[str, RawTensor],
+    new: Mapping[str, RawTensor],
+    *,
+    version: int,
+    base_version: int | None,
+    values: str = ULP,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    threads: int = 2,
+    on_tensor: Callable[[str, int], None] | None = None,
+    meta: Mapping[str, str] | None = None,
+) -> tuple[Manifest, list[Chunk]]:
+    """Diff two snapshots into a patch; chunks come back in manifest order.
+
+    A pipeline: ``threads`` workers compare tensors (large ones in parts) and
+    fingerprint the changed ones, while the calling thread encodes the results
+    in name order, so the output does not depend on timing.
+    ``on_tensor(name, changed)`` reports progress.
+    """
+    enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size, meta=meta)
+    names = sorted(set(old) | set(new))
+    chunks: list[Chunk] = []
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparrowd-diff") as pool:
+        jobs: list[tuple[str, list[Future] | None]] = []
+        for name in names:
+            o, n = old.get(name), new.get(name)
+            if _same_layout(o, n):
+                parts = [pool.submit(diff_bits, o.bits, n.bits, lo, hi) for lo, hi in split_ranges(n.numel)]
+                jobs.append((name, parts))
+            else:
+                jobs.append((name, None))
+        for name, parts in jobs:
+            o, n = old.get(name), new.get(name)
+            if parts is None:
+                chunks += enc.add(name, o, n)
+                changed = n.numel if n is not None else 0
+            else:
+                idx = np.concatenate([p.result() for p in parts])
+                changed = int(idx.size)
+                if changed:
+                    fo, fn = pool.submit(fingerprint, o.bits), pool.submit(fingerprint, n.bits)
+                    chunks += enc.add_extract(name, o, n, idx, fo.result(), fn.result())
+            if on_tensor:
+                on_tensor(name, changed)
+    manifest, rest = enc.finish()
+    return manifest, chunks + rest
+
+
+# ---------------------------------------------------------------- applying
+
+
+def check_base(manifest: Manifest, base: Mapping[str, RawTensor]) -> None:
+    """Every tensor the patch reads or replaces must be in the base with its fingerprint."""
+    for t in manifest.tensors:
+        if t.base_fp is None:
+            if t.name in base and t.op == FULL:
+                raise BaseMismatchError(f"tensor {t.name!r}: the patch adds it but the base already has it")
+            continue
+        b = base.get(t.name)
+        if b is None:
+            raise BaseMismatchError(f"tensor {t.name!r}: missing from the base")
+        if t.op == PATCH and (b.dtype != t.dtype or b.shape != t.shape):
+            raise BaseMismatchError(
+                f"tensor {t.name!r}: base is {b.dtype}{list(b.shape)}, patch expects {t.dtype}{list(t.shape)}"
+            )
+        if fingerprint(b.bits) != t.base_fp:
+            raise BaseMismatchError(f"tensor {t.name!r}: base fingerprint differs (wrong base version?)")
+
+
+def new_targets(manifest: Manifest, base: Mapping[str, RawTensor]) -> dict[str, np.ndarray]:
+    """Writable result arrays in memory: a copy of the base for patched tensors."""
+    out = {}
+    for t in manifest.tensors:
+        if t.op == PATCH:
+            out[t.name] = np.array(base[t.name].bits, copy=True)
+        elif t.op == FULL:
+            out[t.name] = np.zeros(t.numel, dtype=uint_type(dtype_info(t.dtype).itemsize))
+    return out
+
+
+def apply_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment], targets: Mapping[str, np.ndarray]) -> None:
+    """Scatter one decoded chunk into ``targets`` after checking it against the manifest."""
+    got = tuple((s.name, s.start, s.stop, s.count) for s in segments)
+    if got != entry.segments:
+        raise IntegrityError(f"chunk {entry.hash.hex()[:16]}: segments differ from the manifest")
+    for s in segments:
+        t = manifest.tensor(s.name)
+        if s.dtype != t.dtype:
+            raise FormatError(f"chunk segment {s.name!r}: dtype {s.dtype} but the manifest says {t.dtype}")
+        if (t.op == PATCH) != (s.kind == SPARSE) or (s.values == ULP and manifest.values != ULP):
+            raise FormatError(f"chunk segment {s.name!r}: {s.kind}/{s.values} does not fit a {t.op} of a {manifest.values} patch")
+        out = targets[s.name]
+        if s.kind == DENSE:
+            out[s.start : s.stop] = s.data
+        elif s.values == ULP:
+            out[s.indices] = ulp_apply(out[s.indices], s.data)
+        else:
+            out[s.indices] = s.data
+
+
+def check_result(manifest: Manifest, targets: Mapping[str, np.ndarray]) -> None:
+    for t in manifest.tensors:
+        if t.op != REMOVE and fingerprint(targets[t.name]) != t.result_fp:
+            raise IntegrityError(f"tensor {t.name!r}: result fingerprint differs after applying")
+
+
+def apply_patch(
+    manifest: Manifest, chunks: Iterable[bytes], base: Mapping[str, RawTensor]
+) -> dict[str, RawTensor | None]:
+    """Apply in memory. Returns every touched tensor's result (None when removed).
+
+    ``chunks`` yields the chunk bytes in manifest order; each is hash-checked.
+    """
+    check_base(manifest, base)
+    targets = new_targets(manifest, base)
+    it = iter(chunks)
+    for entry in manifest.chunks:
+        data = next(it, None)
+        if data is None:
+            raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
+        apply_segments(manifest, entry, decode_chunk(data, expect_hash=entry.hash), targets)
+    check_result(manifest, targets)
+    return {
+        t.name: None if t.op == REMOVE else RawTensor(t.dtype, t.shape, targets[t.name]) for t in manifest.tensors
+    }

@@ -1,0 +1,276 @@
+"""Patch files on disk: the operations behind ``sparrowd delta``.
+
+Thin I/O around the pure codec: open checkpoints (mmapped), run the codec,
+and write results atomically. Every function raises :class:`SparrowError`
+subclasses with one-line messages; none leaves a partial output behind.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import INDEX_NAME, Checkpoint, TensorSpec, atomic_dir, atomic_file, open_checkpoint, write_safetensors, writable_views
+from .codec import (
+    FULL,
+    PATCH,
+    REMOVE,
+    Manifest,
+    PatchView,
+    apply_segments,
+    check_base,
+    check_result,
+    decode_chunk,
+    dtype_info,
+    encode_patch,
+    parse_patch,
+    patch_parts,
+)
+from .codec.bits import sint_type, unzigzag
+from .codec.chunk import DENSE, ULP
+from .errors import FormatError, InputError
+
+__all__ = ["diff_files", "apply_file", "open_patch", "inspect_patch", "export_patch", "PatchStats", "DECODED_FORMAT"]
+
+DECODED_FORMAT = "sparrowd-decoded/1"
+
+
+@contextmanager
+def open_patch(path: str | os.PathLike):
+    """Parse a ``.sprw`` file through a read-only mmap; yields a PatchView."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{p}: is a directory, not a patch file") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise FormatError(f"{p}: empty file, not a sparrowd patch")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = None
+    try:
+        view = parse_patch(mm, what=str(p))
+        yield view
+    finally:
+        if view is not None:
+            for c in view.chunks:
+                c.release()
+        del view
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
+def diff_files(
+    old: str | os.PathLike,
+    new: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    values: str = ULP,
+    version: int = 1,
+    base_version: int | None = None,
+    chunk_size: int | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> Manifest:
+    """Diff two checkpoints into a ``.sprw`` file; returns its manifest."""
+    if base_version is None:
+        base_version = version - 1 if version > 0 else None
+    with open_checkpoint(old) as a, open_checkpoint(new) as b:
+        kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+        manifest, chunks = encode_patch(
+            a, b, version=version, base_version=base_version, values=values, on_tensor=progress,
+            meta={"producer": "sparrowd delta diff"}, **kw
+        )
+    out = Path(out)
+    with atomic_file(out) as tmp, open(tmp, "wb") as f:
+        for part in patch_parts(manifest, (c.data for c in chunks)):
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def _apply_chunks(view: PatchView, targets: dict[str, np.ndarray]) -> None:
+    m = view.manifest
+    for entry, data in zip(m.chunks, view.chunks):
+        apply_segments(m, entry, decode_chunk(data, expect_hash=entry.hash), targets)
+    check_result(m, targets)
+
+
+def _layout(base: Checkpoint, m: Manifest) -> dict[str, list[TensorSpec]]:
+    """Output files and their tensors: the base's sharding, removed dropped, new added last."""
+    by = {t.name: t for t in m.tensors}
+    files: dict[str, list[TensorSpec]] = {}
+    for shard in base.shards:
+        specs = files.setdefault(shard.path.name, [])
+        for name in shard.names:
+            t = by.get(name)
+            if t is None:
+                b = base[name]
+                specs.append(TensorSpec(name, b.dtype, b.shape, b.bits))
+            elif t.op == PATCH:
+                specs.append(TensorSpec(name, t.dtype, t.shape, base[name].bits))
+            elif t.op == FULL:
+                specs.append(TensorSpec(name, t.dtype, t.shape, None))
+    last = base.shards[-1].path.name
+    for t in m.tensors:
+        if t.op == FULL and t.name not in base:
+            files[last].append(TensorSpec(t.name, t.dtype, t.shape, None))
+    return files
+
+
+def apply_file(
+    base_path: str | os.PathLike, patch_path: str | os.PathLike, out: str | os.PathLike, *, force: bool = False
+) -> Manifest:
+    """Apply a ``.sprw`` to a checkpoint, writing a new checkpoint atomically.
+
+    The result keeps the base's layout (a folder stays a folder with the same
+    shards and its other files); touched tensors are scattered straight into
+    the mmapped output; every fingerprint is checked before the rename.
+    """
+    out = Path(out)
+    with open_patch(patch_path) as view, open_checkpoint(base_path) as base:
+        m = view.manifest
+        check_base(m, base)
+        files = _layout(base, m)
+        if not base.is_folder:
+            with atomic_file(out) as tmp:
+                write_safetensors(tmp, files[base.path.name], base.shards[0].metadata)
+                with writable_views(tmp) as views:
+                    _apply_chunks(view, views)
+            return m
+        with atomic_dir(out, force=force) as tmp:
+            for f in base.path.iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
+                    shutil.copy2(f, tmp / f.name)
+            meta = {s.path.name: s.metadata for s in base.shards}
+            for fname, specs in files.items():
+                write_safetensors(tmp / fname, specs, meta[fname])
+            with ExitStack() as stack:
+                views: dict[str, np.ndarray] = {}
+                for fname in files:
+                    views.update(stack.enter_context(writable_views(tmp / fname)))
+                _apply_chunks(view, views)
+            index = {"metadata": {"total_size": sum(s.nbytes for specs in files.values() for s in specs)},
+                     "weight_map": {s.name: fname for fname, specs in files.items() for s in specs}}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return m
+
+
+@dataclass(frozen=True)
+class PatchStats:
+    version: int
+    base_version: int | None
+    values: str
+    tensors_changed: int
+    tensors_added: int
+    tensors_removed: int
+    elements_changed: int
+    elements_total: int
+    patch_bytes: int
+    chunks: int
+    chunk_bytes_min: int
+    chunk_bytes_max: int
+
+    @property
+    def density(self) -> float:
+        return self.elements_changed / self.elements_total if self.elements_total else 0.0
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.patch_bytes / self.elements_changed if self.elements_changed else 0.0
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["density"] = self.density
+        d["bits_per_changed_element"] = self.bits_per_element
+        return d
+
+
+def inspect_patch(path: str | os.PathLike, *, verify: bool = True) -> PatchStats:
+    with open_patch(path) as view:
+        if verify:
+            view.verify_chunks()
+        m = view.manifest
+        sizes = [c.size for c in m.chunks]
+        return PatchStats(
+            version=m.version,
+            base_version=m.base_version,
+            values=m.values,
+            tensors_changed=sum(t.op == PATCH for t in m.tensors),
+            tensors_added=sum(t.op == FULL for t in m.tensors),
+            tensors_removed=sum(t.op == REMOVE for t in m.tensors),
+            elements_changed=m.elements_changed,
+            elements_total=m.elements_touched,
+            patch_bytes=m.patch_bytes,
+            chunks=len(sizes),
+            chunk_bytes_min=min(sizes, default=0),
+            chunk_bytes_max=max(sizes, default=0),
+        )
+
+
+def export_patch(path: str | os.PathLike, out: str | os.PathLike) -> Manifest:
+    """Write the decoded patch in the safetensors layout (see docs/FORMAT.md).
+
+    ``<name>.indices`` (I64 flat positions) and ``<name>.values`` (the
+    tensor's dtype for absolute values; signed integers of the same width,
+    the ulp distance, for ulp) per patched tensor; ``<name>.full`` for a
+    tensor written whole. The metadata carries versions, mode and a JSON
+    table of every touched tensor (op, dtype, shape, fingerprints).
+    """
+    with open_patch(path) as view:
+        m = view.manifest
+        idx: dict[str, list[np.ndarray]] = {}
+        val: dict[str, list[np.ndarray]] = {}
+        modes: dict[str, str] = {}
+        for entry, data in zip(m.chunks, view.chunks):
+            for s in decode_chunk(data, expect_hash=entry.hash):
+                modes[s.name] = s.values
+                if s.kind == DENSE:
+                    val.setdefault(s.name, []).append((s.start, s.data))
+                else:
+                    idx.setdefault(s.name, []).append((s.start, s.indices))
+                    v = unzigzag(s.data) if s.values == ULP else s.data
+                    val.setdefault(s.name, []).append((s.start, v))
+    specs: list[TensorSpec] = []
+    table = {}
+    for t in m.tensors:
+        table[t.name] = {
+            "op": t.op, "dtype": t.dtype, "shape": list(t.shape) if t.shape else t.shape,
+            "values": modes.get(t.name, "absolute"), "changed": t.changed,
+            "base_fp": t.base_fp.hex() if t.base_fp else None, "result_fp": t.result_fp.hex() if t.result_fp else None,
+        }
+        if t.op == REMOVE:
+            continue
+        parts = [a for _, a in sorted(val.get(t.name, []), key=lambda p: p[0])]
+        w = dtype_info(t.dtype).itemsize
+        v = np.concatenate(parts) if parts else np.empty(0, sint_type(w))
+        if t.op == FULL:
+            specs.append(TensorSpec(f"{t.name}.full", t.dtype, t.shape, v))
+            continue
+        ii = np.concatenate([a for _, a in sorted(idx[t.name], key=lambda p: p[0])])
+        specs.append(TensorSpec(f"{t.name}.indices", "I64", (ii.size,), ii))
+        vdt = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}[w] if modes.get(t.name) == ULP else t.dtype
+        specs.append(TensorSpec(f"{t.name}.values", vdt, (v.size,), v))
+    meta = {
+        "format": DECODED_FORMAT,
+        "version": str(m.version),
+        "base_version": "" if m.base_version is None else str(m.base_version),
+        "values": m.values,
+        "tensors": json.dumps(table, sort_keys=True),
+    }
+    with atomic_file(Path(out)) as tmp:
+        write_safetensors(tmp, specs, meta)
+    return m

@@ -1,0 +1,37 @@
+"""The one error family of sparrowd.
+
+Every error that sparrowd raises on purpose derives from :class:`SparrowError`,
+carries a one-line message meant for a person, and is turned into a non-zero
+exit status by the command line. Lower-level errors (OSError, zstd, msgpack)
+are translated into these at the boundary of the layer that met them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SparrowError",
+    "FormatError",
+    "IntegrityError",
+    "BaseMismatchError",
+    "InputError",
+]
+
+
+class SparrowError(Exception):
+    """Base class: something sparrowd refuses, with a message for a person."""
+
+
+class FormatError(SparrowError):
+    """Bytes that do not follow a format sparrowd reads (patch, chunk, safetensors)."""
+
+
+class IntegrityError(SparrowError):
+    """Bytes whose hash or fingerprint is not the one promised."""
+
+
+class BaseMismatchError(IntegrityError):
+    """A patch applied to weights that are not its base."""
+
+
+class InputError(SparrowError):
+    """Arguments or inputs that cannot be used as given (missing tensors, bad options)."""

@@ -1,0 +1,26 @@
+"""Human sizes: ``4M`` is 4 MiB. K, M, G, T are powers of 1024 (an optional ``i``/``B`` is allowed)."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["parse_size", "format_bytes"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"2M"`` -> 2097152. Raises ValueError with a readable message."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use a number with an optional K, M, G or T suffix)")
+    return int(float(m.group(1)) * _MULT[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
