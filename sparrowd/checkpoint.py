@@ -193,6 +193,12 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64)) * dtype_info(self.dtype).itemsize
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` on success."""
@@ -200,6 +206,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a written file should look like any other
     try:
         yield tmp_path
         os.replace(tmp_path, path)
@@ -215,6 +222,7 @@ def atomic_dir(path: Path, *, force: bool = False) -> Iterator[Path]:
     if path.exists() and not force:
         raise InputError(f"{path}: already exists (use --force to replace it)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
         if path.exists():

@@ -70,8 +70,8 @@ class PatchEncoder:
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
         self._pending: list[Segment] = []
-        self._pending_est = 0.0
-        self._ratio = 0.75  # compressed / raw, refined after every chunk
+        self._pending_est = 0.0  # estimated raw bytes pending
+        self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
         self._finished = False
 
     # ------------------------------------------------------------ input side
@@ -127,17 +127,17 @@ class PatchEncoder:
 
     # ------------------------------------------------------------ chunking
 
-    def _bytes_per_element(self, seg: Segment) -> float:
+    @staticmethod
+    def _raw_per_element(seg: Segment) -> float:
         w = seg.data.dtype.itemsize
-        raw = w if seg.kind == DENSE else (2 + (1 if seg.values == ULP else w))
-        return raw * self._ratio
+        return w if seg.kind == DENSE else (2 + (1 if seg.values == ULP else w))
 
     def _push(self, seg: Segment) -> list[Chunk]:
         out: list[Chunk] = []
-        per = self._bytes_per_element(seg)
+        per = self._raw_per_element(seg)
         while True:
-            room = self.chunk_size - self._pending_est
-            if self._pending and room < self.chunk_size / 16:
+            room = self.chunk_size / self._ratio - self._pending_est
+            if self._pending and room < self.chunk_size / self._ratio / 16:
                 out.append(self._flush())
                 continue
             fit = max(1, int(room / per))
@@ -152,9 +152,9 @@ class PatchEncoder:
 
     def _flush(self) -> Chunk:
         chunk = encode_chunk(self._pending, self._cctx)
+        if self._pending_est > 0:
+            self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / self._pending_est)
         self._pending, self._pending_est = [], 0.0
-        if chunk.raw_size:
-            self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / chunk.raw_size)
         self._chunks.append(ChunkEntry(chunk.hash, chunk.size, chunk.raw_size, chunk.segments))
         return chunk
 

@@ -1,0 +1,447 @@
+"""Benchmark of the patch codec: size on real training deltas, and throughput.
+
+What it measures, all in one run so every figure stands beside its baseline:
+
+1. **Real deltas.** A small GPT-style decoder (plain torch) with fp32 master
+   weights is trained a few warm-up steps at a high learning rate on tokens
+   from a fixed random Markov chain, then ``steps`` AdamW steps at ``lr``. The
+   bf16 cast of every parameter is snapshotted before and after each of those
+   steps; each consecutive pair is one delta. Per delta: the changed fraction
+   (density) and the codec's bits per changed element in both value modes
+   (``ulp`` and ``absolute``), checked bit-exact through ``apply_patch``.
+2. **Baselines for the same deltas.** ``naive``: int32 indices plus raw bf16
+   values, zstd level 3; ``gap``: the same with gap-coded indices; and the
+   binary-entropy bound of the indices alone (``sum n_t * H(changed_t / n_t)``).
+3. **Throughput.** A synthetic pair of ``size_mib`` MiB of bf16 per side in
+   16 MiB tensors, 1% of the elements moved by one ulp. Best of three for a
+   numpy read-and-compare pass over the same arrays (the floor any diff has to
+   pay), ``encode_patch`` with 2 threads and with 1, and decoding every chunk;
+   ``apply_patch`` is timed once. Rates are GB/s (1e9 bytes) of one side.
+
+Finally the measured figures are compared with the design targets (PASS/MISS).
+A MISS is reported, not raised; a bit-exactness failure raises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import zstandard
+
+from sparrowd.codec import RawTensor, apply_patch, decode_chunk, diff_bits, encode_patch
+
+__all__ = ["run"]
+
+TORCH_MISSING = "sparrowd bench codec needs torch: pip install 'sparrowd[torch]'"
+
+# The model and its data.
+VOCAB = 4096
+D_MODEL = 256
+LAYERS = 4
+HEADS = 4
+SEQ = 128
+BATCH = 8
+SUCCESSORS = 4  # each token of the Markov chain has this many possible next tokens
+SUCCESSOR_P = (0.55, 0.25, 0.12, 0.08)
+INIT_STD = 0.02
+WEIGHT_DECAY = 0.01
+WARMUP_STEPS = 20
+WARMUP_LR = 1e-3
+
+# The synthetic throughput pair.
+TENSOR_MIB = 16
+SYNTH_STD = 0.02
+SYNTH_FRACTION = 0.01
+REPEATS = 3
+ZSTD_LEVEL = 3
+
+# Targets the codec was designed for.
+TARGET_ULP_BITS = 11.0
+TARGET_ABS_BITS = 21.0
+TARGET_ENCODE_RATIO = 1.25
+DENSITY_RANGE = (0.003, 0.03)
+
+GB = 1e9
+
+
+class BitExactError(AssertionError):
+    """A patch did not reproduce the new snapshot bit for bit."""
+
+
+# ---------------------------------------------------------------- model and data
+
+
+def _build_model(torch):
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(D_MODEL)
+            self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
+            self.proj = nn.Linear(D_MODEL, D_MODEL)
+            self.ln2 = nn.LayerNorm(D_MODEL)
+            self.fc = nn.Linear(D_MODEL, 4 * D_MODEL)
+            self.out = nn.Linear(4 * D_MODEL, D_MODEL)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(VOCAB, D_MODEL)
+            self.pos = nn.Embedding(SEQ, D_MODEL)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.ln_f = nn.LayerNorm(D_MODEL)
+            self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif p.dim() >= 2:
+                    # GPT-2 init: residual projections scaled down by depth.
+                    std = INIT_STD / math.sqrt(2 * LAYERS) if name.endswith(("proj.weight", "out.weight")) else INIT_STD
+                    nn.init.normal_(p, 0.0, std)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    return GPT()
+
+
+def _markov_table(rng) -> np.ndarray:
+    return rng.integers(0, VOCAB, size=(VOCAB, SUCCESSORS))
+
+
+def _batch(rng, table: np.ndarray) -> np.ndarray:
+    """``BATCH`` sequences of ``SEQ + 1`` tokens from the Markov chain."""
+    out = np.empty((BATCH, SEQ + 1), dtype=np.int64)
+    out[:, 0] = rng.integers(0, VOCAB, size=BATCH)
+    pick = rng.choice(SUCCESSORS, size=(BATCH, SEQ), p=SUCCESSOR_P)
+    for t in range(SEQ):
+        out[:, t + 1] = table[out[:, t], pick[:, t]]
+    return out
+
+
+def _snapshot(torch, model) -> dict[str, RawTensor]:
+    """bf16 cast of every parameter, as the codec sees it."""
+    snap = {}
+    for name, p in model.named_parameters():
+        b = p.detach().to(torch.bfloat16).contiguous().view(torch.uint16).numpy().reshape(-1).copy()
+        snap[name] = RawTensor("BF16", tuple(p.shape), b)
+    return snap
+
+
+def _train(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
+    """Warm up, then ``steps`` steps at ``lr``; returns params, ``steps + 1`` snapshots, losses."""
+    model = _build_model(torch)
+    nparams = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=WEIGHT_DECAY)
+    table = _markov_table(rng)
+
+    def step() -> float:
+        tok = torch.from_numpy(_batch(rng, table))
+        logits = model(tok[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tok[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    for g in opt.param_groups:
+        g["lr"] = lr
+    snaps, losses = [_snapshot(torch, model)], []
+    for _ in range(steps):
+        losses.append(step())
+        snaps.append(_snapshot(torch, model))
+    return nparams, snaps, losses
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def _check_exact(manifest, chunks, old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> None:
+    got = apply_patch(manifest, [c.data for c in chunks], old)
+    for name, t in new.items():
+        r = got.get(name, old[name])
+        if r is None or r.shape != t.shape or not np.array_equal(r.bits, t.bits):
+            raise BitExactError(f"{what}: tensor {name!r} differs from the new snapshot after apply_patch")
+
+
+def _binary_entropy(p: float) -> float:
+    if p <= 0.0 or p >= 1.0:
+        return 0.0
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
+def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
+    """Bytes of the naive and gap-coded zstd baselines, and the index entropy bound in bits."""
+    naive, gap, bound = [], [], 0.0
+    for name in sorted(new):
+        o, n = old[name].bits, new[name].bits
+        idx = np.flatnonzero(o != n)
+        if idx.size == 0:
+            continue
+        vals = n[idx].astype("<u2").tobytes()
+        naive += [idx.astype("<i4").tobytes(), vals]
+        gap += [np.diff(idx, prepend=-1).astype("<u4").tobytes(), vals]
+        bound += n.size * _binary_entropy(idx.size / n.size)
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return {
+        "naive_bytes": len(cctx.compress(b"".join(naive))),
+        "gap_bytes": len(cctx.compress(b"".join(gap))),
+        "index_entropy_bits": bound,
+    }
+
+
+def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> dict:
+    total = sum(t.numel for t in new.values())
+    row = {"elements": total}
+    for mode in ("ulp", "absolute"):
+        manifest, chunks = encode_patch(old, new, version=1, base_version=0, values=mode)
+        _check_exact(manifest, chunks, old, new, f"{what} ({mode})")
+        row["changed"] = manifest.elements_changed
+        row[f"{mode}_bytes"] = manifest.patch_bytes
+    row.update(_baselines(old, new))
+    row["density"] = row["changed"] / total
+    return row
+
+
+def _bits_per_changed(row: dict) -> dict:
+    c = max(1, row["changed"])
+    return {
+        "ulp": 8 * row["ulp_bytes"] / c,
+        "absolute": 8 * row["absolute_bytes"] / c,
+        "naive": 8 * row["naive_bytes"] / c,
+        "gap": 8 * row["gap_bytes"] / c,
+        "index_entropy": row["index_entropy_bits"] / c,
+    }
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    keys = ("elements", "changed", "ulp_bytes", "absolute_bytes", "naive_bytes", "gap_bytes", "index_entropy_bits")
+    agg = {k: sum(r[k] for r in rows) for k in keys}
+    agg["density"] = agg["changed"] / max(1, agg["elements"])
+    return agg
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def _synthetic_pair(torch, size_mib: int, rng) -> tuple[dict[str, RawTensor], dict[str, RawTensor], int]:
+    per = TENSOR_MIB * (1 << 20) // 2
+    total = size_mib * (1 << 20) // 2
+    old, new, moved = {}, {}, 0
+    for i, start in enumerate(range(0, total, per)):
+        n = min(per, total - start)
+        w = torch.from_numpy(rng.standard_normal(n, dtype=np.float32) * np.float32(SYNTH_STD))
+        ob = w.to(torch.bfloat16).view(torch.uint16).numpy()
+        pos = rng.choice(n, size=max(1, round(n * SYNTH_FRACTION)), replace=False)
+        step = np.where(rng.random(pos.size) < 0.5, np.uint16(1), np.uint16(0xFFFF))  # +1 or -1, mod 2**16
+        nb = ob.copy()
+        nb[pos] += step
+        old[f"t{i:03d}"] = RawTensor("BF16", (n,), ob)
+        new[f"t{i:03d}"] = RawTensor("BF16", (n,), nb)
+        moved += pos.size
+    return old, new, moved
+
+
+def _best_of(fn, repeats: int = REPEATS) -> tuple[float, object]:
+    best, out = math.inf, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _throughput(torch, size_mib: int, rng) -> dict:
+    old, new, moved = _synthetic_pair(torch, size_mib, rng)
+    side = sum(t.nbytes for t in new.values())
+
+    def read_compare() -> int:
+        return sum(int(np.count_nonzero(old[k].bits != new[k].bits)) for k in old)
+
+    def encoder(threads: int):
+        return lambda: encode_patch(old, new, version=1, base_version=0, values="ulp", threads=threads)
+
+    t_read, seen = _best_of(read_compare)
+    t_enc2, (manifest, chunks) = _best_of(encoder(2))
+    t_enc1, _ = _best_of(encoder(1))
+    if seen != moved or manifest.elements_changed != moved:
+        raise BitExactError(f"synthetic pair: moved {moved} elements, compare saw {seen}, "
+                            f"the patch carries {manifest.elements_changed}")
+    t_dec, _ = _best_of(lambda: [decode_chunk(c.data) for c in chunks])
+    t0 = time.perf_counter()
+    got = apply_patch(manifest, [c.data for c in chunks], old)
+    t_apply = time.perf_counter() - t0
+    for name, t in new.items():
+        if not np.array_equal(got[name].bits, t.bits):
+            raise BitExactError(f"synthetic pair: tensor {name!r} differs after apply_patch")
+    times = {"read_compare": t_read, "encode_2_threads": t_enc2, "encode_1_thread": t_enc1,
+             "decode": t_dec, "apply_patch": t_apply}
+    return {
+        "side_bytes": side,
+        "tensors": len(new),
+        "changed": moved,
+        "density": moved / (side // 2),
+        "patch_bytes": manifest.patch_bytes,
+        "chunks": len(chunks),
+        "ulp_bits_per_changed": 8 * manifest.patch_bytes / moved,
+        "seconds": times,
+        "gb_per_s": {k: side / GB / v for k, v in times.items()},
+        "encode_over_read": t_enc2 / t_read,
+        "encode_1_thread_over_read": t_enc1 / t_read,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def _machine(torch) -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _print_real(real: dict) -> None:
+    m = real["model"]
+    print(f"\n1. real deltas: GPT-style decoder, {m['parameters']:,} parameters "
+          f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
+    print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
+          f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} tokens of a random Markov chain")
+    print("   bits per changed element (codec: ulp / absolute; baselines: zstd-3 of int32 or gap indices + raw bf16;")
+    print("   index H: binary-entropy bound of the positions alone)\n")
+    head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp':>7} {'absolute':>9} " \
+           f"{'naive':>7} {'gap':>7} {'index H':>8}"
+    print(head)
+    print("   " + "-" * (len(head) - 3))
+
+    def line(label, loss, row):
+        b = _bits_per_changed(row)
+        lo = f"{loss:7.4f}" if loss is not None else " " * 7
+        print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp']:>7.2f} "
+              f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f}")
+
+    for i, row in enumerate(real["steps"], 1):
+        line(str(i), row["loss"], row)
+    line("all", None, real["aggregate"])
+    lo, hi = DENSITY_RANGE
+    d = real["aggregate"]["density"]
+    if not lo <= d <= hi:
+        print(f"   note: mean density {d:.3%} is outside {lo:.1%}-{hi:.1%}; the size targets assume about 1%")
+
+
+def _print_throughput(tp: dict) -> None:
+    print(f"\n2. throughput: {tp['side_bytes'] / (1 << 20):,.0f} MiB of bf16 per side in {tp['tensors']} tensors "
+          f"of {TENSOR_MIB} MiB, {tp['density']:.2%} of elements moved +-1 ulp")
+    print(f"   patch: {tp['chunks']} chunks, {tp['patch_bytes'] / (1 << 20):.2f} MiB, "
+          f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp)")
+    print(f"   best of {REPEATS} (apply_patch once); GB/s = 1e9 bytes of one side per second\n")
+    rows = [
+        ("read+compare (numpy, baseline)", "read_compare"),
+        ("diff+encode ulp, 2 threads", "encode_2_threads"),
+        ("diff+encode ulp, 1 thread", "encode_1_thread"),
+        ("decode all chunks", "decode"),
+        ("apply_patch (copies the base)", "apply_patch"),
+    ]
+    head = f"   {'':<32} {'seconds':>8} {'GB/s':>7} {'x read+compare':>15}"
+    print(head)
+    print("   " + "-" * (len(head) - 3))
+    base = tp["seconds"]["read_compare"]
+    for label, key in rows:
+        s = tp["seconds"][key]
+        print(f"   {label:<32} {s:>8.3f} {tp['gb_per_s'][key]:>7.2f} {s / base:>15.2f}")
+
+
+def _targets(real: dict, tp: dict) -> list[dict]:
+    agg = _bits_per_changed(real["aggregate"])
+    d = real["aggregate"]["density"]
+    near = f" at {d:.2%} density"
+    return [
+        {"name": "ulp bits per changed element" + near, "value": agg["ulp"], "limit": TARGET_ULP_BITS},
+        {"name": "absolute bits per changed element" + near, "value": agg["absolute"], "limit": TARGET_ABS_BITS},
+        {"name": "diff+encode / read+compare (2 threads)", "value": tp["encode_over_read"],
+         "limit": TARGET_ENCODE_RATIO},
+    ]
+
+
+def _print_targets(targets: list[dict]) -> None:
+    print("\n3. targets\n")
+    for t in targets:
+        verdict = "PASS" if t["pass"] else "MISS"
+        print(f"   {t['name']:<52} {t['value']:>7.2f}  <= {t['limit']:<5g} {verdict}")
+
+
+def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | None = None) -> int:
+    """Run the benchmark, print the report, optionally write JSON; returns 0 (2 without torch)."""
+    try:
+        import torch
+    except ImportError:
+        print(TORCH_MISSING, file=sys.stderr)
+        return 2
+    if steps < 1 or size_mib < 1:
+        raise ValueError("steps and size_mib must be at least 1")
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    machine = _machine(torch)
+    print("sparrowd bench codec")
+    print(f"machine: {machine['cpus']} CPUs, {machine['platform']}, python {machine['python']}, "
+          f"numpy {machine['numpy']}, torch {machine['torch']} ({machine['torch_threads']} threads)")
+
+    t0 = time.perf_counter()
+    nparams, snaps, losses = _train(torch, steps, lr, rng)
+    rows = []
+    for i in range(steps):
+        row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}")
+        row["loss"] = losses[i]
+        rows.append(row)
+    real = {
+        "model": {"parameters": nparams, "layers": LAYERS, "d_model": D_MODEL, "heads": HEADS, "vocab": VOCAB,
+                  "seq": SEQ, "batch": BATCH, "lr": lr, "weight_decay": WEIGHT_DECAY,
+                  "warmup_steps": WARMUP_STEPS, "warmup_lr": WARMUP_LR},
+        "steps": rows,
+        "aggregate": _aggregate(rows),
+    }
+    for r in [*rows, real["aggregate"]]:
+        r["bits_per_changed"] = _bits_per_changed(r)
+    _print_real(real)
+
+    tp = _throughput(torch, size_mib, rng)
+    _print_throughput(tp)
+
+    targets = _targets(real, tp)
+    for t in targets:
+        t["pass"] = t["value"] <= t["limit"]
+    _print_targets(targets)
+    elapsed = time.perf_counter() - t0
+    print(f"\nall patches applied bit-exact; {elapsed:.1f} s")
+
+    if json_path:
+        doc = {"machine": machine, "real": real, "throughput": tp, "targets": targets, "seconds": elapsed}
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0

@@ -1,0 +1,101 @@
+"""Bit-pattern transforms: exhaustive over bf16, property-based elsewhere."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparrowd.codec.bits import (
+    from_planes,
+    order_key,
+    order_unkey,
+    rice_decode,
+    rice_encode,
+    rice_k,
+    rotl1,
+    rotr1,
+    to_planes,
+    ulp_apply,
+    ulp_encode,
+    unzigzag,
+    zigzag,
+)
+from sparrowd.errors import FormatError
+
+ALL16 = np.arange(1 << 16, dtype=np.uint16)
+
+
+def test_order_key_is_a_bijection_that_sorts_like_float16():
+    # Every one of the 65536 patterns gets its own key, and keys sort like the floats (NaNs aside).
+    key = order_key(ALL16)
+    assert np.unique(key).size == 1 << 16
+    assert np.array_equal(order_unkey(key), ALL16)
+    f = ALL16.view(np.float16)
+    ok = ~np.isnan(f)
+    by_key = ALL16[ok][np.argsort(key[ok], kind="stable")].view(np.float16)
+    assert np.all(np.diff(by_key.astype(np.float64)) >= 0)
+    # -0.0 sorts just below +0.0, as neighbours
+    assert int(order_key(np.array([0x0000], np.uint16))[0]) - int(order_key(np.array([0x8000], np.uint16))[0]) == 1
+
+
+def test_ulp_round_trip_every_bf16_pattern_to_random_targets():
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        new = rng.integers(0, 1 << 16, size=1 << 16, dtype=np.uint16)
+        z = ulp_encode(ALL16, new)
+        assert np.array_equal(ulp_apply(ALL16, z), new)
+
+
+def test_one_ulp_moves_code_as_one_and_two():
+    # +1.0 and -1.0 in bf16, moved one step up and down in float order
+    old = np.array([0x3F80, 0x3F80, 0xBF80, 0xBF80, 0x0000, 0x8000], np.uint16)
+    new = np.array([0x3F81, 0x3F7F, 0xBF7F, 0xBF81, 0x8000, 0x0000], np.uint16)
+    z = ulp_encode(old, new)
+    assert list(unzigzag(z)) == [1, -1, 1, -1, -1, 1]
+
+
+@pytest.mark.parametrize("dt", [np.int8, np.int16, np.int32, np.int64])
+def test_zigzag_round_trip_extremes(dt):
+    info = np.iinfo(dt)
+    d = np.array([0, -1, 1, info.min, info.max, -2, 2], dtype=dt)
+    assert np.array_equal(unzigzag(zigzag(d)), d)
+    assert list(zigzag(d[:3])) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("w", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_rotation_and_planes_round_trip(w):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, np.iinfo(w).max, size=1001, dtype=w, endpoint=True)
+    assert np.array_equal(rotr1(rotl1(a)), a)
+    assert np.array_equal(from_planes(to_planes(a), a.size, a.dtype.itemsize), a)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, (1 << 40) - 1), max_size=300), st.integers(0, 40))
+def test_rice_round_trip(values, k):
+    g = np.array(values, dtype=np.uint64)
+    k = min(k, 40) if g.size and int(g.max() >> np.uint64(k)) < 1 << 20 else rice_k(g)
+    u, r = rice_encode(g, k)
+    assert np.array_equal(rice_decode(u, r, g.size, k), g)
+
+
+def test_rice_reaches_the_geometric_entropy():
+    # Gaps of a 1% Bernoulli mask: Rice must land within 0.1 bit of the entropy bound.
+    rng = np.random.default_rng(2)
+    mask = rng.random(2_000_000) < 0.01
+    idx = np.flatnonzero(mask)
+    g = (np.diff(idx, prepend=-1) - 1).astype(np.uint64)
+    k = rice_k(g)
+    u, r = rice_encode(g, k)
+    bits = 8 * (u.size + r.size) / idx.size
+    p = idx.size / mask.size
+    bound = -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) / p
+    assert bound <= bits < bound + 0.1
+
+
+def test_rice_rejects_streams_that_do_not_match_the_count():
+    u, r = rice_encode(np.array([3, 1, 4], np.uint64), 1)
+    with pytest.raises(FormatError):
+        rice_decode(u, r, 4, 1)
+    with pytest.raises(FormatError):
+        rice_decode(u, r[:0], 3, 1)

@@ -1,0 +1,198 @@
+"""Patches round-trip bit for bit over dtypes, shapes, densities and special patterns."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparrowd.codec import (
+    ABSOLUTE,
+    DTYPES,
+    ULP,
+    Manifest,
+    RawTensor,
+    apply_patch,
+    encode_patch,
+    parse_patch,
+    patch_parts,
+)
+from sparrowd.codec.bits import order_key, order_unkey, uint_type
+from sparrowd.codec.patch import MIN_CHUNK_SIZE
+from sparrowd.errors import BaseMismatchError, FormatError, IntegrityError
+
+SHAPES = [(), (0,), (3, 0), (1,), (7,), (33, 5), (4, 4, 4), (1000,), (257, 31)]
+DENSITIES = ["none", "one", "1%", "all"]
+
+
+def specials(w: int) -> np.ndarray:
+    """Zeros of both signs, infinities, NaNs with payloads, subnormals, extremes."""
+    bits = 8 * w
+    sign = 1 << (bits - 1)
+    top = (1 << bits) - 1
+    return np.array([0, sign, 1, sign | 1, top, sign - 1, sign + 1, top - 1, (sign >> 1) | 1, sign | (sign >> 1)], dtype=object)
+
+
+def make_pair(rng, dtype: str, shape, density: str, move: str):
+    info = DTYPES[dtype]
+    u = uint_type(info.itemsize)
+    n = math.prod(shape)
+    old = rng.integers(0, np.iinfo(u).max, size=n, dtype=u, endpoint=True)
+    sp = np.array([int(x) for x in specials(info.itemsize)], dtype=u)
+    if n:
+        old[rng.random(n) < 0.2] = rng.choice(sp, size=int(np.count_nonzero(rng.random(n) < 0.2)) or 1)[:1]
+    if dtype == "BOOL":
+        old &= 1
+    new = old.copy()
+    if density == "none" or n == 0:
+        pos = np.empty(0, np.int64)
+    elif density == "one":
+        pos = rng.integers(0, n, size=1)
+    elif density == "1%":
+        pos = np.flatnonzero(rng.random(n) < 0.01)
+    else:
+        pos = np.arange(n)
+    if pos.size:
+        if move == "ulp" and info.is_float:
+            step = rng.choice(np.array([1, -1, 2, -300], dtype=np.int64), size=pos.size).astype(u)
+            with np.errstate(over="ignore"):
+                new[pos] = order_unkey(order_key(old[pos]) + step)
+        elif move == "special":
+            new[pos] = rng.choice(sp, size=pos.size)
+        else:
+            new[pos] = rng.integers(0, np.iinfo(u).max, size=pos.size, dtype=u, endpoint=True)
+        if dtype == "BOOL":
+            new[pos] = 1 - (old[pos] & 1)
+    return RawTensor(dtype, shape, old), RawTensor(dtype, shape, new)
+
+
+def roundtrip(old: dict, new: dict, values: str, chunk_size: int) -> Manifest:
+    m, chunks = encode_patch(old, new, version=5, base_version=4, values=values, chunk_size=chunk_size)
+    # through the file format too
+    blob = b"".join(patch_parts(m, (c.data for c in chunks)))
+    view = parse_patch(blob)
+    assert view.manifest.to_bytes() == m.to_bytes()
+    view.verify_chunks()
+    out = apply_patch(view.manifest, list(view.chunks), old)
+    for name in set(old) | set(new):
+        if name not in new:
+            assert out[name] is None
+        elif name in out:
+            assert out[name].dtype == new[name].dtype and out[name].shape == new[name].shape
+            assert np.array_equal(out[name].bits, new[name].bits), name
+        else:  # untouched: must really be unchanged
+            assert np.array_equal(old[name].bits, new[name].bits), name
+    return m
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(sorted(DTYPES)),
+    shape=st.sampled_from(SHAPES),
+    density=st.sampled_from(DENSITIES),
+    move=st.sampled_from(["ulp", "random", "special"]),
+    values=st.sampled_from([ULP, ABSOLUTE]),
+    chunk_size=st.sampled_from([MIN_CHUNK_SIZE, 2 << 20]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_single_tensor_round_trip(dtype, shape, density, move, values, chunk_size, seed):
+    rng = np.random.default_rng(seed)
+    a, b = make_pair(rng, dtype, shape, density, move)
+    m = roundtrip({"t": a}, {"t": b}, values, chunk_size)
+    changed = int(np.count_nonzero(a.bits != b.bits))
+    assert m.elements_changed == changed
+    if changed and values == ULP and DTYPES[dtype].is_float:
+        assert m.tensors[0].op == "patch"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), values=st.sampled_from([ULP, ABSOLUTE]))
+def test_added_removed_retyped_reshaped_tensors(seed, values):
+    rng = np.random.default_rng(seed)
+    a1, b1 = make_pair(rng, "BF16", (40, 30), "1%", "ulp")
+    a2, _ = make_pair(rng, "F32", (10,), "none", "random")
+    _, b3 = make_pair(rng, "F16", (6, 7), "none", "random")
+    a4, _ = make_pair(rng, "I64", (9,), "none", "random")
+    _, b4 = make_pair(rng, "I32", (9,), "none", "random")  # retyped
+    a5, _ = make_pair(rng, "F32", (4, 6), "none", "random")
+    b5 = RawTensor("F32", (6, 4), a5.bits)  # reshaped, same bytes
+    old = {"keep": a1, "gone": a2, "retyped": a4, "reshaped": a5}
+    new = {"keep": b1, "added": b3, "retyped": b4, "reshaped": b5}
+    m = roundtrip(old, new, values, MIN_CHUNK_SIZE)
+    ops = {t.name: t.op for t in m.tensors}
+    assert ops["gone"] == "remove" and ops["added"] == "full" and ops["retyped"] == "full" and ops["reshaped"] == "full"
+    assert m.tensor("retyped").base_dtype == "I64" and m.tensor("reshaped").base_shape == (4, 6)
+
+
+def test_large_tensor_is_split_across_chunks_and_round_trips():
+    rng = np.random.default_rng(3)
+    a, b = make_pair(rng, "BF16", (1 << 22,), "1%", "ulp")
+    m = roundtrip({"w": a}, {"w": b}, ULP, 8 << 10)
+    assert len(m.chunks) > 4
+    ranges = sorted((s[1], s[2]) for c in m.chunks for s in c.segments)
+    assert ranges[0][0] == 0 and ranges[-1][1] == a.numel
+    assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])), "segments must tile the tensor"
+    sizes = [c.size for c in m.chunks[:-1]]
+    assert max(sizes) < 2 * (8 << 10) and min(sizes) > (8 << 10) // 2, sizes
+
+
+def test_manifest_bytes_are_deterministic():
+    rng = np.random.default_rng(4)
+    a, b = make_pair(rng, "BF16", (5000,), "1%", "ulp")
+    m1, c1 = encode_patch({"x": a, "y": a}, {"x": b, "y": b}, version=1, base_version=0)
+    m2, c2 = encode_patch({"y": a, "x": a}, {"y": b, "x": b}, version=1, base_version=0, threads=1)
+    assert m1.to_bytes() == m2.to_bytes()
+    assert [c.data for c in c1] == [c.data for c in c2]
+
+
+@pytest.fixture
+def patch():
+    rng = np.random.default_rng(5)
+    a, b = make_pair(rng, "BF16", (300, 200), "1%", "ulp")
+    c, d = make_pair(rng, "F32", (5000,), "1%", "random")
+    old, new = {"a": a, "c": c}, {"a": b, "c": d}
+    m, chunks = encode_patch(old, new, version=2, base_version=1, chunk_size=MIN_CHUNK_SIZE)
+    return old, new, m, [c.data for c in chunks]
+
+
+def test_a_flipped_byte_in_any_chunk_is_detected(patch):
+    old, _, m, chunks = patch
+    rng = np.random.default_rng(6)
+    for i, data in enumerate(chunks):
+        for pos in {0, len(data) // 2, len(data) - 1, int(rng.integers(0, len(data)))}:
+            bad = bytearray(data)
+            bad[pos] ^= 1 << int(rng.integers(0, 8))
+            tampered = chunks[:i] + [bytes(bad)] + chunks[i + 1 :]
+            with pytest.raises(IntegrityError):
+                apply_patch(m, tampered, old)
+
+
+def test_a_flipped_byte_in_the_file_is_detected(patch):
+    old, _, m, chunks = patch
+    blob = b"".join(patch_parts(m, chunks))
+    for pos in range(0, len(blob), max(1, len(blob) // 97)):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x10
+        with pytest.raises((FormatError, IntegrityError)):
+            view = parse_patch(bytes(bad))
+            view.verify_chunks()
+            apply_patch(view.manifest, list(view.chunks), old)
+
+
+def test_a_wrong_base_is_refused(patch):
+    old, new, m, chunks = patch
+    with pytest.raises(BaseMismatchError, match="'a'"):
+        apply_patch(m, chunks, {**old, "a": new["a"]})
+    with pytest.raises(BaseMismatchError, match="missing"):
+        apply_patch(m, chunks, {"c": old["c"]})
+    reshaped = RawTensor("BF16", (200, 300), old["a"].bits)
+    with pytest.raises(BaseMismatchError, match="expects"):
+        apply_patch(m, chunks, {**old, "a": reshaped})
+
+
+def test_chunks_from_another_patch_are_refused(patch):
+    old, new, m, chunks = patch
+    m2, chunks2 = encode_patch(new, old, version=3, base_version=2, chunk_size=MIN_CHUNK_SIZE)
+    with pytest.raises(IntegrityError):
+        apply_patch(m, [c.data for c in chunks2][: len(chunks)] + chunks[len(chunks2):], old)

@@ -1,0 +1,159 @@
+"""`sparrowd delta` end to end, as a user runs it, including every kind of bad input."""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .helpers import make_state, same_bits, save_folder, sparrowd, step
+
+
+@pytest.fixture
+def files(tmp_path):
+    s0 = make_state()
+    s1 = step(s0, 1)
+    save_file(s0, str(tmp_path / "v0.safetensors"))
+    save_file(s1, str(tmp_path / "v1.safetensors"))
+    return tmp_path, s0, s1
+
+
+def listing(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir()}
+
+
+@pytest.mark.parametrize("values", ["ulp", "absolute"])
+def test_diff_apply_round_trip_single_file(files, values):
+    d, s0, s1 = files
+    r = sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw", "--values", values)
+    assert r.returncode == 0, r.stderr
+    assert "bits per changed element" in r.stdout
+    r = sparrowd("delta", "apply", d / "v0.safetensors", d / "p.sprw", "-o", d / "out.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert same_bits(load_file(str(d / "out.safetensors")), s1)
+
+
+def test_diff_apply_round_trip_sharded_folder(tmp_path):
+    s0 = make_state()
+    s1 = step(s0, 2)
+    s1["model.new.bias"] = s1["model.layers.0.norm.weight"].float()  # added
+    del s1["step"]  # removed
+    save_folder(s0, tmp_path / "m0")
+    save_folder(s1, tmp_path / "m1")
+    assert sparrowd("delta", "diff", tmp_path / "m0", tmp_path / "m1", "-o", tmp_path / "p.sprw", "--version", "7", "--chunk-size", "4K").returncode == 0
+    r = sparrowd("delta", "apply", tmp_path / "m0", tmp_path / "p.sprw", "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    assert listing(out) == listing(tmp_path / "m0")  # same shard names, config and index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    merged = {}
+    for f in set(index["weight_map"].values()):
+        merged.update(load_file(str(out / f)))
+    assert same_bits(merged, s1)
+    assert (out / "config.json").read_text() == (tmp_path / "m0" / "config.json").read_text()
+    # an existing output folder is not clobbered without --force
+    r = sparrowd("delta", "apply", tmp_path / "m0", tmp_path / "p.sprw", "-o", out)
+    assert r.returncode != 0 and "already exists" in r.stderr
+
+
+def test_inspect_and_export(files):
+    d, s0, s1 = files
+    sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw", "--version", "5", "--base-version", "4")
+    r = sparrowd("delta", "inspect", d / "p.sprw", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["version"] == 5 and info["base_version"] == 4 and info["values"] == "ulp"
+    changed = sum(int((s0[k].view(-1).contiguous().view(torch_uint(s0[k])) != s1[k].view(-1).contiguous().view(torch_uint(s1[k]))).sum()) for k in s0)
+    assert info["elements_changed"] == changed
+    assert 0 < info["bits_per_changed_element"] < 32
+    text = sparrowd("delta", "inspect", d / "p.sprw").stdout
+    assert "density" in text and "hashes ok" in text
+    r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors")
+    assert r.returncode == 0, r.stderr
+    with safe_open(str(d / "dec.safetensors"), "pt") as f:
+        meta = f.metadata()
+        assert meta["version"] == "5" and meta["base_version"] == "4"
+        idx = f.get_tensor("model.embed.weight.indices")
+        vals = f.get_tensor("model.embed.weight.values")
+    a = s0["model.embed.weight"].reshape(-1).view(__import__("torch").int16)
+    b = s1["model.embed.weight"].reshape(-1).view(__import__("torch").int16)
+    assert idx.tolist() == (a != b).nonzero().reshape(-1).tolist()
+    assert vals.shape == idx.shape
+
+
+def torch_uint(t):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def bad(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sparrowd: error: "), r.stderr
+    return lines[0]
+
+
+def test_bad_inputs_give_one_line_and_leave_nothing(files):
+    d, s0, s1 = files
+    v0, v1, p = d / "v0.safetensors", d / "v1.safetensors", d / "p.sprw"
+    assert sparrowd("delta", "diff", v0, v1, "-o", p).returncode == 0
+    data = p.read_bytes()
+    before = listing(d)
+
+    (d / "trunc.sprw").write_bytes(data[: len(data) - 7])
+    assert "truncated" in bad(sparrowd("delta", "apply", v0, d / "trunc.sprw", "-o", d / "o1.safetensors"))
+    corrupt = bytearray(data)
+    corrupt[-20] ^= 0xFF
+    (d / "corrupt.sprw").write_bytes(bytes(corrupt))
+    assert "hash" in bad(sparrowd("delta", "apply", v0, d / "corrupt.sprw", "-o", d / "o2.safetensors"))
+    assert "hash" in bad(sparrowd("delta", "inspect", d / "corrupt.sprw"))
+    assert "fingerprint" in bad(sparrowd("delta", "apply", v1, p, "-o", d / "o3.safetensors"))
+    (d / "text.safetensors").write_text("hello, I am not a safetensors file")
+    assert "not a safetensors file" in bad(sparrowd("delta", "diff", d / "text.safetensors", v1, "-o", d / "o4.sprw"))
+    assert "not a sparrowd patch" in bad(sparrowd("delta", "apply", v0, v0, "-o", d / "o5.safetensors"))
+    missing = dict(s0)
+    del missing["model.layers.1.mlp.weight"]
+    save_file(missing, str(d / "missing.safetensors"))
+    assert "missing from the base" in bad(sparrowd("delta", "apply", d / "missing.safetensors", p, "-o", d / "o6.safetensors"))
+    assert "no such file" in bad(sparrowd("delta", "diff", d / "nope", v1, "-o", d / "o7.sprw"))
+    r = sparrowd("delta", "diff", v0, v1, "-o", d / "o8.sprw", "--chunk-size", "lots")
+    assert r.returncode == 2 and "not a size" in r.stderr
+    after = listing(d)
+    assert after - before == {"trunc.sprw", "corrupt.sprw", "text.safetensors", "missing.safetensors"}
+
+
+def _limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+
+def test_no_space_left_leaves_no_partial_output(files):
+    # A file-size limit makes writes fail the way a full disk does (EFBIG instead of ENOSPC).
+    d, *_ = files
+    assert sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw").returncode == 0
+    before = listing(d)
+    for args in (
+        ["delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p2.sprw", "--values", "absolute"],
+        ["delta", "apply", d / "v0.safetensors", d / "p.sprw", "-o", d / "never.safetensors"],
+        ["delta", "export", d / "p.sprw", "-o", d / "never-decoded.safetensors"],
+    ):
+        r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)], capture_output=True, text=True,
+                           preexec_fn=_limit_file_size)
+        assert r.returncode != 0
+        assert r.stderr.strip().splitlines() == ["sparrowd: error: File too large"], r.stderr
+    assert listing(d) == before, "no output and no temporary file may be left behind"
+
+
+def test_outputs_follow_the_umask(files):
+    d, *_ = files
+    assert sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw").returncode == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (d / "p.sprw").stat().st_mode & 0o777 == 0o666 & ~mask
