@@ -15,8 +15,10 @@ What it measures, all in one run so every figure stands beside its baseline:
 3. **Throughput.** A synthetic pair of ``size_mib`` MiB of bf16 per side in
    16 MiB tensors, 1% of the elements moved by one ulp. Best of three for a
    numpy read-and-compare pass over the same arrays (the floor any diff has to
-   pay), ``encode_patch`` with 2 threads and with 1, and decoding every chunk;
-   ``apply_patch`` is timed once. Rates are GB/s (1e9 bytes) of one side.
+   pay), ``encode_patch`` with 2 threads and with 1, decoding every chunk, and
+   ``apply_patch`` (whose first call is shown too: it faults in the memory of
+   the result, which costs a lot on some VMs). Rates are GB/s (1e9 bytes) of
+   one side.
 
 Finally the measured figures are compared with the design targets (PASS/MISS).
 A MISS is reported, not raised; a bit-exactness failure raises.
@@ -34,7 +36,7 @@ import time
 import numpy as np
 import zstandard
 
-from sparrowd.codec import RawTensor, apply_patch, decode_chunk, diff_bits, encode_patch
+from sparrowd.codec import RawTensor, apply_patch, decode_chunk, encode_patch
 
 __all__ = ["run"]
 
@@ -287,14 +289,17 @@ def _throughput(torch, size_mib: int, rng) -> dict:
         raise BitExactError(f"synthetic pair: moved {moved} elements, compare saw {seen}, "
                             f"the patch carries {manifest.elements_changed}")
     t_dec, _ = _best_of(lambda: [decode_chunk(c.data) for c in chunks])
-    t0 = time.perf_counter()
-    got = apply_patch(manifest, [c.data for c in chunks], old)
-    t_apply = time.perf_counter() - t0
-    for name, t in new.items():
-        if not np.array_equal(got[name].bits, t.bits):
-            raise BitExactError(f"synthetic pair: tensor {name!r} differs after apply_patch")
+    t_apply = []  # the first call pays for faulting in fresh memory for the result; later ones reuse it
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        got = apply_patch(manifest, [c.data for c in chunks], old)
+        t_apply.append(time.perf_counter() - t0)
+        for name, t in new.items():
+            if not np.array_equal(got[name].bits, t.bits):
+                raise BitExactError(f"synthetic pair: tensor {name!r} differs after apply_patch")
+        del got
     times = {"read_compare": t_read, "encode_2_threads": t_enc2, "encode_1_thread": t_enc1,
-             "decode": t_dec, "apply_patch": t_apply}
+             "decode": t_dec, "apply_patch_first": t_apply[0], "apply_patch": min(t_apply)}
     return {
         "side_bytes": side,
         "tensors": len(new),
@@ -358,13 +363,15 @@ def _print_throughput(tp: dict) -> None:
           f"of {TENSOR_MIB} MiB, {tp['density']:.2%} of elements moved +-1 ulp")
     print(f"   patch: {tp['chunks']} chunks, {tp['patch_bytes'] / (1 << 20):.2f} MiB, "
           f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp)")
-    print(f"   best of {REPEATS} (apply_patch once); GB/s = 1e9 bytes of one side per second\n")
+    print(f"   best of {REPEATS}; GB/s = 1e9 bytes of one side per second. apply_patch copies the base into a fresh")
+    print("   result and fingerprints base and result; its first call also faults in that memory\n")
     rows = [
         ("read+compare (numpy, baseline)", "read_compare"),
         ("diff+encode ulp, 2 threads", "encode_2_threads"),
         ("diff+encode ulp, 1 thread", "encode_1_thread"),
         ("decode all chunks", "decode"),
-        ("apply_patch (copies the base)", "apply_patch"),
+        ("apply_patch, first call", "apply_patch_first"),
+        ("apply_patch", "apply_patch"),
     ]
     head = f"   {'':<32} {'seconds':>8} {'GB/s':>7} {'x read+compare':>15}"
     print(head)
