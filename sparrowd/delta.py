@@ -213,7 +213,7 @@ def inspect_patch(path: str | os.PathLike, *, verify: bool = True) -> PatchStats
             tensors_added=sum(t.op == FULL for t in m.tensors),
             tensors_removed=sum(t.op == REMOVE for t in m.tensors),
             elements_changed=m.elements_changed,
-            elements_total=m.elements_touched,
+            elements_total=m.elements_total,
             patch_bytes=m.patch_bytes,
             chunks=len(sizes),
             chunk_bytes_min=min(sizes, default=0),

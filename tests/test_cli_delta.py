@@ -71,6 +71,7 @@ def test_inspect_and_export(files):
     assert info["version"] == 5 and info["base_version"] == 4 and info["values"] == "ulp"
     changed = sum(int((s0[k].view(-1).contiguous().view(torch_uint(s0[k])) != s1[k].view(-1).contiguous().view(torch_uint(s1[k]))).sum()) for k in s0)
     assert info["elements_changed"] == changed
+    assert info["elements_total"] == sum(t.numel() for t in s1.values())
     assert 0 < info["bits_per_changed_element"] < 32
     text = sparrowd("delta", "inspect", d / "p.sprw").stdout
     assert "density" in text and "hashes ok" in text

@@ -11,14 +11,18 @@ A *chunk* is one zstd frame holding whole segments. Decompressed it reads::
     b"SPC1" | u32 LE header length | msgpack header | blobs...
 
 where the header is ``{"segments": [...]}``, each segment a map giving its
-tensor, dtype, range, count, encodings and the byte length of each blob that
-follows, in order. Blobs are byte planes (see :mod:`.bits`):
+tensor, dtype, range, count, encodings and the byte length of each of its
+blobs. Every blob belongs to a *stream* (``unary``, ``rem``, ``sign``, ``mag``,
+``esc``, then byte planes ``p0``..``p7``), and the body is laid out stream by
+stream (all segments' ``unary`` blobs, then all ``rem`` blobs, ...), so each
+zstd block holds bytes of one kind and its entropy coder is not diluted by
+the others. Blob contents (see :mod:`.bits`):
 
 * sparse indices: gaps ``idx[i] - idx[i-1] - 1`` (the first from ``start``),
   Rice-coded with the parameter ``index_k``: a bit-packed unary stream of
   quotients, then a bit-packed stream of ``k``-bit remainders;
 * absolute values: the new bit patterns, rotated left one bit for floats
-  (sign to the bottom, exponent in the top byte), in byte planes;
+  (sign to the bottom, exponent in the top byte), one blob per byte plane;
 * ulp values: for a distance ``d != 0`` the bit-packed signs (1: up), then
   ``|d| - 1`` clipped to one byte plane, 255 meaning "escape"; the escapes
   (``|d| - 1 - 255``, in order) follow in full-width byte planes;
@@ -115,6 +119,17 @@ class Chunk:
 # ---------------------------------------------------------------- encoding
 
 
+STREAMS = ("unary", "rem", "sign", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7")
+_RANK = {name: i for i, name in enumerate(STREAMS)}
+
+
+def segment_streams(kind: str, values: str, itemsize: int) -> tuple[str, ...]:
+    """The streams a segment's blobs belong to, in the order of its ``blobs`` lengths."""
+    idx = ("unary", "rem") if kind == SPARSE else ()
+    vals = ("sign", "mag", "esc") if values == ULP else tuple(f"p{i}" for i in range(itemsize))
+    return idx + vals
+
+
 def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     if seg.values == ULP:
         t = seg.data.dtype.type
@@ -125,7 +140,7 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
         esc = mag[mag >= ESCAPE] - t(ESCAPE)
         return [np.packbits((zm & t(1)).astype(np.uint8)), narrow, to_planes(esc)]
     bits = rotl1(seg.data) if info.is_float else seg.data
-    return [to_planes(bits)]
+    return list(to_planes(bits))
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
@@ -156,13 +171,15 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
 
 
 def encode_chunk(segments: list[Segment], cctx: zstandard.ZstdCompressor) -> Chunk:
-    headers, blobs = [], []
-    for seg in segments:
-        h, b = _encode_segment(seg)
+    headers, body = [], []
+    for i, seg in enumerate(segments):
+        h, blobs = _encode_segment(seg)
         headers.append(h)
-        blobs += b
+        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
+        body += [(_RANK[st], i, b) for st, b in zip(streams, blobs)]
+    body.sort(key=lambda x: (x[0], x[1]))
     head = pack({"segments": headers})
-    raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, *blobs])
+    raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, *(b for _, _, b in body)])
     data = cctx.compress(raw)
     return Chunk(
         hash=chunk_hash(data),
@@ -193,10 +210,10 @@ def _take(buf: memoryview, pos: int, n: int, what: str) -> tuple[memoryview, int
     return buf[pos : pos + n], pos + n
 
 
-def _decode_segment(h: dict, buf: memoryview, pos: int) -> tuple[Segment, int]:
+def _check_segment(h: dict) -> tuple[str, ...]:
+    """Validate a segment header; returns the streams of its blobs."""
     fields(h, _SEGMENT, what="chunk segment")
     info = dtype_info(h["dtype"])
-    w = info.itemsize
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
     if kind not in (SPARSE, DENSE) or values not in (ABSOLUTE, ULP):
@@ -205,14 +222,18 @@ def _decode_segment(h: dict, buf: memoryview, pos: int) -> tuple[Segment, int]:
         raise FormatError(f"chunk segment {name!r}: ulp values need a sparse float segment")
     if stop < start or n > stop - start or (kind == DENSE and n != stop - start):
         raise FormatError(f"chunk segment {name!r}: count {n} does not fit range [{start}, {stop})")
+    streams = segment_streams(kind, values, info.itemsize)
     lens = h["blobs"]
-    expect = (2 if kind == SPARSE else 0) + (3 if values == ULP else 1)
-    if len(lens) != expect or not all(isinstance(x, int) and not isinstance(x, bool) for x in lens):
-        raise FormatError(f"chunk segment {name!r}: expected {expect} blob lengths")
-    blobs = []
-    for i, ln in enumerate(lens):
-        b, pos = _take(buf, pos, ln, f"blob {i} of {name!r}")
-        blobs.append(b)
+    if len(lens) != len(streams) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
+        raise FormatError(f"chunk segment {name!r}: expected {len(streams)} blob lengths")
+    return streams
+
+
+def _decode_segment(h: dict, blobs: list[memoryview]) -> Segment:
+    info = dtype_info(h["dtype"])
+    w = info.itemsize
+    kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
+    name = h["name"]
     indices = None
     if kind == SPARSE:
         gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
@@ -235,11 +256,12 @@ def _decode_segment(h: dict, buf: memoryview, pos: int) -> tuple[Segment, int]:
             mag[esc_mask] = esc + t(ESCAPE)
             data = (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1)
     else:
-        data = from_planes(blobs[0], n, w)
+        if any(len(b) != n for b in blobs):
+            raise FormatError(f"chunk segment {name!r}: byte planes do not match {n} elements")
+        data = from_planes(b"".join(blobs), n, w)
         if info.is_float:
             data = rotr1(data)
-    seg = Segment(name, h["dtype"], kind, values, start, stop, data, indices)
-    return seg, pos
+    return Segment(name, h["dtype"], kind, values, start, stop, data, indices)
 
 
 def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
@@ -262,10 +284,15 @@ def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
     (hlen,) = struct.unpack_from("<I", buf, 4)
     head_bytes, pos = _take(buf, 8, hlen, "chunk header")
     head = fields(unpack(head_bytes, what="chunk header"), {"segments": List}, what="chunk header")
-    segments = []
-    for h in head["segments"]:
-        seg, pos = _decode_segment(h, buf, pos)
-        segments.append(seg)
+    headers = head["segments"]
+    order = []
+    for i, h in enumerate(headers):
+        for j, (st, ln) in enumerate(zip(_check_segment(h), h["blobs"])):
+            order.append((_RANK[st], i, j, ln))
+    order.sort()
+    blobs: list[list] = [[None] * len(h["blobs"]) for h in headers]
+    for _, i, j, ln in order:
+        blobs[i][j], pos = _take(buf, pos, ln, f"blob {j} of segment {i}")
     if pos != len(buf):
         raise FormatError("chunk: trailing bytes after the last segment")
-    return segments
+    return [_decode_segment(h, b) for h, b in zip(headers, blobs)]

@@ -104,8 +104,11 @@ class Manifest:
         return sum(t.changed for t in self.tensors)
 
     @property
-    def elements_touched(self) -> int:
-        """Elements of every tensor the patch touches (the density denominator)."""
+    def elements_total(self) -> int:
+        """Elements of the whole result model when the writer recorded it, else of the touched tensors."""
+        total = self.meta.get("elements_total", "")
+        if total.isdigit():
+            return int(total)
         return sum(t.numel for t in self.tensors if t.op != REMOVE)
 
     @property

@@ -215,6 +215,7 @@ def encode_patch(
     in name order, so the output does not depend on timing.
     ``on_tensor(name, changed)`` reports progress.
     """
+    meta = {**(meta or {}), "elements_total": str(sum(t.numel for t in new.values()))}
     enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size, meta=meta)
     names = sorted(set(old) | set(new))
     chunks: list[Chunk] = []
