@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["diff_bits", "split_ranges", "fingerprint", "BLOCK_WORDS", "PART_ELEMENTS"]
+__all__ = ["diff_bits", "diff_values", "split_ranges", "fingerprint", "BLOCK_WORDS", "PART_ELEMENTS"]
 
 BLOCK_WORDS = 1 << 18  # 2 MiB of each side per block
 PART_ELEMENTS = 1 << 24  # a unit of work for a thread pool
@@ -30,46 +30,67 @@ def fingerprint(bits: np.ndarray) -> bytes:
     return xxhash.xxh3_128(memoryview(np.ascontiguousarray(bits)).cast("B")).digest()
 
 
-def _diff_words(ow: np.ndarray, nw: np.ndarray, lo: int, hi: int, per_word: int, lane) -> list[np.ndarray]:
-    out = []
+def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, list, list]:
+    """Changed positions in words ``[lo, hi)``, with their old and new bits (gathered while hot)."""
+    idx, olds, news = [], [], []
     mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=bool)
     for s in range(lo, hi, BLOCK_WORDS):
         e = min(s + BLOCK_WORDS, hi)
         cand = np.flatnonzero(np.not_equal(ow[s:e], nw[s:e], out=mask[: e - s]))
         if cand.size:
             cand += s
+            oc, nc = ow[cand], nw[cand]
             if per_word == 1:
-                out.append(cand)
+                idx.append(cand)
+                olds.append(oc.view(lane))
+                news.append(nc.view(lane))
             else:
-                lanes = np.flatnonzero((ow[cand] ^ nw[cand]).view(lane))
-                out.append(cand[lanes // per_word] * per_word + lanes % per_word)
-    return out
+                ol, nl = oc.view(lane), nc.view(lane)
+                lanes = np.flatnonzero(ol != nl)
+                idx.append(cand[lanes // per_word] * per_word + lanes % per_word)
+                olds.append(ol[lanes])
+                news.append(nl[lanes])
+    return idx, olds, news
 
 
-def diff_bits(old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None) -> np.ndarray:
-    """Sorted flat int64 indices in ``[lo, hi)`` where ``old`` and ``new`` differ.
+def diff_values(
+    old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Changed positions in ``[lo, hi)`` and the old and new bits there.
 
     ``old`` and ``new`` are 1-D arrays of the same unsigned dtype and length;
     ``lo`` and ``hi`` (elements) let a caller split a large tensor into parts
-    for a thread pool: :func:`split_ranges` gives word-aligned ones.
+    for a thread pool (:func:`split_ranges`). Returns sorted int64 indices and
+    two arrays of bit patterns, gathered while each block is still in cache.
     """
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
-        raise ValueError("diff_bits needs two 1-D arrays of the same unsigned dtype and length")
+        raise ValueError("diff needs two 1-D arrays of the same unsigned dtype and length")
     hi = old.size if hi is None else hi
     old, new = np.ascontiguousarray(old[lo:hi]), np.ascontiguousarray(new[lo:hi])
     per_word = 8 // old.dtype.itemsize
     done = (old.size // per_word) * per_word
-    found: list[np.ndarray] = []
+    idx, olds, news = [], [], []
     if done:
-        found += _diff_words(old[:done].view(np.uint64), new[:done].view(np.uint64), 0, done // per_word, per_word, old.dtype)
+        idx, olds, news = _diff_words(
+            old[:done].view(np.uint64), new[:done].view(np.uint64), 0, done // per_word, per_word, old.dtype
+        )
     if done < old.size:
-        found.append(np.flatnonzero(old[done:] != new[done:]) + done)
-    if not found:
-        return np.empty(0, np.int64)
-    idx = np.concatenate(found).astype(np.int64, copy=False)
+        tail = np.flatnonzero(old[done:] != new[done:]) + done
+        idx.append(tail)
+        olds.append(old[tail])
+        news.append(new[tail])
+    if not idx:
+        empty = np.empty(0, old.dtype)
+        return np.empty(0, np.int64), empty, empty
+    out = np.concatenate(idx).astype(np.int64, copy=False)
     if lo:
-        idx += lo
-    return idx
+        out += lo
+    return out, np.concatenate(olds), np.concatenate(news)
+
+
+def diff_bits(old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """Sorted flat int64 indices in ``[lo, hi)`` where ``old`` and ``new`` differ."""
+    return diff_values(old, new, lo, hi)[0]
 
 
 def split_ranges(n: int, part: int = PART_ELEMENTS) -> list[tuple[int, int]]:

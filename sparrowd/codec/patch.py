@@ -25,7 +25,7 @@ import zstandard
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
 from .bits import RawTensor, dtype_info, uint_type, ulp_apply, ulp_encode
 from .chunk import ABSOLUTE, DENSE, SPARSE, ULP, Chunk, Segment, decode_chunk, encode_chunk
-from .extract import diff_bits, fingerprint, split_ranges
+from .extract import diff_bits, diff_values, fingerprint, split_ranges
 from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
 
 __all__ = [
@@ -95,15 +95,25 @@ class PatchEncoder:
         return self.add_extract(name, old, new, idx, fingerprint(old.bits), fingerprint(new.bits))
 
     def add_extract(
-        self, name: str, old: RawTensor, new: RawTensor, indices: np.ndarray, old_fp: bytes, new_fp: bytes
+        self,
+        name: str,
+        old: RawTensor,
+        new: RawTensor,
+        indices: np.ndarray,
+        old_fp: bytes,
+        new_fp: bytes,
+        old_values: np.ndarray | None = None,
+        new_values: np.ndarray | None = None,
     ) -> list[Chunk]:
-        """Add a same-shape tensor whose changed ``indices`` were found elsewhere (e.g. on a GPU)."""
+        """Add a same-shape tensor whose changed ``indices`` (and, optionally, the
+        old and new bits there) were found elsewhere, e.g. on a GPU."""
         if indices.size == 0:
             return []
         info = dtype_info(new.dtype)
-        nv = new.bits[indices]
+        nv = new.bits[indices] if new_values is None else new_values
         if self.values == ULP and info.is_float:
-            data, mode = ulp_encode(old.bits[indices], nv), ULP
+            ov = old.bits[indices] if old_values is None else old_values
+            data, mode = ulp_encode(ov, nv), ULP
         else:
             data, mode = nv, ABSOLUTE
         self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, old_fp, new_fp, int(indices.size))
@@ -224,7 +234,7 @@ def encode_patch(
         for name in names:
             o, n = old.get(name), new.get(name)
             if _same_layout(o, n):
-                parts = [pool.submit(diff_bits, o.bits, n.bits, lo, hi) for lo, hi in split_ranges(n.numel)]
+                parts = [pool.submit(diff_values, o.bits, n.bits, lo, hi) for lo, hi in split_ranges(n.numel)]
                 jobs.append((name, parts))
             else:
                 jobs.append((name, None))
@@ -234,11 +244,13 @@ def encode_patch(
                 chunks += enc.add(name, o, n)
                 changed = n.numel if n is not None else 0
             else:
-                idx = np.concatenate([p.result() for p in parts])
+                res = [p.result() for p in parts]
+                idx = np.concatenate([r[0] for r in res])
                 changed = int(idx.size)
                 if changed:
                     fo, fn = pool.submit(fingerprint, o.bits), pool.submit(fingerprint, n.bits)
-                    chunks += enc.add_extract(name, o, n, idx, fo.result(), fn.result())
+                    ov, nv = np.concatenate([r[1] for r in res]), np.concatenate([r[2] for r in res])
+                    chunks += enc.add_extract(name, o, n, idx, fo.result(), fn.result(), ov, nv)
             if on_tensor:
                 on_tensor(name, changed)
     manifest, rest = enc.finish()
