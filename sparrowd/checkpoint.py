@@ -21,7 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ __all__ = [
     "open_checkpoint",
     "TensorSpec",
     "write_safetensors",
+    "open_input",
     "writable_views",
     "atomic_file",
     "atomic_dir",
@@ -92,15 +93,19 @@ class Checkpoint(Mapping[str, RawTensor]):
         self.close()
 
 
+def open_input(path: Path, mode: str = "rb", *, kind: str = "file"):
+    """Open a file a user named, turning the usual mistakes into one-line errors."""
+    try:
+        return open(path, mode)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a {kind}") from None
+
+
 def _read_shard(path: Path, writable: bool = False) -> tuple[_Shard, dict[str, RawTensor]]:
     what = str(path)
-    try:
-        f = open(path, "r+b" if writable else "rb")
-    except FileNotFoundError:
-        raise InputError(f"{what}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{what}: is a directory") from None
-    with f:
+    with open_input(path, "r+b" if writable else "rb", kind="safetensors file") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise FormatError(f"{what}: not a safetensors file (too short)")

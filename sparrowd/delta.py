@@ -18,7 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import INDEX_NAME, Checkpoint, TensorSpec, atomic_dir, atomic_file, open_checkpoint, write_safetensors, writable_views
+from .checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    TensorSpec,
+    atomic_dir,
+    atomic_file,
+    open_checkpoint,
+    open_input,
+    writable_views,
+    write_safetensors,
+)
 from .codec import (
     FULL,
     PATCH,
@@ -36,7 +46,7 @@ from .codec import (
 )
 from .codec.bits import sint_type, unzigzag
 from .codec.chunk import DENSE, ULP
-from .errors import FormatError, InputError
+from .errors import FormatError
 
 __all__ = ["diff_files", "apply_file", "open_patch", "inspect_patch", "export_patch", "PatchStats", "DECODED_FORMAT"]
 
@@ -47,13 +57,7 @@ DECODED_FORMAT = "sparrowd-decoded/1"
 def open_patch(path: str | os.PathLike):
     """Parse a ``.sprw`` file through a read-only mmap; yields a PatchView."""
     p = Path(path)
-    try:
-        f = open(p, "rb")
-    except FileNotFoundError:
-        raise InputError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{p}: is a directory, not a patch file") from None
-    with f:
+    with open_input(p, kind="patch file") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise FormatError(f"{p}: empty file, not a sparrowd patch")
