@@ -44,7 +44,6 @@ __all__ = [
     "rotr1",
     "to_planes",
     "from_planes",
-    "min_planes",
     "rice_k",
     "rice_encode",
     "rice_decode",
@@ -154,11 +153,6 @@ def rotl1(bits: np.ndarray) -> np.ndarray:
 def rotr1(bits: np.ndarray) -> np.ndarray:
     t = bits.dtype.type
     return (bits >> t(1)) | (bits << t(_sign_shift(bits)))
-
-
-def min_planes(max_value: int) -> int:
-    """How many low byte planes hold every value up to ``max_value`` (at least 1)."""
-    return max(1, (int(max_value).bit_length() + 7) // 8)
 
 
 def to_planes(a: np.ndarray, planes: int | None = None) -> np.ndarray:
