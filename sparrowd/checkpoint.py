@@ -74,9 +74,6 @@ class Checkpoint(Mapping[str, RawTensor]):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._tensors.values())
 
-    def shard_of(self) -> dict[str, str]:
-        return {n: s.path.name for s in self.shards for n in s.names}
-
     def close(self) -> None:
         self._tensors = {}
         for s in self.shards:
