@@ -25,7 +25,7 @@ import zstandard
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
 from .bits import RawTensor, dtype_info, uint_type, ulp_apply, ulp_encode
 from .chunk import ABSOLUTE, DENSE, SPARSE, ULP, Chunk, Segment, decode_chunk, encode_chunk
-from .extract import diff_bits, diff_values, fingerprint, split_ranges
+from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
 from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
 
 __all__ = [
@@ -206,6 +206,16 @@ def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
 
 
+def _diff_whole(old: np.ndarray, new: np.ndarray):
+    idx, ov, nv, fo, fn = diff_fingerprint(old, new)
+    return idx, ov, nv, (fo, fn)
+
+
+def _fingerprints(pool: ThreadPoolExecutor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
+    fo, fn = pool.submit(fingerprint, old.bits), pool.submit(fingerprint, new.bits)
+    return fo.result(), fn.result()
+
+
 def encode_patch(
     old: Mapping[str, RawTensor],
     new: Mapping[str, RawTensor],
@@ -233,11 +243,14 @@ def encode_patch(
         jobs: list[tuple[str, list[Future] | None]] = []
         for name in names:
             o, n = old.get(name), new.get(name)
-            if _same_layout(o, n):
-                parts = [pool.submit(diff_values, o.bits, n.bits, lo, hi) for lo, hi in split_ranges(n.numel)]
-                jobs.append((name, parts))
-            else:
+            if not _same_layout(o, n):
                 jobs.append((name, None))
+                continue
+            ranges = split_ranges(n.numel)
+            if len(ranges) == 1:  # one job diffs and fingerprints in a single read of both sides
+                jobs.append((name, [pool.submit(_diff_whole, o.bits, n.bits)]))
+            else:
+                jobs.append((name, [pool.submit(diff_values, o.bits, n.bits, lo, hi) for lo, hi in ranges]))
         for name, parts in jobs:
             o, n = old.get(name), new.get(name)
             if parts is None:
@@ -245,12 +258,14 @@ def encode_patch(
                 changed = n.numel if n is not None else 0
             else:
                 res = [p.result() for p in parts]
-                idx = np.concatenate([r[0] for r in res])
+                if len(res) == 1:
+                    (idx, ov, nv, fps), = res
+                else:
+                    idx, ov, nv = (np.concatenate([r[i] for r in res]) for i in range(3))
+                    fps = _fingerprints(pool, o, n) if idx.size else None
                 changed = int(idx.size)
                 if changed:
-                    fo, fn = pool.submit(fingerprint, o.bits), pool.submit(fingerprint, n.bits)
-                    ov, nv = np.concatenate([r[1] for r in res]), np.concatenate([r[2] for r in res])
-                    chunks += enc.add_extract(name, o, n, idx, fo.result(), fn.result(), ov, nv)
+                    chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv)
             if on_tensor:
                 on_tensor(name, changed)
     manifest, rest = enc.finish()

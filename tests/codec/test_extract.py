@@ -2,23 +2,87 @@
 
 import numpy as np
 import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sparrowd.codec.extract import diff_values, split_ranges
+from sparrowd.codec import extract
+from sparrowd.codec.extract import diff_fingerprint, diff_values, fingerprint, split_ranges
+
+# Both implementations must agree with a plain comparison; the C one is built at install time.
+PATHS = [pytest.param(False, id="numpy"), pytest.param(True, id="native")]
 
 
-@pytest.mark.parametrize("w", [np.uint8, np.uint16, np.uint32, np.uint64])
-@pytest.mark.parametrize("n", [0, 1, 7, 9, 1000, (1 << 19) + 5])
-def test_diff_values_matches_a_plain_comparison(w, n):
-    rng = np.random.default_rng(n)
+def _pair(w, n: int, density: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
     old = rng.integers(0, np.iinfo(w).max, size=n, dtype=w, endpoint=True)
     new = old.copy()
-    pos = np.flatnonzero(rng.random(n) < 0.03)
-    new[pos] ^= w(1)
+    pos = np.flatnonzero(rng.random(n) < density)
+    new[pos] ^= w(1) << w(rng.integers(0, 8 * np.dtype(w).itemsize))  # any bit, the top one included
     if n:
-        new[-1] ^= w(1 << 3)  # the ragged tail after the last whole word
+        new[-1] ^= w(1 << 3)  # the ragged tail after the last whole group
+    return old, new
+
+
+def test_the_native_extension_is_built():
+    # CI machines have a compiler; a silent fallback to numpy would hide a build break.
+    assert extract._native is not None
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("w", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 1000, (1 << 19) + 5])
+def test_diff_values_matches_a_plain_comparison(native, w, n):
+    old, new = _pair(w, n, 0.03, n)
     expect = np.flatnonzero(old != new)
     for lo, hi in split_ranges(n, 1 << 16) if n else [(0, 0)]:
-        idx, ov, nv = diff_values(old, new, lo, hi)
+        idx, ov, nv = diff_values(old, new, lo, hi, native=native)
         sel = expect[(expect >= lo) & (expect < hi)]
+        assert idx.dtype == np.int64 and ov.dtype == old.dtype
         assert np.array_equal(idx, sel)
         assert np.array_equal(ov, old[sel]) and np.array_equal(nv, new[sel])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    w=st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
+    n=st.integers(0, 70_000),
+    density=st.sampled_from([0.0, 1e-4, 0.01, 0.3, 1.0]),
+    lo_frac=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_native_and_numpy_agree(w, n, density, lo_frac, seed):
+    # Dense changes make the native scan run out of room and grow its outputs;
+    # odd offsets exercise the element-by-element head before the first group.
+    old, new = _pair(w, n, density, seed)
+    lo = int(lo_frac * n)
+    a = diff_values(old, new, lo, native=True)
+    b = diff_values(old, new, lo, native=False)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("w", [np.uint16, np.uint32])
+@pytest.mark.parametrize("n", [0, 5, (3 << 20) + 11])  # several fused blocks and a partial one
+def test_diff_fingerprint_reads_once_and_agrees(w, n):
+    old, new = _pair(w, n, 0.5, 7)
+    idx, ov, nv, fo, fn = diff_fingerprint(old, new)
+    expect = np.flatnonzero(old != new)
+    assert np.array_equal(idx, expect) and np.array_equal(ov, old[expect]) and np.array_equal(nv, new[expect])
+    assert fo == fingerprint(old) and fn == fingerprint(new)
+    assert fo == xxhash.xxh3_128(old.tobytes()).digest()
+
+
+def test_native_refuses_bad_arguments():
+    from sparrowd.codec import _native
+
+    a = np.zeros(64, np.uint16)
+    out = np.empty(64, np.int64), np.empty(64, np.uint16), np.empty(64, np.uint16)
+    with pytest.raises(ValueError, match="itemsize"):
+        _native.diff_into(a, a, 3, 0, 64, *out)
+    with pytest.raises(ValueError, match="equally long"):
+        _native.diff_into(a, a[:32], 2, 0, 32, *out)
+    with pytest.raises(ValueError, match="out of bounds"):
+        _native.diff_into(a, a, 2, 10, 65, *out)
+    with pytest.raises(ValueError, match="out of bounds"):
+        _native.diff_into(a, a, 2, 10, 5, *out)
