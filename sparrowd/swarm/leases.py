@@ -1,0 +1,284 @@
+"""The tracker's lease table: who is in the swarm, as a pure state machine.
+
+A node joins and gets a lease: a time-to-live and an epoch. It renews well
+before the lease runs out (about every third of the TTL), reporting what it
+holds; it leaves when it shuts down; a lease that is not renewed expires and
+the node drops out of every peer list. Epochs come from one counter that only
+grows, persisted with the table, so every join, including a re-join after
+expiry or after a restart of the node, starts a new life with a new epoch,
+and a message from an old life (a renew or leave with an old epoch) is
+refused with :class:`LeaseGone`.
+
+Everything here takes ``now`` (wall-clock seconds, because leases outlive a
+tracker restart) and returns decisions; nothing sleeps, awaits or touches a
+socket. Persistence goes through an injected :class:`LeaseStore`, called
+synchronously after each change (the daemon passes a SQLite one, tests pass
+nothing or a SQLite one in a temporary folder).
+
+On restore after a tracker restart every lease is extended to at least one
+TTL from the restart: nodes could not renew while the tracker was down, and
+dropping them for that would force every node to re-join after any restart
+longer than a TTL. A node that died meanwhile is dropped one TTL later.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ..errors import InputError, SparrowError
+
+__all__ = [
+    "ROLES",
+    "Node",
+    "LeaseGone",
+    "LeaseStore",
+    "LeaseTable",
+    "renew_interval",
+    "SNAPSHOT_SCHEMA",
+    "DEFAULT_TTL",
+    "DEFAULT_PEER_LIMIT",
+    "MAX_VERSIONS_REPORTED",
+    "check_name",
+]
+
+ROLES = ("trainer", "rollout", "relay")
+DEFAULT_TTL = 15.0
+DEFAULT_PEER_LIMIT = 32
+MAX_VERSIONS_REPORTED = 1024
+SNAPSHOT_SCHEMA = 1
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Node ids and regions: 1-64 of letters, digits, ``.``, ``_``, ``-``."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise InputError(f"{kind} {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return value
+
+
+def renew_interval(ttl: float) -> float:
+    """Nodes renew about three times per TTL, so one lost renewal costs nothing."""
+    return ttl / 3.0
+
+
+class LeaseGone(SparrowError):
+    """A renew or leave for a lease that expired, ended, or belongs to an older epoch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    node_id: str
+    role: str
+    region: str
+    address: str
+    epoch: int
+    joined_at: float
+    renewed_at: float
+    expires_at: float
+    versions: tuple[int, ...] = ()
+    engine_version: int | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rate_up: float = 0.0
+    rate_down: float = 0.0
+
+
+class LeaseStore(Protocol):
+    def save(self, node: Node) -> None: ...
+    def delete(self, node_id: str) -> None: ...
+    def save_meta(self, key: str, value: int) -> None: ...
+    def load(self) -> tuple[list[Node], dict[str, int]]: ...
+
+
+@dataclass
+class _Meta:
+    next_epoch: int = 1
+    latest_version: int | None = None
+
+
+class LeaseTable:
+    """Leases by node id. ``ttl`` in seconds; ``store`` persists every change."""
+
+    def __init__(self, ttl: float = DEFAULT_TTL, *, now: float, store: LeaseStore | None = None):
+        if not ttl > 0:
+            raise InputError(f"lease TTL must be positive, not {ttl}")
+        self.ttl = float(ttl)
+        self._store = store
+        self._nodes: dict[str, Node] = {}
+        self._meta = _Meta()
+        if store is not None:
+            nodes, meta = store.load()
+            self._meta.next_epoch = max(int(meta.get("next_epoch", 1)), 1 + max((n.epoch for n in nodes), default=0))
+            self._meta.latest_version = meta.get("latest_version")
+            for n in nodes:  # grace after a restart: see the module docstring
+                self._nodes[n.node_id] = replace(n, expires_at=max(n.expires_at, now + self.ttl))
+                store.save(self._nodes[n.node_id])
+
+    # ------------------------------------------------------------ changes
+
+    def join(self, node_id: str, role: str, region: str, address: str, now: float) -> Node:
+        """A new lease with a new epoch; replaces any lease the node held before."""
+        check_name("node id", node_id)
+        check_name("region", region)
+        if role not in ROLES:
+            raise InputError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if not isinstance(address, str) or not 0 < len(address) <= 300:
+            raise InputError("address must be a non-empty string of at most 300 characters")
+        epoch = self._meta.next_epoch
+        self._meta.next_epoch += 1
+        self._save_meta("next_epoch", self._meta.next_epoch)
+        node = Node(node_id, role, region, address, epoch, now, now, now + self.ttl)
+        self._put(node)
+        return node
+
+    def renew(
+        self,
+        node_id: str,
+        epoch: int,
+        now: float,
+        *,
+        versions: list[int] | tuple[int, ...] | None = None,
+        engine_version: int | None = None,
+        bytes_up: int | None = None,
+        bytes_down: int | None = None,
+    ) -> Node:
+        """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
+        node = self._live(node_id, epoch, now)
+        dt = now - node.renewed_at
+        changes: dict = {"renewed_at": now, "expires_at": now + self.ttl}
+        if versions is not None:
+            if len(versions) > MAX_VERSIONS_REPORTED:
+                raise InputError(f"at most {MAX_VERSIONS_REPORTED} versions may be reported")
+            changes["versions"] = tuple(sorted(set(int(v) for v in versions)))
+        if engine_version is not None:
+            changes["engine_version"] = int(engine_version)
+        for key, value in (("up", bytes_up), ("down", bytes_down)):
+            if value is None:
+                continue
+            before = getattr(node, f"bytes_{key}")
+            changes[f"bytes_{key}"] = int(value)
+            # Counters restart at 0 when the node's daemon restarts: then all of `value` is new.
+            moved = int(value) - before if value >= before else int(value)
+            changes[f"rate_{key}"] = moved / dt if dt > 0 else getattr(node, f"rate_{key}")
+        node = replace(node, **changes)
+        self._put(node)
+        return node
+
+    def leave(self, node_id: str, epoch: int, now: float) -> Node:
+        """End a live lease now."""
+        node = self._live(node_id, epoch, now)
+        self._drop(node_id)
+        return node
+
+    def expire(self, now: float) -> list[Node]:
+        """Drop every lease that ran out; returns the nodes dropped."""
+        gone = [n for n in self._nodes.values() if n.expires_at <= now]
+        for n in gone:
+            self._drop(n.node_id)
+        return gone
+
+    def set_latest_version(self, version: int) -> None:
+        if self._meta.latest_version is None or version > self._meta.latest_version:
+            self._meta.latest_version = version
+            self._save_meta("latest_version", version)
+
+    # ------------------------------------------------------------ queries
+
+    def get(self, node_id: str, now: float) -> Node | None:
+        n = self._nodes.get(node_id)
+        return n if n is not None and n.expires_at > now else None
+
+    def live(self, now: float) -> list[Node]:
+        return sorted((n for n in self._nodes.values() if n.expires_at > now), key=lambda n: (n.region, n.node_id))
+
+    def peers(
+        self, node_id: str, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT, rng: random.Random | None = None
+    ) -> list[Node]:
+        """Live nodes other than ``node_id``: its region first, then the others, at most ``limit``.
+
+        Within each group the order is shuffled (``rng``), so that nodes asking
+        at the same time do not all pick the same few peers.
+        """
+        rng = rng or random.Random()
+        same = [n for n in self.live(now) if n.node_id != node_id and n.region == region]
+        other = [n for n in self.live(now) if n.node_id != node_id and n.region != region]
+        rng.shuffle(same)
+        rng.shuffle(other)
+        return (same + other)[: max(0, limit)]
+
+    @property
+    def latest_version(self) -> int | None:
+        return self._meta.latest_version
+
+    def snapshot(self, now: float, *, tracker: dict | None = None) -> dict:
+        """The status snapshot (``sparrowd status --json``, ``sparrowd top``); see docs/STATUS.md."""
+        nodes = self.live(now)
+        held = [v for n in nodes for v in n.versions]
+        candidates = [v for v in [self._meta.latest_version, max(held, default=None)] if v is not None]
+        return {
+            "schema": SNAPSHOT_SCHEMA,
+            "generated_at": now,
+            "lease_ttl": self.ttl,
+            "latest_version": max(candidates, default=None),
+            "tracker": dict(tracker or {}),
+            "nodes": [_node_view(n, now, self.ttl) for n in nodes],
+        }
+
+    # ------------------------------------------------------------ internals
+
+    def _live(self, node_id: str, epoch: int, now: float) -> Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise LeaseGone(f"node {node_id!r} holds no lease")
+        if node.epoch != epoch:
+            raise LeaseGone(f"node {node_id!r}: epoch {epoch} is stale (the lease now has epoch {node.epoch})")
+        if node.expires_at <= now:
+            self._drop(node_id)
+            raise LeaseGone(f"node {node_id!r}: lease expired")
+        return node
+
+    def _put(self, node: Node) -> None:
+        self._nodes[node.node_id] = node
+        if self._store is not None:
+            self._store.save(node)
+
+    def _drop(self, node_id: str) -> None:
+        self._nodes.pop(node_id, None)
+        if self._store is not None:
+            self._store.delete(node_id)
+
+    def _save_meta(self, key: str, value: int) -> None:
+        if self._store is not None:
+            self._store.save_meta(key, value)
+
+
+def node_state(n: Node, now: float, ttl: float) -> str:
+    """``joining`` until the first renewal, ``stale`` once a renewal is overdue, else ``up``."""
+    if now - n.renewed_at > 1.5 * renew_interval(ttl):
+        return "stale"
+    if n.renewed_at == n.joined_at:
+        return "joining"
+    return "up"
+
+
+def _node_view(n: Node, now: float, ttl: float) -> dict:
+    return {
+        "node_id": n.node_id,
+        "role": n.role,
+        "region": n.region,
+        "address": n.address,
+        "state": node_state(n, now, ttl),
+        "epoch": n.epoch,
+        "joined_at": n.joined_at,
+        "lease_expires_in": round(max(0.0, n.expires_at - now), 3),
+        "versions": list(n.versions),
+        "engine_version": n.engine_version,
+        "bytes_up": n.bytes_up,
+        "bytes_down": n.bytes_down,
+        "rate_up": round(n.rate_up, 1),
+        "rate_down": round(n.rate_down, 1),
+    }

@@ -1,0 +1,170 @@
+"""The lease table as a pure state machine: a fake clock, no sockets."""
+
+import random
+
+import pytest
+
+from sparrowd.daemon.leasedb import SqliteLeaseStore
+from sparrowd.errors import InputError
+from sparrowd.swarm.leases import LeaseGone, LeaseTable, node_state, renew_interval
+
+TTL = 15.0
+
+
+def table(now=1000.0, **kw):
+    return LeaseTable(TTL, now=now, **kw)
+
+
+def test_join_grants_a_lease_with_a_ttl_and_a_fresh_epoch():
+    t = table()
+    a = t.join("a", "rollout", "eu", "10.0.0.1:7070", now=1000.0)
+    b = t.join("b", "rollout", "us", "10.0.0.2:7070", now=1001.0)
+    assert a.expires_at == 1015.0 and b.expires_at == 1016.0
+    assert b.epoch > a.epoch
+    assert [n.node_id for n in t.live(1002.0)] == ["a", "b"]
+
+
+def test_renew_extends_and_records_what_the_node_reports():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    r = t.renew("a", a.epoch, 1005.0, versions=[3, 1, 2, 3], engine_version=2, bytes_up=500, bytes_down=1000)
+    assert r.expires_at == 1020.0 and r.epoch == a.epoch
+    assert r.versions == (1, 2, 3) and r.engine_version == 2
+    assert (r.bytes_up, r.bytes_down) == (500, 1000)
+    assert r.rate_up == pytest.approx(100.0) and r.rate_down == pytest.approx(200.0)
+    # A node whose daemon restarted reports counters from zero: no negative rate.
+    r = t.renew("a", a.epoch, 1010.0, bytes_up=10, bytes_down=0)
+    assert r.rate_up == pytest.approx(2.0) and r.rate_down == 0.0
+
+
+def test_expiry_removes_the_node_from_every_peer_list():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    t.join("b", "rollout", "eu", "h:2", now=1000.0)
+    t.renew("a", a.epoch, 1010.0)
+    assert {n.node_id for n in t.peers("x", "eu", 1014.9)} == {"a", "b"}
+    # b's lease ends at 1015: from then on it is in no list, even before a sweep.
+    assert [n.node_id for n in t.peers("x", "eu", 1015.0)] == ["a"]
+    assert t.get("b", 1015.0) is None
+    assert [n.node_id for n in t.expire(1015.0)] == ["b"]
+    assert t.expire(1015.0) == []
+    with pytest.raises(LeaseGone, match="no lease"):
+        t.renew("b", 2, 1016.0)
+
+
+def test_a_renewal_after_expiry_is_refused_even_before_the_sweep():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    with pytest.raises(LeaseGone, match="expired"):
+        t.renew("a", a.epoch, 1015.0)
+    assert t.live(1015.0) == []
+
+
+def test_epoch_fencing_refuses_messages_from_an_old_life():
+    t = table()
+    old = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    t.expire(1020.0)
+    new = t.join("a", "rollout", "eu", "h:1", now=1020.0)
+    assert new.epoch > old.epoch
+    with pytest.raises(LeaseGone, match="stale"):
+        t.renew("a", old.epoch, 1021.0)
+    with pytest.raises(LeaseGone, match="stale"):
+        t.leave("a", old.epoch, 1021.0)
+    assert t.get("a", 1021.0).epoch == new.epoch  # the old life's leave changed nothing
+    # Re-joining while the lease is still live (a restarted node) also starts a new life.
+    newer = t.join("a", "rollout", "eu", "h:1", now=1022.0)
+    assert newer.epoch > new.epoch
+    with pytest.raises(LeaseGone):
+        t.renew("a", new.epoch, 1023.0)
+
+
+def test_leave_ends_the_lease_now():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    t.leave("a", a.epoch, 1001.0)
+    assert t.live(1001.0) == []
+    with pytest.raises(LeaseGone):
+        t.leave("a", a.epoch, 1001.0)
+
+
+def test_peer_lists_are_region_aware_and_limited():
+    t = table()
+    for i in range(6):
+        t.join(f"eu{i}", "rollout", "eu", f"h:{i}", now=1000.0)
+        t.join(f"us{i}", "rollout", "us", f"g:{i}", now=1000.0)
+    peers = t.peers("eu0", "eu", 1001.0, rng=random.Random(1))
+    assert [p.region for p in peers] == ["eu"] * 5 + ["us"] * 6
+    assert "eu0" not in {p.node_id for p in peers}
+    few = t.peers("eu0", "eu", 1001.0, limit=7, rng=random.Random(1))
+    assert len(few) == 7 and [p.region for p in few] == ["eu"] * 5 + ["us"] * 2
+    # Shuffled within a region, so simultaneous askers spread their load.
+    orders = {tuple(p.node_id for p in t.peers("x", "us", 1001.0, rng=random.Random(s))[:6]) for s in range(10)}
+    assert len(orders) > 1
+
+
+def test_bad_join_input_is_refused():
+    t = table()
+    with pytest.raises(InputError, match="role"):
+        t.join("a", "boss", "eu", "h:1", now=1000.0)
+    with pytest.raises(InputError, match="region"):
+        t.join("a", "rollout", "eu west", "h:1", now=1000.0)
+    with pytest.raises(InputError, match="node id"):
+        t.join("../a", "rollout", "eu", "h:1", now=1000.0)
+    with pytest.raises(InputError, match="address"):
+        t.join("a", "rollout", "eu", "", now=1000.0)
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    with pytest.raises(InputError, match="versions"):
+        t.renew("a", a.epoch, 1001.0, versions=list(range(5000)))
+    with pytest.raises(InputError, match="TTL"):
+        LeaseTable(0, now=0)
+
+
+def test_states_and_the_snapshot():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    t.join("b", "relay", "us", "h:2", now=1000.0)
+    t.renew("a", a.epoch, 1004.0, versions=[7], engine_version=6)
+    t.set_latest_version(5)
+    snap = t.snapshot(1005.0, tracker={"node_id": "trainer"})
+    assert snap["latest_version"] == 7  # a node already reports 7
+    assert snap["lease_ttl"] == TTL and snap["tracker"] == {"node_id": "trainer"}
+    rows = {n["node_id"]: n for n in snap["nodes"]}
+    assert rows["a"]["state"] == "up" and rows["a"]["lease_expires_in"] == 14.0
+    assert rows["a"]["versions"] == [7] and rows["a"]["engine_version"] == 6
+    assert rows["b"]["state"] == "joining"
+    # A node that missed a renewal and a half is stale, before it expires.
+    assert node_state(t.get("b", 1008.0), 1008.0, TTL) == "stale"
+    assert renew_interval(TTL) == 5.0
+    for key in ("node_id", "role", "region", "address", "lease_expires_in", "versions", "engine_version",
+                "bytes_up", "bytes_down"):
+        assert key in rows["b"]
+
+
+def test_restart_from_the_persisted_state(tmp_path):
+    db = tmp_path / "tracker.db"
+    t = table(store=SqliteLeaseStore(db))
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    b = t.join("b", "rollout", "us", "h:2", now=1000.0)
+    t.renew("a", a.epoch, 1003.0, versions=[1, 2], engine_version=2, bytes_up=10, bytes_down=20)
+    c = t.join("c", "rollout", "us", "h:3", now=1000.0)
+    t.leave("c", c.epoch, 1004.0)
+    t.set_latest_version(2)
+
+    # The tracker comes back 5 s later: same nodes, same epochs, no re-join.
+    t2 = table(now=1009.0, store=SqliteLeaseStore(db))
+    assert [n.node_id for n in t2.live(1009.0)] == ["a", "b"]
+    ra = t2.get("a", 1009.0)
+    assert (ra.epoch, ra.versions, ra.engine_version, ra.bytes_down) == (a.epoch, (1, 2), 2, 20)
+    assert t2.latest_version == 2
+    t2.renew("a", a.epoch, 1010.0)
+    t2.renew("b", b.epoch, 1010.0)
+    # Epochs keep growing across restarts: no new life can reuse an old epoch.
+    assert t2.join("d", "rollout", "eu", "h:4", now=1010.0).epoch > c.epoch
+
+    # Down longer than a TTL: leases get one TTL of grace from the restart, then expire as usual.
+    t3 = table(now=2000.0, store=SqliteLeaseStore(db))
+    assert {n.node_id for n in t3.live(2014.9)} == {"a", "b", "d"}
+    t3.renew("a", a.epoch, 2005.0)
+    assert [n.node_id for n in t3.expire(2015.0)] == ["b", "d"]
+    t4 = table(now=2016.0, store=SqliteLeaseStore(db))
+    assert [n.node_id for n in t4.live(2016.0)] == ["a"]
