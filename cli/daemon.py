@@ -1,0 +1,230 @@
+"""``sparrowd run``, ``join``, ``leave`` and ``status``: the daemon and its swarm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from sparrowd.checkpoint import atomic_file
+from sparrowd.daemon.settings import DEFAULT_LISTEN, default_data_dir, load_settings, read_token
+from sparrowd.errors import InputError, SparrowError
+from sparrowd.swarm.leases import ROLES
+
+from .status import render_status
+
+_SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
+                  "node_id", "peer_limit", "log_format", "log_level")
+
+
+def register(sub) -> None:
+    r = sub.add_parser(
+        "run", help="run the daemon in the foreground (what systemd starts)",
+        description="Run the sparrowd daemon in the foreground. Settings come from flags, then SPARROWD_* "
+                    "environment variables, then the TOML file given by --config; flags win. SIGTERM or SIGINT "
+                    "leaves the swarm and exits 0.")
+    r.add_argument("--role", choices=ROLES, help="trainer (seed and tracker), rollout, or relay")
+    r.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve peers on (default {DEFAULT_LISTEN}; "
+                                                         "port 0 picks a free one)")
+    r.add_argument("--data-dir", metavar="DIR", help=f"state: lease database, chunks (default {default_data_dir()})")
+    r.add_argument("--region", metavar="NAME", help="region of this node, e.g. us-east (peers prefer their region)")
+    r.add_argument("--token-file", metavar="FILE", help="file holding the swarm token (mode 0600)")
+    r.add_argument("--tracker", metavar="URL", help="the trainer's daemon, http://HOST:PORT (not for the trainer)")
+    r.add_argument("--advertise", metavar="HOST:PORT",
+                   help="address other nodes should use (default: the listen address, or the address that routes "
+                        "to the tracker when listening on all interfaces)")
+    r.add_argument("--lease-ttl", metavar="SECONDS", help="lease time-to-live the tracker grants (trainer; default 15)")
+    r.add_argument("--node-id", metavar="ID", help="node id (default: generated once, kept in the data dir)")
+    r.add_argument("--peer-limit", metavar="N", help="most peers handed out per list (trainer; default 32)")
+    r.add_argument("--log-format", choices=("text", "json"), help="log format (default text)")
+    r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
+    r.set_defaults(func=cmd_run)
+
+    j = sub.add_parser(
+        "join", help="start a daemon in the background that joins the swarm at URL",
+        description="Write the settings to DATA_DIR/sparrowd.toml, start `sparrowd run --config` on them in the "
+                    "background (log in DATA_DIR/sparrowd.log) and wait until it holds a lease. Under systemd use "
+                    "`sparrowd install` instead; `sparrowd leave` stops a daemon started this way.")
+    j.add_argument("tracker", metavar="URL", help="the tracker (trainer's daemon), http://HOST:PORT")
+    j.add_argument("--token-file", required=True, metavar="FILE", help="file holding the swarm token")
+    j.add_argument("--region", required=True, metavar="NAME", help="region of this node")
+    j.add_argument("--data-dir", metavar="DIR", help=f"state folder (default {default_data_dir()})")
+    j.add_argument("--role", choices=("rollout", "relay"), default="rollout", help="default rollout")
+    j.add_argument("--listen", metavar="HOST:PORT", help=f"default {DEFAULT_LISTEN}")
+    j.add_argument("--advertise", metavar="HOST:PORT", help="address other nodes should use")
+    j.add_argument("--node-id", metavar="ID", help="node id (default: generated once, kept in the data dir)")
+    j.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the lease (default 30)")
+    j.set_defaults(func=cmd_join)
+
+    lv = sub.add_parser("leave", help="make the local daemon leave the swarm and stop",
+                        description="Ask the daemon running on DATA_DIR to leave the swarm (its lease ends at once) "
+                                    "and exit, and wait until it has.")
+    lv.add_argument("--data-dir", metavar="DIR", help=f"the daemon's state folder (default {default_data_dir()})")
+    lv.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="default 15")
+    lv.set_defaults(func=cmd_leave)
+
+    st = sub.add_parser("status", help="who is in the swarm: one row per node",
+                        description="Print the tracker's status snapshot: one row per live node and the latest "
+                                    "version. --json prints the snapshot itself (docs/STATUS.md).")
+    st.add_argument("--tracker", metavar="URL", default=os.environ.get("SPARROWD_TRACKER"),
+                    help="the tracker, http://HOST:PORT (default $SPARROWD_TRACKER)")
+    st.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
+                    help="file holding the swarm token (default $SPARROWD_TOKEN_FILE)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.set_defaults(func=cmd_status)
+
+
+# ---------------------------------------------------------------- run
+
+
+def cmd_run(args) -> int:
+    from sparrowd.daemon.app import run_daemon
+    from sparrowd.daemon.logs import setup_logging
+
+    settings = load_settings({k: getattr(args, k) for k in _SETTING_FLAGS}, config=args.config)
+    setup_logging(settings.log_format, settings.log_level)
+    return run_daemon(settings)
+
+
+# ---------------------------------------------------------------- a small HTTP client for local commands
+
+
+def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0) -> dict:
+    """One JSON call to a daemon, with the swarm token; errors become one-line SparrowErrors."""
+    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"},
+                                 data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read(16 << 20)
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise SparrowError(f"{url}: the daemon refused the swarm token") from None
+        raise SparrowError(f"{url}: HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise SparrowError(f"{url}: unreachable ({getattr(reason, 'strerror', None) or reason})") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise SparrowError(f"{url}: the reply is not JSON") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- join and leave
+
+
+def _toml_value(v) -> str:
+    return json.dumps(v) if isinstance(v, str) else str(v)
+
+
+def cmd_join(args) -> int:
+    from sparrowd.daemon.app import RUNTIME_FILE, read_runtime
+
+    data_dir = Path(args.data_dir or default_data_dir()).expanduser().absolute()
+    flags = {"role": args.role, "tracker": args.tracker, "region": args.region, "data_dir": str(data_dir),
+             "token_file": str(Path(args.token_file).expanduser().absolute()), "listen": args.listen,
+             "advertise": args.advertise, "node_id": args.node_id}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    settings = load_settings(flags, env={})  # check everything before writing anything
+    read_token(settings.token_file)
+    running = read_runtime(data_dir)
+    if running and _alive(int(running.get("pid", 0))):
+        raise InputError(f"a daemon already runs on {data_dir} (pid {running['pid']}); `sparrowd leave` first")
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config = data_dir / "sparrowd.toml"
+    with atomic_file(config) as tmp:
+        Path(tmp).write_text("# written by `sparrowd join`\n" + "".join(f"{k} = {_toml_value(v)}\n"
+                                                                       for k, v in flags.items()))
+    log_path = data_dir / "sparrowd.log"
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", "--config", str(config)],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if not k.startswith("SPARROWD_")})
+    token, _ = read_token(settings.token_file)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SparrowError(f"the daemon exited ({proc.returncode}): {_last_error(log_path)}")
+        info = read_runtime(data_dir)
+        if info and info.get("pid") == proc.pid:
+            try:
+                node = http_call(f"{info['url']}/v1/node", token, timeout=2.0)
+            except SparrowError:
+                node = {}
+            if node.get("epoch") is not None:
+                print(f"joined {args.tracker} as {node['node_id']} (region {node['region']}, epoch {node['epoch']}, "
+                      f"{len(node.get('peers', []))} peers); daemon pid {proc.pid}, log {log_path}")
+                return 0
+        time.sleep(0.1)
+    raise SparrowError(f"no lease after {args.timeout:g} s (daemon pid {proc.pid} keeps trying; "
+                       f"see {log_path}, or `sparrowd leave --data-dir {data_dir}`); {RUNTIME_FILE} "
+                       f"{'written' if read_runtime(data_dir) else 'not written'}")
+
+
+def _last_error(log_path: Path) -> str:
+    try:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "error" in line.lower() or "stopping" in line:
+            return line.split("sparrowd: error: ", 1)[-1].strip()
+    return lines[-1] if lines else "no log"
+
+
+def cmd_leave(args) -> int:
+    from sparrowd.daemon.app import read_runtime
+
+    data_dir = Path(args.data_dir or default_data_dir()).expanduser().absolute()
+    info = read_runtime(data_dir)
+    if not info or not _alive(int(info.get("pid", 0))):
+        raise InputError(f"no daemon runs on {data_dir}")
+    token, _ = read_token(Path(info["token_file"]))
+    http_call(f"{info['url']}/v1/node/leave", token, method="POST")
+    deadline = time.monotonic() + args.timeout
+    while _alive(int(info["pid"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(int(info["pid"])) and read_runtime(data_dir):
+        raise SparrowError(f"daemon pid {info['pid']} is still running after {args.timeout:g} s")
+    print(f"{info['node_id']} left the swarm; daemon pid {info['pid']} stopped")
+    return 0
+
+
+# ---------------------------------------------------------------- status
+
+
+def fetch_status(tracker: str, token_file: str) -> dict:
+    if not tracker:
+        raise InputError("give --tracker http://HOST:PORT (or set SPARROWD_TRACKER)")
+    if not token_file:
+        raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
+    token, _ = read_token(Path(token_file).expanduser())
+    snap = http_call(f"{tracker.rstrip('/')}/v1/tracker/status", token)
+    if not isinstance(snap, dict) or not isinstance(snap.get("nodes"), list):
+        raise SparrowError(f"{tracker}: the reply is not a status snapshot")
+    return snap
+
+
+def cmd_status(args) -> int:
+    snap = fetch_status(args.tracker, args.token_file)
+    if args.json:
+        print(json.dumps(snap, indent=2))
+    else:
+        print(render_status(snap))
+    return 0

@@ -1,0 +1,346 @@
+"""The daemon: one per node. HTTP on aiohttp; the trainer's also hosts the tracker.
+
+Lifecycle: lock the data dir, read the token, open the lease database (trainer),
+bind the listener, write ``daemon.json`` (how local commands find the daemon),
+tell systemd READY=1, then keep the lease until SIGTERM/SIGINT or a local
+``sparrowd leave``; on the way out leave the swarm, flush and close the lease
+database, remove ``daemon.json`` and exit 0.
+
+Every HTTP route needs the swarm token (``Authorization: Bearer TOKEN``,
+compared in constant time); anything else gets 401 and a log line, and learns
+nothing about the swarm, not even which paths exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from .. import __version__
+from ..checkpoint import atomic_file
+from ..errors import FormatError, InputError
+from ..schema import pack, unpack
+from ..swarm.leases import LeaseGone, LeaseTable, check_name
+from . import sdnotify
+from .leasedb import SqliteLeaseStore
+from .logs import event
+from .membership import (
+    MAX_TRACKER_MESSAGE,
+    MSGPACK,
+    HttpTrackerClient,
+    LocalTrackerClient,
+    Membership,
+    bearer,
+)
+from .metrics import CONTENT_TYPE, DaemonMetrics
+from .settings import Settings, read_token
+from .tracker import TrackerService
+
+__all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
+
+log = logging.getLogger("sparrowd.daemon")
+
+RUNTIME_FILE = "daemon.json"
+MAX_BODY = 1 << 20
+SWEEP_EVERY = 1.0
+_UNAUTHORIZED_LOG_EVERY = 10.0
+
+
+def read_runtime(data_dir: Path) -> dict | None:
+    """What a running daemon wrote about itself, or None when none runs there."""
+    try:
+        info = json.loads((Path(data_dir) / RUNTIME_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
+
+
+def _route_to(url: str) -> str:
+    """The local address the kernel would use to reach the tracker (no packet is sent)."""
+    u = urlsplit(url)
+    family = socket.AF_INET6 if ":" in (u.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((u.hostname, u.port or 80))
+        return s.getsockname()[0]
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, env=os.environ):
+        self.settings = settings
+        self.env = env
+        self.data_dir = settings.data_dir
+        self.node_id = ""
+        self.address = ""
+        self.url = ""
+        self.tracker: TrackerService | None = None
+        self.membership: Membership | None = None
+        self.metrics = DaemonMetrics(self)
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        self._store: SqliteLeaseStore | None = None
+        self._runner: web.AppRunner | None = None
+        self._client = None
+        self._tasks: list[asyncio.Task] = []
+        self._lock_fd: int | None = None
+        self._wrote_runtime = False
+        self._auth_digest = b""
+        self._last_unauthorized_log: dict[str, float] = {}
+
+    # ------------------------------------------------------------ state other parts read
+
+    def versions_held(self) -> list[int]:
+        return []  # the chunk store arrives with the swarm
+
+    def report(self) -> dict:
+        return {
+            "versions": self.versions_held(),
+            "engine_version": None,
+            "bytes_up": sum(v for (d, _), v in self.metrics.bytes.items() if d == "up"),
+            "bytes_down": sum(v for (d, _), v in self.metrics.bytes.items() if d == "down"),
+        }
+
+    # ------------------------------------------------------------ start and stop
+
+    def _prepare_data_dir(self) -> None:
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise InputError(f"data dir {self.data_dir}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            other = read_runtime(self.data_dir) or {}
+            raise InputError(
+                f"data dir {self.data_dir} is in use by another sparrowd (pid {other.get('pid', '?')})"
+            ) from None
+        self._lock_fd = fd
+        id_file = self.data_dir / "node_id"
+        if self.settings.node_id:
+            self.node_id = self.settings.node_id
+        elif id_file.exists():
+            self.node_id = check_name("node id in " + str(id_file), id_file.read_text().strip())
+        else:
+            self.node_id = f"{self.settings.role}-{secrets.token_hex(4)}"
+        if not id_file.exists() or id_file.read_text().strip() != self.node_id:
+            with atomic_file(id_file) as tmp:
+                Path(tmp).write_text(self.node_id + "\n")
+
+    async def start(self) -> None:
+        s = self.settings
+        self._prepare_data_dir()
+        token, too_open = read_token(s.token_file)
+        if too_open:
+            event(log, logging.WARNING, "token file is readable by group or others; chmod 600 it", path=s.token_file)
+        self._auth_digest = hashlib.sha256(bearer(token).encode()).digest()
+
+        if s.is_tracker:
+            self._store = SqliteLeaseStore(self.data_dir / "tracker.db")
+            table = LeaseTable(s.lease_ttl, now=time.time(), store=self._store)
+            self.tracker = TrackerService(table, tracker_id=self.node_id, peer_limit=s.peer_limit)
+            restored = table.live(time.time())
+            if restored:
+                event(log, logging.INFO, "tracker restored its lease table", nodes=len(restored))
+
+        app = web.Application(middlewares=[self._auth_middleware], client_max_size=MAX_BODY)
+        app.add_routes([
+            web.get("/metrics", self._metrics),
+            web.get("/v1/node", self._node_info),
+            web.post("/v1/node/leave", self._node_leave),
+        ])
+        if self.tracker is not None:
+            app.add_routes([
+                web.post("/v1/tracker/join", self._tracker_call("join")),
+                web.post("/v1/tracker/renew", self._tracker_call("renew")),
+                web.post("/v1/tracker/leave", self._tracker_call("leave")),
+                web.get("/v1/tracker/status", self._tracker_status),
+            ])
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        host, port = s.listen
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            raise InputError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        bound_port = self._runner.addresses[0][1]
+
+        if s.advertise:
+            adv_host, adv_port = s.advertise
+        else:
+            adv_host = host if not _wildcard(host) else (
+                _route_to(s.tracker) if s.tracker else socket.gethostbyname(socket.gethostname()))
+            adv_port = bound_port
+        self.address = f"[{adv_host}]:{adv_port}" if ":" in adv_host else f"{adv_host}:{adv_port}"
+        local_host = "127.0.0.1" if _wildcard(host) else host
+        self.url = f"http://[{local_host}]:{bound_port}" if ":" in local_host else f"http://{local_host}:{bound_port}"
+
+        me = {"node_id": self.node_id, "role": s.role, "region": s.region, "address": self.address}
+        if self.tracker is not None:
+            self._client = LocalTrackerClient(self.tracker)
+        else:
+            self._client = HttpTrackerClient(s.tracker, token, timeout=min(5.0, s.lease_ttl / 3))
+        self.membership = Membership(self._client, me, report=self.report, on_fatal=self._fatal)
+        self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        if self.tracker is not None:
+            self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
+        interval = sdnotify.watchdog_interval(self.env)
+        if interval:
+            self._tasks.append(asyncio.create_task(self._watchdog(interval), name="watchdog"))
+
+        with atomic_file(self.data_dir / RUNTIME_FILE) as tmp:
+            Path(tmp).write_text(json.dumps({
+                "pid": os.getpid(), "node_id": self.node_id, "role": s.role, "region": s.region,
+                "url": self.url, "address": self.address, "tracker": s.tracker or self.url,
+                "token_file": str(s.token_file), "version": __version__, "started_at": time.time(),
+            }, indent=1) + "\n")
+        self._wrote_runtime = True
+        sdnotify.notify(f"READY=1\nSTATUS=listening on {host}:{bound_port} as {self.node_id}", self.env)
+        event(log, logging.INFO, "daemon started", node_id=self.node_id, role=s.role, region=s.region,
+              listen=f"{host}:{bound_port}", advertise=self.address, tracker=s.tracker or "self")
+
+    def _fatal(self, e: Exception) -> None:
+        event(log, logging.ERROR, "stopping", reason=str(e))
+        self.exit_code = 1
+        self.stopping.set()
+
+    async def stop(self) -> None:
+        sdnotify.notify("STOPPING=1", self.env)
+        if self.membership is not None and self.exit_code == 0:
+            await self.membership.leave()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._store is not None:
+            self._store.close()
+        if self._wrote_runtime:
+            (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        event(log, logging.INFO, "daemon stopped", node_id=self.node_id, exit_code=self.exit_code)
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            self.tracker.sweep()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            sdnotify.notify("WATCHDOG=1", self.env)
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------ HTTP
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler):
+        given = hashlib.sha256(request.headers.get("Authorization", "").encode()).digest()
+        if not hmac.compare_digest(given, self._auth_digest):
+            self.metrics.unauthorized += 1
+            peer = request.remote or "?"
+            now = time.monotonic()
+            if now - self._last_unauthorized_log.get(peer, -1e9) >= _UNAUTHORIZED_LOG_EVERY:
+                self._last_unauthorized_log[peer] = now
+                event(log, logging.WARNING, "refused a request without the swarm token", remote=peer,
+                      method=request.method, path=request.path[:100])
+            return web.json_response({"error": "unauthorized"}, status=401)
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:
+            self.metrics.requests[(request.path if e.status != 404 else "other", e.status)] += 1
+            raise
+        self.metrics.requests[(request.path, response.status)] += 1
+        return response
+
+    def _tracker_call(self, name: str):
+        method = getattr(self.tracker, name)
+
+        async def handler(request: web.Request) -> web.Response:
+            if request.content_type != MSGPACK:
+                return web.json_response({"error": f"body must be {MSGPACK}"}, status=415)
+            if (request.content_length or 0) > MAX_TRACKER_MESSAGE:
+                return _too_large(request.content_length)
+            body = await request.content.read(MAX_TRACKER_MESSAGE + 1)
+            if len(body) > MAX_TRACKER_MESSAGE:  # no or a false Content-Length
+                return _too_large(len(body))
+            try:
+                reply = method(unpack(body, what=name, max_len=MAX_TRACKER_MESSAGE))
+            except LeaseGone as e:
+                return web.json_response({"error": str(e)}, status=410)
+            except (FormatError, InputError) as e:
+                return web.json_response({"error": str(e)}, status=400)
+            return web.Response(body=pack(reply), content_type=MSGPACK)
+
+        return handler
+
+    async def _tracker_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.tracker.status())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _node_info(self, request: web.Request) -> web.Response:
+        m = self.membership
+        return web.json_response({
+            "node_id": self.node_id, "role": self.settings.role, "region": self.settings.region,
+            "address": self.address, "tracker": self.settings.tracker or self.url, "pid": os.getpid(),
+            "epoch": m.state.epoch if m else None, "lease_expires_in": m.lease_left() if m else None,
+            "tracker_reachable": bool(m and m.state.tracker_reachable), "peers": m.state.peers if m else [],
+            "versions": self.versions_held(),
+        })
+
+    async def _node_leave(self, request: web.Request) -> web.Response:
+        event(log, logging.INFO, "asked to leave the swarm", remote=request.remote or "?")
+        asyncio.get_running_loop().call_soon(self.stopping.set)
+        return web.json_response({"leaving": True}, status=202)
+
+
+def _too_large(size: int) -> web.Response:
+    return web.json_response({"error": f"message of {size} bytes exceeds the limit of {MAX_TRACKER_MESSAGE}"},
+                             status=413)
+
+
+async def _serve(settings: Settings) -> int:
+    daemon = Daemon(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stopping.set)
+    try:
+        await daemon.start()
+    except BaseException:
+        await daemon.stop()
+        raise
+    await daemon.stopping.wait()
+    event(log, logging.INFO, "shutting down", node_id=daemon.node_id)
+    await daemon.stop()
+    return daemon.exit_code
+
+
+def run_daemon(settings: Settings) -> int:
+    """Run until told to stop; the exit status (0 after a clean shutdown)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux
+        return asyncio.run(_serve(settings))
+    return uvloop.run(_serve(settings))

@@ -1,0 +1,246 @@
+"""A node's side of membership: join, renew about every third of the TTL, leave.
+
+The loop keeps one lease. It joins (retrying with capped exponential backoff
+while the tracker is unreachable), renews a little before each third of the
+TTL (random jitter, never later, so one lost renewal leaves a third of the
+lease spare), re-joins at once when a renewal finds its lease gone (expired,
+or the tracker forgot it), and leaves on shutdown. A tracker that is down
+does not end the lease on the node's side: the node keeps trying, and a
+restarted tracker that kept its table accepts the next renewal as if nothing
+happened.
+
+Two clients speak to a tracker: :class:`HttpTrackerClient` over the network,
+and :class:`LocalTrackerClient` for the trainer, whose tracker is in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from ..errors import FormatError, SparrowError
+from ..schema import pack, unpack
+from ..swarm.leases import LeaseGone
+from .logs import event
+from .tracker import TrackerService
+
+__all__ = [
+    "Membership",
+    "HttpTrackerClient",
+    "LocalTrackerClient",
+    "TrackerUnavailable",
+    "Unauthorized",
+    "MSGPACK",
+    "MAX_TRACKER_MESSAGE",
+]
+
+log = logging.getLogger("sparrowd.membership")
+
+MSGPACK = "application/msgpack"
+MAX_TRACKER_MESSAGE = 256 << 10
+
+
+class TrackerUnavailable(SparrowError):
+    """The tracker could not be reached or failed; try again later."""
+
+
+class Unauthorized(SparrowError):
+    """The tracker refused the swarm token."""
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+class HttpTrackerClient:
+    """Tracker calls over HTTP: msgpack bodies, the swarm token as a bearer token."""
+
+    def __init__(self, url: str, token: str, *, timeout: float = 5.0):
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": bearer(token), "Content-Type": MSGPACK}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _call(self, path: str, msg: dict) -> dict:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.post(f"{self.url}{path}", data=pack(msg), headers=self._headers) as r:
+                body = await r.content.read(MAX_TRACKER_MESSAGE + 1)
+                if r.status == 200:
+                    reply = unpack(body, what=f"tracker reply to {path}", max_len=MAX_TRACKER_MESSAGE)
+                    if not isinstance(reply, dict):
+                        raise FormatError(f"tracker reply to {path}: not a map")
+                    return reply
+                reason = _error_text(body)
+                if r.status == 401:
+                    raise Unauthorized(f"tracker {self.url} refused the swarm token")
+                if r.status == 410:
+                    raise LeaseGone(reason)
+                if r.status == 400:
+                    raise FormatError(f"tracker refused {path}: {reason}")
+                raise TrackerUnavailable(f"tracker {self.url}{path}: HTTP {r.status} {reason}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise TrackerUnavailable(f"tracker {self.url} unreachable: {type(e).__name__} {e}".rstrip()) from None
+
+    async def join(self, msg: dict) -> dict:
+        return await self._call("/v1/tracker/join", msg)
+
+    async def renew(self, msg: dict) -> dict:
+        return await self._call("/v1/tracker/renew", msg)
+
+    async def leave(self, msg: dict) -> dict:
+        return await self._call("/v1/tracker/leave", msg)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body[:4096])["error"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return "(no reason given)"
+
+
+class LocalTrackerClient:
+    """The trainer's own membership: straight into its tracker service."""
+
+    def __init__(self, service: TrackerService):
+        self.service = service
+
+    async def join(self, msg: dict) -> dict:
+        return self.service.join(dict(msg))
+
+    async def renew(self, msg: dict) -> dict:
+        return self.service.renew(dict(msg))
+
+    async def leave(self, msg: dict) -> dict:
+        return self.service.leave(dict(msg))
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class LeaseState:
+    epoch: int | None = None
+    ttl: float | None = None
+    renew_interval: float = 5.0
+    expires_at: float | None = None  # time.monotonic() on this node
+    peers: list[dict] = field(default_factory=list)
+    tracker_reachable: bool = False
+    joins: int = 0
+
+
+class Membership:
+    """Keeps this node's lease. ``report()`` gives what renewals carry (versions, bytes)."""
+
+    MAX_BACKOFF = 10.0
+
+    def __init__(
+        self,
+        client,
+        me: dict,
+        *,
+        report: Callable[[], dict] | None = None,
+        rng: random.Random | None = None,
+        on_fatal: Callable[[Exception], None] | None = None,
+    ):
+        self.client, self.me = client, dict(me)
+        self.report = report or (lambda: {})
+        self.rng = rng or random.Random(int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
+        self.on_fatal = on_fatal
+        self.state = LeaseState()
+        self.joined = asyncio.Event()
+        self._in_outage = False
+
+    def lease_left(self) -> float | None:
+        if self.state.expires_at is None:
+            return None
+        return max(0.0, self.state.expires_at - time.monotonic())
+
+    def _take(self, reply: dict, sent_at: float) -> None:
+        s = self.state
+        s.epoch = int(reply["epoch"])
+        s.ttl = float(reply["lease_ttl"])
+        s.renew_interval = float(reply["renew_interval"])
+        s.expires_at = sent_at + float(reply["expires_in"])  # measured from sending: errs on the short side
+        s.peers = list(reply.get("peers") or [])
+        s.tracker_reachable = True
+        if self._in_outage:
+            event(log, logging.INFO, "tracker reachable again", epoch=s.epoch)
+            self._in_outage = False
+
+    async def _join(self) -> None:
+        sent = time.monotonic()
+        reply = await self.client.join(dict(self.me))
+        self._take(reply, sent)
+        self.state.joins += 1
+        self.joined.set()
+        event(log, logging.INFO, "joined the swarm", node_id=self.me["node_id"], epoch=self.state.epoch,
+              lease_ttl=self.state.ttl, peers=len(self.state.peers))
+
+    async def _renew(self) -> None:
+        sent = time.monotonic()
+        msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, **self.report()}
+        self._take(await self.client.renew(msg), sent)
+
+    async def run(self) -> None:
+        backoff = 0.5
+        while True:
+            if self.state.epoch is None:
+                try:
+                    await self._join()
+                    backoff = 0.5
+                except (TrackerUnavailable, FormatError) as e:
+                    self._unreachable(e)
+                    await asyncio.sleep(backoff * self.rng.uniform(0.5, 1.0))
+                    backoff = min(backoff * 2, self.MAX_BACKOFF)
+                    continue
+                except Unauthorized as e:
+                    if self.state.joins == 0 and self.on_fatal:  # a wrong token at start: say so and stop
+                        self.on_fatal(e)
+                        return
+                    self._unreachable(e)
+                    await asyncio.sleep(self.MAX_BACKOFF)
+                    continue
+            await asyncio.sleep(self.state.renew_interval * self.rng.uniform(0.85, 1.0))
+            try:
+                await self._renew()
+            except LeaseGone as e:
+                event(log, logging.WARNING, "lease gone; re-joining", reason=str(e))
+                self.state.epoch = None
+            except (TrackerUnavailable, Unauthorized, FormatError) as e:
+                self._unreachable(e)
+
+    def _unreachable(self, e: Exception) -> None:
+        """One warning per outage, not one per retry."""
+        if not self._in_outage:
+            event(log, logging.WARNING, "tracker unavailable; will retry", reason=str(e))
+            self._in_outage = True
+        self.state.tracker_reachable = False
+
+    async def leave(self, timeout: float = 3.0) -> bool:
+        """End the lease at the tracker; False if it could not be told (the lease then just expires)."""
+        if self.state.epoch is None:
+            return False
+        try:
+            await asyncio.wait_for(self.client.leave({"node_id": self.me["node_id"], "epoch": self.state.epoch}), timeout)
+        except (asyncio.TimeoutError, SparrowError) as e:
+            event(log, logging.WARNING, "could not leave cleanly; the lease will expire", reason=str(e))
+            return False
+        event(log, logging.INFO, "left the swarm", node_id=self.me["node_id"], epoch=self.state.epoch)
+        self.state.epoch = None
+        self.state.expires_at = None
+        return True

@@ -1,0 +1,88 @@
+"""Prometheus metrics at ``/metrics``, read from the daemon's state at scrape time.
+
+A collector rather than gauges updated in place: the numbers come straight
+from the lease table and the membership state when Prometheus asks, so they
+cannot drift from what ``sparrowd status`` shows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["DaemonMetrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REGION_CLASSES = ("same", "other")
+
+
+class DaemonMetrics:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.unauthorized = 0
+        self.bytes: Counter[tuple[str, str]] = Counter()  # (direction, region class) -> bytes; the swarm fills it
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self):
+        d = self.daemon
+        info = GaugeMetricFamily("sparrowd_info", "This daemon", labels=["node_id", "role", "region"])
+        info.add_metric([d.node_id, d.settings.role, d.settings.region], 1)
+        yield info
+
+        m = d.membership
+        left = m.lease_left() if m else None
+        g = GaugeMetricFamily("sparrowd_lease_expires_in_seconds", "Time left on this node's lease (0 if none)")
+        g.add_metric([], left or 0.0)
+        yield g
+        g = GaugeMetricFamily("sparrowd_tracker_reachable", "1 if the last tracker call succeeded")
+        g.add_metric([], 1.0 if m and m.state.tracker_reachable else 0.0)
+        yield g
+
+        peers = GaugeMetricFamily("sparrowd_peers", "Peers in the last list from the tracker", labels=["region_class"])
+        regions = Counter(
+            "same" if p.get("region") == d.settings.region else "other" for p in (m.state.peers if m else [])
+        )
+        for rc in REGION_CLASSES:
+            peers.add_metric([rc], regions[rc])
+        yield peers
+
+        b = CounterMetricFamily("sparrowd_bytes", "Bytes moved by the swarm", labels=["direction", "region_class"])
+        for direction in ("up", "down"):
+            for rc in REGION_CLASSES:
+                b.add_metric([direction, rc], self.bytes[(direction, rc)])
+        yield b
+
+        v = GaugeMetricFamily("sparrowd_versions_held", "Versions this node holds complete")
+        v.add_metric([], len(d.versions_held()))
+        yield v
+
+        if d.tracker is not None:
+            snap = d.tracker.status()
+            states = Counter(n["state"] for n in snap["nodes"])
+            leases = GaugeMetricFamily("sparrowd_tracker_leases", "Live leases by state", labels=["state"])
+            for state in ("joining", "up", "stale"):
+                leases.add_metric([state], states[state])
+            yield leases
+            by_region = GaugeMetricFamily("sparrowd_tracker_nodes", "Live nodes by region and role",
+                                          labels=["region", "role"])
+            for (region, role), count in sorted(Counter((n["region"], n["role"]) for n in snap["nodes"]).items()):
+                by_region.add_metric([region, role], count)
+            yield by_region
+            lv = GaugeMetricFamily("sparrowd_latest_version", "Latest version known to the tracker (-1 if none)")
+            lv.add_metric([], -1 if snap["latest_version"] is None else snap["latest_version"])
+            yield lv
+
+        req = CounterMetricFamily("sparrowd_http_requests", "HTTP requests served", labels=["endpoint", "status"])
+        for (endpoint, status), count in sorted(self.requests.items()):
+            req.add_metric([endpoint, str(status)], count)
+        yield req
+        un = CounterMetricFamily("sparrowd_unauthorized_requests", "Requests refused for a missing or wrong token")
+        un.add_metric([], self.unauthorized)
+        yield un

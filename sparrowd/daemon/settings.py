@@ -1,0 +1,207 @@
+"""One typed settings object for the daemon, from flags, environment and TOML.
+
+Precedence, highest first: command-line flags, ``SPARROWD_<NAME>`` environment
+variables, the TOML file (``--config`` or ``SPARROWD_CONFIG``), then defaults.
+Every value is parsed and checked once, at start; a bad one is a single
+:class:`InputError` naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import InputError
+from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
+
+__all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default_data_dir", "MIN_TOKEN_LEN"]
+
+MIN_TOKEN_LEN = 16
+DEFAULT_LISTEN = "0.0.0.0:7070"
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$")
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; port 0 asks the kernel for a free one."""
+    m = _HOSTPORT.match(str(text).strip())
+    if not m or int(m.group("port")) > 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return m.group("v6") or m.group("host"), int(m.group("port"))
+
+
+def _tracker_url(text: str) -> str:
+    u = urlsplit(str(text).strip())
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
+        raise ValueError(f"{text!r} is not a tracker URL like http://HOST:PORT")
+    try:
+        u.port
+    except ValueError:
+        raise ValueError(f"{text!r} has a bad port") from None
+    return f"{u.scheme}://{u.netloc}"
+
+
+def _positive_float(text: Any) -> float:
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0 < v < 86400:
+        raise ValueError("must be more than 0 and less than a day")
+    return v
+
+
+def _positive_int(text: Any) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise ValueError("must be at least 1")
+    return v
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(text: Any) -> str:
+        v = str(text).strip().lower()
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, not {text!r}")
+        return v
+
+    return parse
+
+
+def _name(kind: str) -> Callable[[Any], str]:
+    def parse(text: Any) -> str:
+        try:
+            return check_name(kind, str(text).strip())
+        except InputError as e:
+            raise ValueError(str(e)) from None
+
+    return parse
+
+
+def _path(text: Any) -> Path:
+    if not str(text).strip():
+        raise ValueError("must not be empty")
+    return Path(os.path.expanduser(str(text).strip())).absolute()
+
+
+def default_data_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """systemd's StateDirectory, else $XDG_STATE_HOME/sparrowd, else ~/.local/state/sparrowd."""
+    if env.get("STATE_DIRECTORY"):
+        return Path(env["STATE_DIRECTORY"].split(":")[0])
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "sparrowd"
+
+
+@dataclass(frozen=True)
+class Settings:
+    role: str
+    listen: tuple[str, int]
+    data_dir: Path
+    region: str
+    token_file: Path
+    tracker: str | None = None
+    advertise: tuple[str, int] | None = None
+    lease_ttl: float = DEFAULT_TTL
+    node_id: str | None = None
+    peer_limit: int = DEFAULT_PEER_LIMIT
+    log_format: str = "text"
+    log_level: str = "info"
+
+    @property
+    def is_tracker(self) -> bool:
+        return self.role == "trainer"
+
+
+# name -> parser; every setting of Settings appears here, nothing else is accepted
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "role": _choice(*ROLES),
+    "listen": parse_hostport,
+    "data_dir": _path,
+    "region": _name("region"),
+    "token_file": _path,
+    "tracker": _tracker_url,
+    "advertise": parse_hostport,
+    "lease_ttl": _positive_float,
+    "node_id": _name("node id"),
+    "peer_limit": _positive_int,
+    "log_format": _choice("text", "json"),
+    "log_level": _choice("debug", "info", "warning", "error"),
+}
+assert set(_PARSERS) == {f.name for f in fields(Settings)}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise InputError(f"config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"config {path}: not valid TOML ({e})") from None
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _PARSERS:
+            raise InputError(f"config {path}: unknown setting {key!r} (known: {', '.join(sorted(_PARSERS))})")
+        if isinstance(value, dict | list):
+            raise InputError(f"config {path}: setting {key!r} must be a single value")
+        out[name] = value
+    return out
+
+
+def load_settings(
+    flags: Mapping[str, Any], env: Mapping[str, str] = os.environ, config: str | Path | None = None
+) -> Settings:
+    """Merge the sources and check every value. ``flags`` holds only what was given (None = not given)."""
+    config = config or env.get("SPARROWD_CONFIG")
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config:
+        layers.append((f"config {config}", _read_toml(Path(config))))
+    layers.append(("environment", {n: env[f"SPARROWD_{n.upper()}"] for n in _PARSERS if f"SPARROWD_{n.upper()}" in env}))
+    layers.append(("flag", {n: v for n, v in flags.items() if n in _PARSERS and v is not None}))
+
+    values: dict[str, Any] = {}
+    for where, layer in layers:
+        for name, raw in layer.items():
+            label = f"--{name.replace('_', '-')}" if where == "flag" else (
+                f"SPARROWD_{name.upper()}" if where == "environment" else f"{name} in {where}")
+            try:
+                values[name] = _PARSERS[name](raw)
+            except ValueError as e:
+                raise InputError(f"setting {label}: {e}") from None
+
+    values.setdefault("listen", parse_hostport(DEFAULT_LISTEN))
+    values.setdefault("data_dir", default_data_dir(env))
+    for required in ("role", "region", "token_file"):
+        if required not in values:
+            flag = required.replace("_", "-")
+            raise InputError(f"missing setting: give --{flag}, SPARROWD_{required.upper()} or {required} in the config")
+    if values["role"] != "trainer" and "tracker" not in values:
+        raise InputError(f"a {values['role']} needs the tracker's address: --tracker http://HOST:PORT")
+    if values["role"] == "trainer" and "tracker" in values:
+        raise InputError("the trainer hosts the tracker itself; leave --tracker out")
+    return Settings(**values)
+
+
+def read_token(path: Path) -> tuple[str, bool]:
+    """The swarm token from its file, and whether the file is readable by group or others."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise InputError(f"token file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"token file {path}: not text") from None
+    if len(token) < MIN_TOKEN_LEN or any(c.isspace() for c in token):
+        raise InputError(f"token file {path}: the token must be one word of at least {MIN_TOKEN_LEN} characters")
+    return token, bool(st.st_mode & (stat.S_IRWXG | stat.S_IRWXO))

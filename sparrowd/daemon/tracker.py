@@ -1,0 +1,103 @@
+"""The tracker service: the lease table behind checked messages.
+
+Each method takes a decoded message (a dict from msgpack), checks it against
+its schema, calls the pure :class:`LeaseTable` with the current time and
+returns the reply as a dict. The HTTP handlers and the trainer's own
+membership (which talks to its tracker in-process) both go through here, so
+the same checks guard both paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from ..errors import FormatError
+from ..schema import Int, List, NonNegInt, Opt, Str, fields
+from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseTable, Node, renew_interval
+from .logs import event
+
+__all__ = ["TrackerService", "JOIN", "RENEW", "LEAVE"]
+
+log = logging.getLogger("sparrowd.tracker")
+
+JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str}
+RENEW = {
+    "node_id": Str,
+    "epoch": NonNegInt,
+    "versions": Opt(List),
+    "engine_version": Opt(Int),
+    "bytes_up": Opt(NonNegInt),
+    "bytes_down": Opt(NonNegInt),
+}
+LEAVE = {"node_id": Str, "epoch": NonNegInt}
+
+
+def _peer(n: Node) -> dict:
+    return {"node_id": n.node_id, "role": n.role, "region": n.region, "address": n.address}
+
+
+class TrackerService:
+    def __init__(
+        self,
+        table: LeaseTable,
+        *,
+        tracker_id: str,
+        peer_limit: int,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ):
+        self.table, self.tracker_id, self.peer_limit = table, tracker_id, peer_limit
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    def _lease_reply(self, node: Node, now: float) -> dict:
+        peers = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
+        return {
+            "node_id": node.node_id,
+            "epoch": node.epoch,
+            "lease_ttl": self.table.ttl,
+            "renew_interval": renew_interval(self.table.ttl),
+            "expires_in": node.expires_at - now,
+            "tracker_id": self.tracker_id,
+            "peers": [_peer(p) for p in peers],
+        }
+
+    def join(self, msg) -> dict:
+        m = fields(msg, JOIN, what="join")
+        now = self.clock()
+        node = self.table.join(m["node_id"], m["role"], m["region"], m["address"], now)
+        event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
+              address=node.address, epoch=node.epoch)
+        return self._lease_reply(node, now)
+
+    def renew(self, msg) -> dict:
+        m = fields(msg, RENEW, what="renew")
+        versions = m["versions"]
+        if versions is not None and (
+            len(versions) > MAX_VERSIONS_REPORTED
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
+        ):
+            raise FormatError(f"renew: field 'versions' must be at most {MAX_VERSIONS_REPORTED} integers >= 0")
+        node = self.table.renew(
+            m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
+            bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
+        )
+        return self._lease_reply(node, self.clock())
+
+    def leave(self, msg) -> dict:
+        m = fields(msg, LEAVE, what="leave")
+        node = self.table.leave(m["node_id"], m["epoch"], self.clock())
+        event(log, logging.INFO, "node left", node_id=node.node_id, region=node.region, epoch=node.epoch)
+        return {}
+
+    def sweep(self) -> list[Node]:
+        gone = self.table.expire(self.clock())
+        for n in gone:
+            event(log, logging.WARNING, "lease expired", node_id=n.node_id, region=n.region, epoch=n.epoch)
+        return gone
+
+    def status(self) -> dict:
+        return self.table.snapshot(self.clock(), tracker={"node_id": self.tracker_id})

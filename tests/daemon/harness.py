@@ -1,0 +1,127 @@
+"""Real daemons as separate processes on loopback, started and stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_token(path: Path) -> Path:
+    path.write_text(secrets.token_hex(24) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+def get(url: str, token: str | None, *, method: str = "GET", data: bytes | None = None,
+        headers: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    h = dict(headers or {})
+    if token is not None:
+        h["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, method=method, data=data, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Daemon:
+    """One ``sparrowd run`` process; its log goes to ``<data_dir>.log``."""
+
+    def __init__(self, root: Path, name: str, role: str, region: str, token_file: Path, *,
+                 tracker: str | None = None, port: int = 0, ttl: float | None = None, env: dict | None = None,
+                 extra: tuple[str, ...] = ()):
+        self.name, self.role, self.region = name, role, region
+        self.data_dir = root / name
+        self.log_path = root / f"{name}.log"
+        self.token_file = token_file
+        self.args = ["--role", role, "--region", region, "--listen", f"127.0.0.1:{port}", "--data-dir",
+                     str(self.data_dir), "--token-file", str(token_file), "--node-id", name, *extra]
+        if tracker:
+            self.args += ["--tracker", tracker]
+        if ttl:
+            self.args += ["--lease-ttl", str(ttl)]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARROWD_", "NOTIFY_SOCKET"))}
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> "Daemon":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", *self.args],
+                                     stdout=self._log, stderr=self._log, env=self.env)
+        if wait:
+            wait_for(lambda: self.runtime() is not None or self.proc.poll() is not None, 20, f"{self.name} to start")
+            assert self.proc.poll() is None, f"{self.name} exited: {self.log()}"
+        return self
+
+    def runtime(self) -> dict | None:
+        try:
+            info = json.loads((self.data_dir / "daemon.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return info if info.get("pid") == self.proc.pid else None
+
+    @property
+    def url(self) -> str:
+        return self.runtime()["url"]
+
+    def node(self, token: str) -> dict:
+        status, body = get(f"{self.url}/v1/node", token)
+        assert status == 200, body
+        return json.loads(body)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 15) -> int:
+        rc = self.proc.wait(timeout)
+        self._log.close()
+        return rc
+
+    def stop(self) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        return self.wait()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def status(tracker_url: str, token: str) -> dict:
+    code, body = get(f"{tracker_url}/v1/tracker/status", token)
+    assert code == 200, body
+    return json.loads(body)
+
+
+def node_ids(tracker_url: str, token: str) -> set[str]:
+    return {n["node_id"] for n in status(tracker_url, token)["nodes"]}

@@ -1,0 +1,252 @@
+"""A trainer and rollout daemons as real processes on loopback: forming, deaths, restarts, tokens."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+import msgpack
+import pytest
+
+from tests.daemon.harness import Daemon, free_port, get, make_token, node_ids, status, wait_for
+from tests.helpers import sparrowd
+
+pytestmark = pytest.mark.slow
+
+TTL = 2.0  # short leases keep the tests fast; renewals come every TTL/3
+SWEEP = 1.0
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Start daemons with ``cluster.add(...)``; whatever still runs is killed at the end."""
+
+    class Cluster:
+        def __init__(self):
+            self.token_file = make_token(tmp_path / "swarm.token")
+            self.token = self.token_file.read_text().strip()
+            self.port = free_port()
+            self.tracker = f"http://127.0.0.1:{self.port}"
+            self.daemons: list[Daemon] = []
+
+        def trainer(self, **kw) -> Daemon:
+            d = Daemon(tmp_path, "trainer", "trainer", kw.pop("region", "eu"), self.token_file, port=self.port,
+                       ttl=TTL, **kw).start()
+            self.daemons.append(d)
+            return d
+
+        def rollout(self, name: str, region: str, **kw) -> Daemon:
+            token_file = kw.pop("token_file", self.token_file)
+            wait = kw.pop("wait", True)
+            d = Daemon(tmp_path, name, "rollout", region, token_file, tracker=self.tracker, **kw)
+            self.daemons.append(d)
+            return d.start(wait=wait)
+
+        def nodes(self) -> set[str]:
+            return node_ids(self.tracker, self.token)
+
+    c = Cluster()
+    yield c
+    for d in c.daemons:
+        if d.proc and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+def _full_swarm(c):
+    trainer = c.trainer()
+    rollouts = [c.rollout("r1", "eu"), c.rollout("r2", "us"), c.rollout("r3", "us")]
+    wait_for(lambda: c.nodes() == {"trainer", "r1", "r2", "r3"}, 15, "four nodes in the swarm")
+    return trainer, rollouts
+
+
+def test_swarm_forms_and_a_killed_node_drops_out_within_ttl_plus_one_renewal(cluster):
+    trainer, (r1, r2, r3) = _full_swarm(cluster)
+    snap = status(cluster.tracker, cluster.token)
+    rows = {n["node_id"]: n for n in snap["nodes"]}
+    assert rows["r2"]["region"] == "us" and rows["r2"]["role"] == "rollout"
+    assert rows["r2"]["address"] == r2.runtime()["address"]
+    # Renewals flow: every node turns from joining to up.
+    wait_for(lambda: all(n["state"] == "up" for n in status(cluster.tracker, cluster.token)["nodes"]), 10,
+             "every node renewed")
+    # Peer lists are region-aware: r3 (us) hears of r2 first, then the eu nodes.
+    wait_for(lambda: len(r3.node(cluster.token)["peers"]) == 3, 10, "r3 to know three peers")
+    peers = r3.node(cluster.token)["peers"]
+    assert [p["region"] for p in peers] == ["us", "eu", "eu"] and peers[0]["node_id"] == "r2"
+
+    r2.kill()
+    t0 = time.monotonic()
+    wait_for(lambda: "r2" not in cluster.nodes(), TTL + TTL / 3 + SWEEP + 3, "r2 to drop out")
+    gone_after = time.monotonic() - t0
+    assert gone_after <= TTL + TTL / 3 + SWEEP + 0.5, gone_after
+    wait_for(lambda: "lease expired node_id=r2" in trainer.log(), SWEEP + 1, "the expiry in the log")
+    wait_for(lambda: [p["node_id"] for p in r3.node(cluster.token)["peers"]] in (["trainer", "r1"], ["r1", "trainer"]),
+             5, "r3's peer list without r2")
+    assert cluster.nodes() == {"trainer", "r1", "r3"}
+
+
+def test_trainer_restart_keeps_the_swarm_without_rejoining(cluster):
+    trainer, rollouts = _full_swarm(cluster)
+    before = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+    trainer.kill()  # no goodbye: the table must come back from disk
+    time.sleep(TTL)  # longer than a renewal interval: renewals fail meanwhile
+    trainer2 = cluster.trainer()
+    snap = status(cluster.tracker, cluster.token)
+    after = {n["node_id"]: n["epoch"] for n in snap["nodes"]}
+    for r in ("r1", "r2", "r3"):
+        assert after[r] == before[r]
+    # The rollouts renew into the restored leases: same epochs, no re-join, for several TTLs.
+    time.sleep(2.5 * TTL)
+    snap = status(cluster.tracker, cluster.token)
+    assert {n["node_id"]: n["epoch"] for n in snap["nodes"] if n["node_id"] != "trainer"} == {
+        r: before[r] for r in ("r1", "r2", "r3")}
+    assert all(n["state"] == "up" for n in snap["nodes"])
+    for d in rollouts:
+        assert "re-joining" not in d.log() and d.log().count("joined the swarm") == 1
+        assert "tracker reachable again" in d.log()
+    assert "tracker restored its lease table nodes=4" in trainer2.log()
+
+
+def test_sigterm_leaves_at_once_and_exits_zero(cluster):
+    trainer, (r1, r2, r3) = _full_swarm(cluster)
+    r1.signal(signal.SIGTERM)
+    assert r1.wait() == 0
+    assert "r1" not in cluster.nodes()  # ended now, not after a TTL
+    assert not (r1.data_dir / "daemon.json").exists()
+    assert "node left node_id=r1" in trainer.log()
+    trainer.signal(signal.SIGINT)
+    assert trainer.wait() == 0
+
+
+def test_a_wrong_or_missing_token_is_refused_and_leaks_nothing(cluster, tmp_path):
+    trainer = cluster.trainer()
+    for token in (None, "x" * 48, cluster.token + "x"):
+        for method, path in (("GET", "/v1/tracker/status"), ("POST", "/v1/tracker/join"), ("GET", "/metrics"),
+                             ("GET", "/no/such/path"), ("POST", "/v1/node/leave")):
+            code, body = get(f"{cluster.tracker}{path}", token, method=method,
+                             data=b"" if method == "POST" else None)
+            assert (code, json.loads(body)) == (401, {"error": "unauthorized"}), (token, path)
+    assert "refused a request without the swarm token" in trainer.log()
+    assert cluster.nodes() == {"trainer"}  # nothing changed; the leave above did not stop the trainer
+
+    # A rollout with the wrong token says so and exits non-zero rather than retrying forever.
+    wrong = make_token(tmp_path / "wrong.token")
+    bad = cluster.rollout("intruder", "eu", token_file=wrong, wait=False)
+    assert bad.wait() == 1
+    assert "refused the swarm token" in bad.log()
+    assert cluster.nodes() == {"trainer"}
+
+    r = sparrowd("status", "--tracker", cluster.tracker, "--token-file", wrong)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"sparrowd: error: {cluster.tracker}/v1/tracker/status: the daemon refused the swarm token")
+
+
+def test_malformed_messages_get_clear_errors_and_harm_nothing(cluster):
+    cluster.trainer()
+    url = f"{cluster.tracker}/v1/tracker/join"
+    mp = {"Content-Type": "application/msgpack"}
+    cases = [
+        (b"\xc1\xff\x00", mp, 400, "not valid msgpack"),
+        (msgpack.packb([1, 2]), mp, 400, "expected a map"),
+        (msgpack.packb({"node_id": "a", "role": "rollout", "region": "eu"}), mp, 400, "missing field 'address'"),
+        (msgpack.packb({"node_id": 7, "role": "rollout", "region": "eu", "address": "h:1"}), mp, 400,
+         "'node_id' must be a string"),
+        (msgpack.packb({"node_id": "a", "role": "king", "region": "eu", "address": "h:1"}), mp, 400, "role"),
+        (b"{}", {"Content-Type": "application/json"}, 415, "application/msgpack"),
+    ]
+    for data, headers, code, text in cases:
+        got, body = get(url, cluster.token, method="POST", data=data, headers=headers)
+        assert got == code and text in json.loads(body)["error"], (got, body)
+    for size in (300 << 10, 2 << 20):  # over the tracker's limit, and over the daemon's
+        got, body = get(url, cluster.token, method="POST", data=b"\x00" * size, headers=mp)
+        assert got == 413, body
+    renew = msgpack.packb({"node_id": "trainer", "epoch": 1, "versions": ["x"]})
+    got, body = get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", data=renew, headers=mp)
+    assert got == 400 and "versions" in json.loads(body)["error"]
+    gone = msgpack.packb({"node_id": "ghost", "epoch": 1})
+    got, body = get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", data=gone, headers=mp)
+    assert got == 410 and "no lease" in json.loads(body)["error"]
+    assert cluster.nodes() == {"trainer"}
+
+
+def test_metrics_readiness_and_the_data_dir_lock(cluster, tmp_path):
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.settimeout(10)
+    trainer = cluster.trainer(env={"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "400000"})
+    seen = []
+    while not any(m.startswith("READY=1") for m in seen) or "WATCHDOG=1" not in seen:
+        seen.append(sock.recv(4096).decode())
+    r1 = cluster.rollout("r1", "us")
+    wait_for(lambda: cluster.nodes() == {"trainer", "r1"}, 10, "r1 to join")
+    code, body = get(f"{cluster.tracker}/metrics", cluster.token)
+    text = body.decode()
+    assert code == 200
+    assert 'sparrowd_tracker_nodes{region="us",role="rollout"} 1.0' in text
+    assert 'sparrowd_info{node_id="trainer",region="eu",role="trainer"} 1.0' in text
+    assert "sparrowd_unauthorized_requests_total 0.0" in text
+    wait_for(lambda: 'sparrowd_peers{region_class="other"} 1.0' in get(f"{r1.url}/metrics", cluster.token)[1].decode(),
+             5, "r1 to count the trainer as a peer in another region")
+
+    twin = Daemon(tmp_path, "r1", "rollout", "us", cluster.token_file, tracker=cluster.tracker)
+    twin.start(wait=False)
+    assert twin.wait() == 1 and "is in use by another sparrowd" in twin.log()
+    assert r1.proc.poll() is None and r1.runtime() is not None  # the twin did not touch r1's files
+
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait() == 0
+    sock.settimeout(2)
+    while "STOPPING=1" not in seen:
+        seen.append(sock.recv(4096).decode())
+
+
+def test_join_and_leave_commands(cluster, tmp_path):
+    cluster.trainer()
+    data = tmp_path / "joined"
+    r = sparrowd("join", cluster.tracker, "--token-file", cluster.token_file, "--region", "ap", "--data-dir", data,
+                 "--listen", "127.0.0.1:0", "--node-id", "box7")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"joined {cluster.tracker} as box7 (region ap, epoch ")
+    info = json.loads((data / "daemon.json").read_text())
+    try:
+        assert cluster.nodes() == {"trainer", "box7"}
+        again = sparrowd("join", cluster.tracker, "--token-file", cluster.token_file, "--region", "ap",
+                         "--data-dir", data, "--listen", "127.0.0.1:0")
+        assert again.returncode == 1 and "already runs" in again.stderr
+        r = sparrowd("leave", "--data-dir", data)
+        assert r.returncode == 0, r.stderr
+        assert "box7 left the swarm" in r.stdout
+        assert cluster.nodes() == {"trainer"}
+        assert not (data / "daemon.json").exists()
+    finally:
+        import os
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    r = sparrowd("leave", "--data-dir", data)
+    assert r.returncode == 1 and r.stderr.strip() == f"sparrowd: error: no daemon runs on {data}"
+
+
+def test_status_command_prints_a_row_per_node_and_a_stable_json_snapshot(cluster):
+    _full_swarm(cluster)
+    r = sparrowd("status", "--tracker", cluster.tracker, "--token-file", cluster.token_file, "--json")
+    assert r.returncode == 0, r.stderr
+    snap = json.loads(r.stdout)
+    assert snap["schema"] == 1 and "latest_version" in snap
+    assert {n["node_id"] for n in snap["nodes"]} == {"trainer", "r1", "r2", "r3"}
+    for n in snap["nodes"]:
+        assert {"node_id", "role", "region", "address", "lease_expires_in", "versions", "engine_version",
+                "bytes_up", "bytes_down"} <= set(n)
+        assert 0 < n["lease_expires_in"] <= TTL
+    r = sparrowd("status", "--tracker", cluster.tracker, "--token-file", cluster.token_file)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("swarm: 4 nodes in 2 regions, latest version -")
+    assert lines[2].split()[:5] == ["NODE", "ROLE", "REGION", "ADDRESS", "STATE"]
+    assert sorted(line.split()[0] for line in lines[3:]) == ["r1", "r2", "r3", "trainer"]
+    r = sparrowd("status", "--tracker", f"http://127.0.0.1:{free_port()}", "--token-file", cluster.token_file)
+    assert r.returncode == 1 and "unreachable" in r.stderr and len(r.stderr.strip().splitlines()) == 1
