@@ -180,7 +180,7 @@ class Daemon:
         try:
             await site.start()
         except OSError as e:
-            raise InputError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+            raise InputError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
         bound_port = self._runner.addresses[0][1]
 
         if s.advertise:
@@ -236,10 +236,11 @@ class Daemon:
         if self._store is not None:
             self._store.close()
         if self._wrote_runtime:
-            (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)
+            (self.data_dir / RUNTIME_FILE).unlink(missing_ok=True)  # before the lock goes: it is ours
         if self._lock_fd is not None:
             os.close(self._lock_fd)
-        event(log, logging.INFO, "daemon stopped", node_id=self.node_id, exit_code=self.exit_code)
+        if self._wrote_runtime:  # started fully; a failed start just reports its error
+            event(log, logging.INFO, "daemon stopped", node_id=self.node_id, exit_code=self.exit_code)
 
     async def _sweeper(self) -> None:
         while True:

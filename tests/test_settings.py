@@ -1,0 +1,93 @@
+"""Settings: flags over environment over TOML over defaults, each value checked once."""
+
+from pathlib import Path
+
+import pytest
+
+from sparrowd.daemon.settings import default_data_dir, load_settings, parse_hostport, read_token
+from sparrowd.errors import InputError
+from tests.helpers import sparrowd
+
+BASE = {"role": "rollout", "region": "eu", "token_file": "/t", "tracker": "http://10.0.0.1:7070"}
+
+
+def test_precedence_flags_over_env_over_toml(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('role = "relay"\nregion = "toml-region"\nlease-ttl = 9\ntracker = "http://a:1"\n'
+                   'token_file = "/from/toml"\nlog_format = "json"\n')
+    env = {"SPARROWD_REGION": "env-region", "SPARROWD_LEASE_TTL": "7.5", "SPARROWD_CONFIG": str(cfg)}
+    s = load_settings({"region": "flag-region", "listen": None}, env=env)
+    assert s.role == "relay" and s.log_format == "json"  # only in the file
+    assert s.region == "flag-region"  # flag beats env and file
+    assert s.lease_ttl == 7.5  # env beats file
+    assert s.token_file == Path("/from/toml") and s.tracker == "http://a:1"
+    assert s.listen == ("0.0.0.0", 7070)  # default
+    assert s.data_dir == default_data_dir(env)
+
+
+def test_defaults_and_parsing():
+    s = load_settings({**BASE, "listen": "[::1]:0", "advertise": "box.example:7071"}, env={})
+    assert s.listen == ("::1", 0) and s.advertise == ("box.example", 7071)
+    assert s.lease_ttl == 15.0 and s.peer_limit == 32 and s.log_level == "info"
+    assert default_data_dir({"STATE_DIRECTORY": "/var/lib/sparrowd"}) == Path("/var/lib/sparrowd")
+    assert parse_hostport("127.0.0.1:80") == ("127.0.0.1", 80)
+
+
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        ({**BASE, "listen": "nope"}, {}, "setting --listen: 'nope' is not HOST:PORT"),
+        ({**BASE, "listen": "h:70000"}, {}, "is not HOST:PORT"),
+        ({**BASE}, {"SPARROWD_LEASE_TTL": "soon"}, "setting SPARROWD_LEASE_TTL: 'soon' is not a number"),
+        ({**BASE, "lease_ttl": "0"}, {}, "more than 0"),
+        ({**BASE, "role": "boss"}, {}, "must be one of trainer, rollout, relay"),
+        ({**BASE, "region": "eu west"}, {}, "setting --region: region 'eu west' must be"),
+        ({**BASE, "tracker": "ftp://x"}, {}, "is not a tracker URL"),
+        ({**BASE, "tracker": None}, {}, "a rollout needs the tracker's address"),
+        ({**BASE, "role": "trainer"}, {}, "the trainer hosts the tracker itself"),
+        ({"role": "rollout", "region": "eu", "tracker": "http://a:1"}, {}, "missing setting: give --token-file"),
+    ],
+)
+def test_bad_settings_are_one_clear_error(flags, env, message):
+    with pytest.raises(InputError) as e:
+        load_settings(flags, env=env)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_config_files(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('regoin = "eu"\n')
+    with pytest.raises(InputError, match="unknown setting 'regoin'"):
+        load_settings(BASE, env={}, config=cfg)
+    cfg.write_text("role = \n")
+    with pytest.raises(InputError, match="not valid TOML"):
+        load_settings(BASE, env={}, config=cfg)
+    cfg.write_text('lease_ttl = "x"\n')
+    with pytest.raises(InputError, match=f"setting lease_ttl in config {cfg}"):
+        load_settings(BASE, env={}, config=cfg)
+    with pytest.raises(InputError, match="No such file"):
+        load_settings(BASE, env={}, config=tmp_path / "missing.toml")
+
+
+def test_token_files(tmp_path):
+    t = tmp_path / "token"
+    t.write_text("short\n")
+    with pytest.raises(InputError, match="at least 16"):
+        read_token(t)
+    t.write_text("a" * 32 + "\n")
+    t.chmod(0o644)
+    assert read_token(t) == ("a" * 32, True)
+    t.chmod(0o600)
+    assert read_token(t) == ("a" * 32, False)
+    with pytest.raises(InputError, match="No such file"):
+        read_token(tmp_path / "nope")
+
+
+def test_run_refuses_bad_settings_with_one_line(tmp_path):
+    r = sparrowd("run", "--role", "rollout", "--region", "eu", "--token-file", tmp_path / "none",
+                 "--data-dir", tmp_path / "d")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "sparrowd: error: a rollout needs the tracker's address: --tracker http://HOST:PORT"
+    r = sparrowd("run", "--role", "trainer", "--region", "eu", "--token-file", tmp_path / "none",
+                 "--data-dir", tmp_path / "d", "--listen", "127.0.0.1:0")
+    assert r.returncode == 1 and r.stderr.strip().endswith(f"token file {tmp_path / 'none'}: No such file or directory")
