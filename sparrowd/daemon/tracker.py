@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ..errors import FormatError
 from ..schema import Int, List, NonNegInt, Opt, Str, fields
-from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseTable, Node, renew_interval
+from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, renew_interval
 from .logs import event
 
 __all__ = ["TrackerService", "JOIN", "RENEW", "LEAVE"]
@@ -81,10 +81,14 @@ class TrackerService:
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
         ):
             raise FormatError(f"renew: field 'versions' must be at most {MAX_VERSIONS_REPORTED} integers >= 0")
-        node = self.table.renew(
-            m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
-            bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
-        )
+        try:
+            node = self.table.renew(
+                m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
+                bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
+            )
+        except LeaseGone as e:
+            event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))
+            raise
         return self._lease_reply(node, self.clock())
 
     def leave(self, msg) -> dict:

@@ -250,3 +250,26 @@ def test_status_command_prints_a_row_per_node_and_a_stable_json_snapshot(cluster
     assert sorted(line.split()[0] for line in lines[3:]) == ["r1", "r2", "r3", "trainer"]
     r = sparrowd("status", "--tracker", f"http://127.0.0.1:{free_port()}", "--token-file", cluster.token_file)
     assert r.returncode == 1 and "unreachable" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_node_frozen_past_its_lease_rejoins_with_a_new_epoch(cluster):
+    trainer = cluster.trainer(extra=("--log-format", "json"))
+    r1 = cluster.rollout("r1", "eu")
+    wait_for(lambda: cluster.nodes() == {"trainer", "r1"}, 10, "r1 to join")
+    first = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}["r1"]
+    r1.signal(signal.SIGSTOP)  # a box that hangs: no renewals, no goodbye
+    try:
+        wait_for(lambda: "r1" not in cluster.nodes(), TTL + SWEEP + 3, "r1 to expire")
+    finally:
+        r1.signal(signal.SIGCONT)
+    # Its next renewal finds the lease gone and re-joins as a new life.
+    wait_for(lambda: "r1" in cluster.nodes(), 5, "r1 to re-join")
+    again = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}["r1"]
+    assert again > first
+    assert "lease gone; re-joining" in r1.log()
+    # --log-format json: one JSON object per line, fields included.
+    events = [json.loads(line) for line in trainer.log().splitlines()]
+    joins = [e for e in events if e["msg"] == "node joined" and e["node_id"] == "r1"]
+    assert [e["epoch"] for e in joins] == [first, again] and all(e["level"] == "info" for e in joins)
+    # The sweep or the refused renewal, whichever came first, logged the end of the old life.
+    assert any(e["msg"] in ("lease expired", "renewal refused") and e["node_id"] == "r1" for e in events)

@@ -1,0 +1,100 @@
+"""The membership loop against an in-process tracker with a fake failure switch: no sockets."""
+
+import asyncio
+import time
+
+import pytest
+
+from sparrowd.daemon.membership import LocalTrackerClient, Membership, TrackerUnavailable, Unauthorized
+from sparrowd.daemon.tracker import TrackerService
+from sparrowd.swarm.leases import LeaseTable
+
+TTL = 0.6
+
+
+class FlakyClient(LocalTrackerClient):
+    """The real tracker service behind a switch that makes every call fail."""
+
+    def __init__(self, service, calls):
+        super().__init__(service)
+        self.down = False
+        self.calls = calls
+
+    async def _maybe(self, name, msg):
+        self.calls.append((name, time.monotonic()))
+        if self.down:
+            raise TrackerUnavailable("switched off")
+        return await getattr(super(), name)(msg)
+
+    async def join(self, msg):
+        return await self._maybe("join", msg)
+
+    async def renew(self, msg):
+        return await self._maybe("renew", msg)
+
+
+def me(node_id="a"):
+    return {"node_id": node_id, "role": "rollout", "region": "eu", "address": "127.0.0.1:1"}
+
+
+@pytest.mark.asyncio
+async def test_renews_about_every_third_of_the_ttl_and_rejoins_when_the_lease_is_gone():
+    service = TrackerService(LeaseTable(TTL, now=time.time()), tracker_id="t", peer_limit=8)
+    calls = []
+    m = Membership(FlakyClient(service, calls), me(), report=lambda: {"versions": [4], "bytes_up": 10})
+    task = asyncio.create_task(m.run())
+    try:
+        await asyncio.wait_for(m.joined.wait(), 2)
+        first_epoch = m.state.epoch
+        await asyncio.sleep(5 * TTL)
+        renews = [t for name, t in calls if name == "renew"]
+        gaps = [b - a for a, b in zip(renews, renews[1:])]
+        assert len(renews) >= 10
+        assert all(0.8 * TTL / 3 <= g <= 1.1 * TTL / 3 + 0.05 for g in gaps), gaps  # jittered, never late
+        assert len({round(g, 3) for g in gaps}) > 1  # jitter: not lock-step
+        assert service.table.get("a", time.time()).versions == (4,)
+
+        # The tracker forgets the node (say its table was lost): the next renewal re-joins.
+        service.table.leave("a", first_epoch, time.time())
+        await asyncio.sleep(TTL / 3 + 0.1)
+        assert m.state.epoch is not None and m.state.epoch > first_epoch
+        assert service.table.get("a", time.time()) is not None
+
+        # The tracker goes away for longer than a lease: the node keeps its epoch and keeps trying...
+        kept = m.state.epoch
+        m.client.down = True
+        await asyncio.sleep(TTL / 2)
+        assert m.state.tracker_reachable is False and m.state.epoch == kept
+        m.client.down = False
+        await asyncio.sleep(TTL / 3 + 0.1)
+        assert m.state.tracker_reachable is True
+    finally:
+        task.cancel()
+    assert await m.leave() is True
+    assert service.table.live(time.time()) == []
+
+
+@pytest.mark.asyncio
+async def test_join_backs_off_while_the_tracker_is_down_and_a_refused_token_is_fatal():
+    service = TrackerService(LeaseTable(TTL, now=time.time()), tracker_id="t", peer_limit=8)
+    calls = []
+    client = FlakyClient(service, calls)
+    client.down = True
+    m = Membership(client, me())
+    task = asyncio.create_task(m.run())
+    await asyncio.sleep(2.0)
+    joins = [t for name, t in calls if name == "join"]
+    gaps = [b - a for a, b in zip(joins, joins[1:])]
+    assert 3 <= len(joins) <= 7 and gaps[-1] > gaps[0]  # exponential backoff, not a busy loop
+    client.down = False
+    await asyncio.wait_for(m.joined.wait(), 5)
+    task.cancel()
+
+    class Refusing(LocalTrackerClient):
+        async def join(self, msg):
+            raise Unauthorized("tracker refused the swarm token")
+
+    fatal = []
+    m2 = Membership(Refusing(service), me("b"), on_fatal=fatal.append)
+    await asyncio.wait_for(m2.run(), 2)  # returns instead of retrying forever
+    assert len(fatal) == 1 and "refused" in str(fatal[0])
