@@ -169,7 +169,7 @@ def cmd_join(args) -> int:
                 node = {}
             if node.get("epoch") is not None:
                 print(f"joined {args.tracker} as {node['node_id']} (region {node['region']}, epoch {node['epoch']}, "
-                      f"{len(node.get('peers', []))} peers); daemon pid {proc.pid}, log {log_path}")
+                      f"{_count(len(node.get('peers', [])), 'peer')}); daemon pid {proc.pid}, log {log_path}")
                 return 0
         time.sleep(0.1)
     raise SparrowError(f"no lease after {args.timeout:g} s (daemon pid {proc.pid} keeps trying; "
@@ -228,3 +228,7 @@ def cmd_status(args) -> int:
     else:
         print(render_status(snap))
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
