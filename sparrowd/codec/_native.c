@@ -47,6 +47,15 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
  * Before a block is written out the output must have room for all of it,
  * which keeps every restart point on a block boundary.
  */
+/* Elements [e, limit) one at a time (the ragged ends); stops when the output is full. */
+#define ONE_BY_ONE(limit)                                                                                    \
+    for (; e < (limit); e++) {                                                                               \
+        if (o[e] != n[e]) {                                                                                  \
+            if (c == cap) goto out;                                                                          \
+            idx[c] = e, ov[c] = o[e], nv[c] = n[e], c++;                                                     \
+        }                                                                                                    \
+    }
+
 #define DEFINE_SCAN(T, NAME, LOW, SHIFT)                                                                     \
     static Py_ssize_t NAME(const T *o, const T *n, Py_ssize_t total, Py_ssize_t e, int64_t *idx, T *ov,     \
                            T *nv, Py_ssize_t cap, Py_ssize_t *count) {                                       \
@@ -58,12 +67,7 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
         Py_ssize_t body = (total / per_group) * per_group;                                                   \
         if (head > total) head = total;                                                                      \
         if (body < head) body = head;                                                                        \
-        for (; e < head; e++) {                                                                              \
-            if (o[e] != n[e]) {                                                                              \
-                if (c == cap) goto out;                                                                      \
-                idx[c] = e, ov[c] = o[e], nv[c] = n[e], c++;                                                 \
-            }                                                                                                \
-        }                                                                                                    \
+        ONE_BY_ONE(head);                                                                                    \
         while (e < body) {                                                                                   \
             Py_ssize_t groups = (body - e) / per_group;                                                      \
             if (groups > BLOCK_GROUPS) groups = BLOCK_GROUPS;                                                \
@@ -102,12 +106,7 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
             }                                                                                                \
             e += groups * per_group;                                                                         \
         }                                                                                                    \
-        for (; e < total; e++) {                                                                             \
-            if (o[e] != n[e]) {                                                                              \
-                if (c == cap) goto out;                                                                      \
-                idx[c] = e, ov[c] = o[e], nv[c] = n[e], c++;                                                 \
-            }                                                                                                \
-        }                                                                                                    \
+        ONE_BY_ONE(total);                                                                                   \
     out:                                                                                                     \
         *count = c;                                                                                          \
         return e;                                                                                            \
