@@ -80,7 +80,7 @@ def test_swarm_forms_and_a_killed_node_drops_out_within_ttl_plus_one_renewal(clu
     t0 = time.monotonic()
     wait_for(lambda: "r2" not in cluster.nodes(), TTL + TTL / 3 + SWEEP + 3, "r2 to drop out")
     gone_after = time.monotonic() - t0
-    assert gone_after <= TTL + TTL / 3 + SWEEP + 0.5, gone_after
+    assert gone_after <= TTL + TTL / 3 + 0.3, gone_after  # peer lists skip a lapsed lease before any sweep
     wait_for(lambda: "lease expired node_id=r2" in trainer.log(), SWEEP + 1, "the expiry in the log")
     wait_for(lambda: [p["node_id"] for p in r3.node(cluster.token)["peers"]] in (["trainer", "r1"], ["r1", "trainer"]),
              5, "r3's peer list without r2")
