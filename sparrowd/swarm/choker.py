@@ -1,0 +1,47 @@
+"""Who may download from this node now: upload slots, tit-for-tat, an optimistic unchoke.
+
+A node has a few upload slots. Regular slots go to the interested peers that
+give it the most (measured download rate from them); a node that already
+holds everything (a seed) gives them to the peers it uploads to fastest,
+which finishes them soonest. One more slot, the optimistic unchoke, goes to a
+random other interested peer and moves every ``optimistic_interval``
+seconds, so newcomers with nothing to give get a start and faster partners
+are found. Pure: ``decide(now, ...)`` returns the unchoked set.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+__all__ = ["ChokerPeer", "Choker"]
+
+
+@dataclass(frozen=True)
+class ChokerPeer:
+    peer_id: str
+    interested: bool
+    rate_from: float = 0.0  # bytes/s we download from it
+    rate_to: float = 0.0  # bytes/s we upload to it
+
+
+@dataclass
+class Choker:
+    slots: int = 4
+    optimistic_interval: float = 10.0
+    rng: random.Random = field(default_factory=random.Random)
+    _optimistic: str | None = None
+    _optimistic_since: float = float("-inf")
+
+    def decide(self, now: float, peers: list[ChokerPeer], *, seed: bool) -> set[str]:
+        interested = [p for p in peers if p.interested]
+        if len(interested) <= self.slots:
+            return {p.peer_id for p in interested}
+        key = (lambda p: p.rate_to) if seed else (lambda p: p.rate_from)
+        ranked = sorted(interested, key=lambda p: (-key(p), p.peer_id))
+        regular = {p.peer_id for p in ranked[: self.slots - 1]}
+        rest = [p.peer_id for p in ranked if p.peer_id not in regular]
+        if self._optimistic not in rest or now - self._optimistic_since >= self.optimistic_interval:
+            self._optimistic = self.rng.choice(rest)
+            self._optimistic_since = now
+        return regular | {self._optimistic}

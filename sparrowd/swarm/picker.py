@@ -1,0 +1,144 @@
+"""Which chunk to ask for next, and from whom: a pure function of what peers hold.
+
+Piece choice is rarest first: chunks held by the fewest peers go first, in a
+random order within small windows of equally rare ones, so that nodes asking
+at once do not all chase the same chunk. Near the end (every missing chunk
+already requested and few left) the endgame asks a second peer for each
+outstanding chunk; the driver cancels the loser when one arrives.
+
+Peer choice ranks sources: same region first, then other peers before the
+trainer (whose uplink is the one thing the swarm must spare), then measured
+throughput. A chunk is fetched across a region boundary only when no peer in
+the region has it or is fetching it, and then only by one node of the
+region: the one that wins a rendezvous hash of (version, chunk, node id)
+among the region's live nodes, or the one the trainer offered the chunk to
+(super-seeding picks a node per chunk too). Every node computes the same
+winner without talking, so each chunk crosses into a region about once and
+spreads inside it from there. If the chunk has still not appeared in the
+region ``cross_wait`` seconds after it became available outside (the winner
+is slow, or dead), anyone may fetch it across.
+
+Requests per peer are capped by ``PeerView.slots``, which the driver sizes
+from the peer's measured rate (several streams to a fast peer, one to a slow
+one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["PeerView", "Request", "Picker", "designated", "slots_for_rate"]
+
+
+@dataclass
+class PeerView:
+    peer_id: str
+    region: str
+    have: set[int] | frozenset[int]  # for the trainer: what it offers this node (super-seeding)
+    is_trainer: bool = False
+    fetching: set[int] | frozenset[int] = frozenset()  # chunks it has asked for: it is "about to" have them
+    choking: bool = False
+    inflight: int = 0
+    slots: int = 2
+    rate: float = 0.0  # bytes/s measured from this peer
+
+
+@dataclass(frozen=True)
+class Request:
+    peer_id: str
+    index: int
+    duplicate: bool = False
+
+
+def designated(version: int, index: int, nodes: Iterable[str]) -> str | None:
+    """Rendezvous hashing: the node of a region that fetches this chunk across the boundary."""
+    best, best_key = None, b""
+    for n in nodes:
+        key = hashlib.blake2b(f"{version}/{index}/{n}".encode(), digest_size=8).digest()
+        if best is None or key > best_key:
+            best, best_key = n, key
+    return best
+
+
+def slots_for_rate(rate: float, chunk_size: int, *, target_seconds: float = 1.0, lo: int = 1, hi: int = 8) -> int:
+    """Requests in flight to keep a peer busy for about ``target_seconds``: rate x time / chunk size."""
+    if rate <= 0 or chunk_size <= 0:
+        return 2
+    return max(lo, min(hi, int(rate * target_seconds / chunk_size) + 1))
+
+
+@dataclass
+class Picker:
+    me: str
+    region: str
+    rarest_window: int = 4
+    cross_wait: float = 3.0
+    endgame_left: int = 8
+    rng: random.Random = field(default_factory=random.Random)
+
+    def _order(self, chunks: list[int], peers: list[PeerView]) -> list[int]:
+        count = {c: 0 for c in chunks}
+        for p in peers:
+            for c in chunks:
+                if c in p.have:
+                    count[c] += 1
+        by_rarity = sorted(chunks, key=lambda c: count[c])
+        out = []
+        w = max(1, self.rarest_window)
+        for s in range(0, len(by_rarity), w):
+            window = by_rarity[s : s + w]
+            self.rng.shuffle(window)
+            out += window
+        return out
+
+    def pick(
+        self,
+        now: float,
+        *,
+        version: int,
+        missing: Iterable[int],
+        inflight: Mapping[int, set[str]],
+        peers: list[PeerView],
+        region_nodes: Iterable[str],
+        available_since: Mapping[int, float],
+    ) -> list[Request]:
+        """Requests to send now. ``missing``: chunk indices this node lacks (and knows of);
+        ``inflight``: chunk -> peers already asked; ``region_nodes``: live nodes of this
+        region, this one included; ``available_since``: when this node first saw a peer
+        offering each chunk."""
+        missing = list(missing)
+        nodes = sorted(set(region_nodes) | {self.me})
+        free = {p.peer_id: max(0, p.slots - p.inflight) for p in peers if not p.choking}
+        usable = [p for p in peers if not p.choking]
+        out: list[Request] = []
+
+        def sources(c: int, exclude: set[str]) -> list[PeerView]:
+            holders = [p for p in usable if c in p.have and free[p.peer_id] > 0 and p.peer_id not in exclude]
+            rank = lambda p: (p.is_trainer, -p.rate)  # noqa: E731
+            local = [p for p in holders if p.region == self.region]
+            if local:
+                return sorted(local, key=rank)
+            if any(c in p.have or c in p.fetching for p in peers if p.region == self.region):
+                return []  # a neighbour has it or is about to: wait for it rather than cross
+            if designated(version, c, nodes) == self.me or now - available_since.get(c, now) >= self.cross_wait:
+                return sorted(holders, key=rank)
+            return [p for p in holders if p.is_trainer]  # the trainer offered it to this node: take it
+
+        for c in self._order([c for c in missing if not inflight.get(c)], peers):
+            for p in sources(c, set())[:1]:
+                free[p.peer_id] -= 1
+                out.append(Request(p.peer_id, c))
+
+        asked = {c for c in missing if inflight.get(c)} | {r.index for r in out}
+        if len(asked) == len(missing) and 0 < len(missing) <= self.endgame_left:
+            for c in self._order(sorted(asked), peers):
+                already = set(inflight.get(c, ())) | {r.peer_id for r in out if r.index == c}
+                if len(already) >= 2:
+                    continue
+                for p in sources(c, already)[:1]:
+                    free[p.peer_id] -= 1
+                    out.append(Request(p.peer_id, c, duplicate=True))
+        return out

@@ -1,0 +1,127 @@
+"""The trainer's signature on everything that defines a version.
+
+Only the trainer holds the Ed25519 private key (``trainer.key`` in its data
+dir, mode 0600, made on first start). Nodes receive the public key when they
+join and pin it (``trainer.pub`` in their data dir): a tracker that later
+presents another key is refused. A chunk is stored or served only if its
+hash appears in a signed chunk announcement or a signed manifest, so holding
+the swarm token is not enough to inject a version.
+
+A signed statement is a msgpack map ``{kind, version, body, sig}``; the
+signature covers a domain tag, the kind, the version and the body, so a
+signature can never be replayed as another kind or for another version.
+Kinds: ``announce`` (body: chunks added to a version while it is still being
+extracted) and ``manifest`` (body: the codec's manifest bytes; the version is
+complete when it arrives).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ..errors import FormatError, IntegrityError, SparrowError
+from ..schema import Bytes, NonNegInt, Str, fields, pack, unpack
+
+__all__ = ["Signer", "Verifier", "Signed", "ANNOUNCE", "MANIFEST", "load_or_create_key", "pin_public_key"]
+
+ANNOUNCE, MANIFEST = "announce", "manifest"
+_KINDS = (ANNOUNCE, MANIFEST)
+_DOMAIN = b"sparrowd-signed-v1\x00"
+MAX_SIGNED = 64 << 20
+_SIGNED = {"kind": Str, "version": NonNegInt, "body": Bytes, "sig": Bytes}
+
+
+def _message(kind: str, version: int, body: bytes) -> bytes:
+    return _DOMAIN + pack([kind, version]) + body
+
+
+@dataclass(frozen=True)
+class Signed:
+    kind: str
+    version: int
+    body: bytes
+    sig: bytes
+
+    def to_bytes(self) -> bytes:
+        return pack({"kind": self.kind, "version": self.version, "body": self.body, "sig": self.sig})
+
+    @classmethod
+    def from_bytes(cls, data, *, what: str = "signed statement") -> "Signed":
+        m = fields(unpack(data, what=what, max_len=MAX_SIGNED), _SIGNED, what=what)
+        if m["kind"] not in _KINDS:
+            raise FormatError(f"{what}: unknown kind {m['kind']!r}")
+        if len(m["sig"]) != 64:
+            raise FormatError(f"{what}: signature must be 64 bytes")
+        return cls(m["kind"], m["version"], m["body"], m["sig"])
+
+
+class Signer:
+    def __init__(self, key: Ed25519PrivateKey):
+        self._key = key
+        self.public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    def sign(self, kind: str, version: int, body: bytes) -> Signed:
+        if kind not in _KINDS:
+            raise ValueError(f"unknown kind {kind!r}")
+        return Signed(kind, version, body, self._key.sign(_message(kind, version, body)))
+
+
+class Verifier:
+    def __init__(self, public: bytes):
+        if len(public) != 32:
+            raise FormatError("an Ed25519 public key is 32 bytes")
+        self.public = bytes(public)
+        self._key = Ed25519PublicKey.from_public_bytes(self.public)
+
+    def verify(self, s: Signed) -> Signed:
+        try:
+            self._key.verify(s.sig, _message(s.kind, s.version, s.body))
+        except InvalidSignature:
+            raise IntegrityError(f"{s.kind} for version {s.version}: bad signature (not from the trainer)") from None
+        return s
+
+
+def load_or_create_key(path: Path) -> Signer:
+    """The trainer's key: read it, or make one (0600) on first start."""
+    path = Path(path)
+    if path.exists():
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError, OSError) as e:
+            raise SparrowError(f"trainer key {path}: cannot be read ({e})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise SparrowError(f"trainer key {path}: not an Ed25519 key")
+        return Signer(key)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return Signer(key)
+
+
+def pin_public_key(path: Path, offered: bytes) -> Verifier:
+    """Trust on first use: keep the first trainer key seen; refuse any other later."""
+    path = Path(path)
+    if path.exists():
+        pinned = bytes.fromhex(path.read_text().strip())
+        if pinned != offered:
+            raise IntegrityError(
+                f"the tracker offers trainer key {offered.hex()[:16]}..., but {path} pins {pinned.hex()[:16]}...; "
+                f"delete {path} only if the trainer's key was replaced on purpose")
+        return Verifier(pinned)
+    v = Verifier(offered)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(offered.hex() + "\n")
+    os.replace(tmp, path)
+    return v
