@@ -111,16 +111,17 @@ def test_super_seed_gives_distinct_chunks_before_repeating_any():
     assert sorted(next(iter(o)) for o in offers) == list(range(8))  # eight peers, eight different chunks
     assert s.offer(1.0, "n8", set(), {}) == set()  # nothing is repeated while its first copy may still spread
     assert s.offer(1.0, "n0", set(), {}) == offers[0]  # a pending assignment stays until the peer has it
-    # n3's chunk never showed up anywhere (n3 died): after the wait it is given again, to someone else.
-    lost = next(iter(offers[3]))
-    held = {c: 1 for c in range(8) if c != lost}
-    assert s.offer(6.0, "n8", set(), held) == {lost}
     # A peer that leaves before passing its chunk on gives the assignment back at once.
     c5 = next(iter(offers[5]))
-    held[c5] = 0
-    assert s.offer(6.5, "n9", set(), held) == set()  # n5 may still be fetching it
+    held = {c: 1 for c in range(8) if c != c5}
+    assert s.offer(2.0, "n9", set(), held) == set()  # n5 may still be fetching it
     s.forget("n5")
-    assert s.offer(6.5, "n9", set(), held) == {c5}
+    assert s.offer(2.0, "n9", set(), held) == {c5}
+    # n3's chunk never showed up anywhere (n3 stalls): after the wait it is given again, to someone else.
+    lost = next(iter(offers[3]))
+    held = {c: 1 for c in range(8) if c != lost}
+    assert s.offer(4.0, "n8", set(), held) == set()
+    assert s.offer(6.0, "n8", set(), held) == {lost}
     # A peer holding its chunk gets the next one; with more chunks announced, fresh ones first.
     s.grow(10)
     assert s.offer(6.0, "n0", offers[0], held) <= {8, 9}
