@@ -19,7 +19,8 @@ from sparrowd.swarm.leases import ROLES
 from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
-                  "node_id", "peer_limit", "log_format", "log_level")
+                  "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
+                  "wan_upload_rate")
 
 
 def register(sub) -> None:
@@ -43,8 +44,26 @@ def register(sub) -> None:
     r.add_argument("--peer-limit", metavar="N", help="most peers handed out per list (trainer; default 32)")
     r.add_argument("--log-format", choices=("text", "json"), help="log format (default text)")
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    r.add_argument("--retain", metavar="K", help="complete versions kept on disk and served (default 8)")
+    r.add_argument("--upload-rate", metavar="BYTES", help="upload limit per second, e.g. 4M = 4 MiB/s (default: none)")
+    r.add_argument("--download-rate", metavar="BYTES", help="download limit per second (default: none)")
+    r.add_argument("--wan-upload-rate", metavar="BYTES",
+                   help="limit on uploads to other regions (cross-region egress costs money; default: none)")
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
+
+    pb = sub.add_parser(
+        "publish", help="hand a patch to the trainer's daemon, which signs and seeds it",
+        description="Send every chunk of PATCH (from `sparrowd delta diff`) to the trainer's daemon, then its "
+                    "manifest. The daemon signs each chunk's announcement as it arrives, so the swarm starts "
+                    "moving chunks before the last is sent; the version is complete with the manifest. "
+                    "Re-running after an interruption sends only what is missing.")
+    pb.add_argument("patch", metavar="PATCH", help="a .sprw patch file")
+    pb.add_argument("--daemon", metavar="URL", default=os.environ.get("SPARROWD_DAEMON", "http://127.0.0.1:7070"),
+                    help="the trainer's daemon (default $SPARROWD_DAEMON or http://127.0.0.1:7070)")
+    pb.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
+                    help="file holding the swarm token (default $SPARROWD_TOKEN_FILE)")
+    pb.set_defaults(func=cmd_publish)
 
     j = sub.add_parser(
         "join", help="start a daemon in the background that joins the swarm at URL",
@@ -96,17 +115,21 @@ def cmd_run(args) -> int:
 # ---------------------------------------------------------------- a small HTTP client for local commands
 
 
-def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0) -> dict:
+def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0, data=None) -> dict:
     """One JSON call to a daemon, with the swarm token; errors become one-line SparrowErrors."""
     req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"},
-                                 data=b"" if method == "POST" else None)
+                                 data=(b"" if data is None else data) if method == "POST" else None)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read(16 << 20)
     except urllib.error.HTTPError as e:
         if e.code == 401:
             raise SparrowError(f"{url}: the daemon refused the swarm token") from None
-        raise SparrowError(f"{url}: HTTP {e.code}") from None
+        try:
+            reason = json.loads(e.read(4096))["error"]
+        except (ValueError, KeyError, TypeError, OSError):
+            reason = f"HTTP {e.code}"
+        raise SparrowError(f"{url}: {reason}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise SparrowError(f"{url}: unreachable ({getattr(reason, 'strerror', None) or reason})") from None
@@ -232,3 +255,28 @@ def cmd_status(args) -> int:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+# ---------------------------------------------------------------- publish
+
+
+def cmd_publish(args) -> int:
+    from sparrowd.delta import open_patch
+
+    if not args.token_file:
+        raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
+    token, _ = read_token(Path(args.token_file).expanduser())
+    base = args.daemon.rstrip("/")
+    with open_patch(args.patch) as view:
+        view.verify_chunks()
+        m = view.manifest
+        sent = 0
+        for i, data in enumerate(view.chunks):
+            r = http_call(f"{base}/v1/publish/{m.version}/chunk/{i}", token, method="POST", data=bytes(data),
+                          timeout=60.0)
+            sent += len(data) if r.get("new") else 0
+        r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)
+    state = "published" if r.get("new") else "was already published"
+    print(f"version {m.version} (base {m.base_version}) {state}: {_count(len(m.chunks), 'chunk')}, "
+          f"{m.patch_bytes} bytes, {sent} sent now")
+    return 0

@@ -31,9 +31,11 @@ from aiohttp import web
 
 from .. import __version__
 from ..checkpoint import atomic_file
-from ..errors import FormatError, InputError
+from ..codec.manifest import MAX_MANIFEST
+from ..errors import FormatError, InputError, IntegrityError, SparrowError
 from ..schema import pack, unpack
-from ..swarm.leases import LeaseGone, LeaseTable, check_name
+from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_name
+from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
 from .leasedb import SqliteLeaseStore
 from .logs import event
@@ -47,6 +49,8 @@ from .membership import (
 )
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .settings import Settings, read_token
+from .store import ChunkStore
+from .swarm import MAX_CHUNK, Swarm
 from .tracker import TrackerService
 
 __all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
@@ -91,6 +95,8 @@ class Daemon:
         self.url = ""
         self.tracker: TrackerService | None = None
         self.membership: Membership | None = None
+        self.swarm: Swarm | None = None
+        self.token = ""
         self.metrics = DaemonMetrics(self)
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -106,15 +112,32 @@ class Daemon:
     # ------------------------------------------------------------ state other parts read
 
     def versions_held(self) -> list[int]:
-        return []  # the chunk store arrives with the swarm
+        return self.swarm.held() if self.swarm else []
+
+    def count_bytes(self, direction: str, n: int, wan: bool) -> None:
+        self.metrics.bytes[(direction, "other" if wan else "same")] += n
 
     def report(self) -> dict:
+        b = self.metrics.bytes
         return {
-            "versions": self.versions_held(),
+            "versions": self.versions_held()[-MAX_VERSIONS_REPORTED:],
             "engine_version": None,
-            "bytes_up": sum(v for (d, _), v in self.metrics.bytes.items() if d == "up"),
-            "bytes_down": sum(v for (d, _), v in self.metrics.bytes.items() if d == "down"),
+            "bytes_up": b[("up", "same")] + b[("up", "other")],
+            "bytes_down": b[("down", "same")] + b[("down", "other")],
+            "bytes_up_wan": b[("up", "other")],
+            "bytes_down_wan": b[("down", "other")],
+            "progress": list(self.swarm.progress()) if self.swarm and self.swarm.progress() else None,
         }
+
+    def _on_lease(self, reply: dict) -> None:
+        """First lease: pin the trainer's key and start the swarm (nodes other than the trainer)."""
+        if self.swarm is None or self.swarm.verifier is not None:
+            return
+        key = reply.get("trainer_key")
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise IntegrityError("the tracker sent no trainer key")
+        self.swarm.set_verifier(pin_public_key(self.data_dir / "trainer.pub", key))
+        self.swarm.start()
 
     # ------------------------------------------------------------ start and stop
 
@@ -151,20 +174,36 @@ class Daemon:
         if too_open:
             event(log, logging.WARNING, "token file is readable by group or others; chmod 600 it", path=s.token_file)
         self._auth_digest = hashlib.sha256(bearer(token).encode()).digest()
+        self.token = token
 
+        signer = load_or_create_key(self.data_dir / "trainer.key") if s.is_tracker else None
+        self.swarm = Swarm(self, ChunkStore(self.data_dir), signer=signer, retain=s.retain,
+                           upload_rate=s.upload_rate, download_rate=s.download_rate,
+                           wan_upload_rate=s.wan_upload_rate)
         if s.is_tracker:
+            self.swarm.load()
             self._store = SqliteLeaseStore(self.data_dir / "tracker.db")
             table = LeaseTable(s.lease_ttl, now=time.time(), store=self._store)
-            self.tracker = TrackerService(table, tracker_id=self.node_id, peer_limit=s.peer_limit)
+            self.tracker = TrackerService(table, tracker_id=self.node_id, peer_limit=s.peer_limit,
+                                          trainer_key=signer.public)
+            latest = self.swarm.latest()
+            if latest is not None:
+                table.set_latest_version(latest)
             restored = table.live(time.time())
             if restored:
                 event(log, logging.INFO, "tracker restored its lease table", nodes=len(restored))
+        else:
+            pinned = self.data_dir / "trainer.pub"
+            if pinned.exists():  # chunks verified in an earlier run are served before the first lease
+                self.swarm.set_verifier(Verifier(bytes.fromhex(pinned.read_text().strip())))
 
         app = web.Application(middlewares=[self._auth_middleware], client_max_size=MAX_BODY)
         app.add_routes([
             web.get("/metrics", self._metrics),
             web.get("/v1/node", self._node_info),
             web.post("/v1/node/leave", self._node_leave),
+            web.post("/v1/swarm/exchange", self.swarm.handle_exchange),
+            web.get("/v1/swarm/chunk/{version}/{index}", self.swarm.handle_chunk),
         ])
         if self.tracker is not None:
             app.add_routes([
@@ -172,6 +211,8 @@ class Daemon:
                 web.post("/v1/tracker/renew", self._tracker_call("renew")),
                 web.post("/v1/tracker/leave", self._tracker_call("leave")),
                 web.get("/v1/tracker/status", self._tracker_status),
+                web.post("/v1/publish/{version}/chunk/{index}", self._publish_chunk),
+                web.post("/v1/publish/manifest", self._publish_manifest),
             ])
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -198,7 +239,10 @@ class Daemon:
             self._client = LocalTrackerClient(self.tracker)
         else:
             self._client = HttpTrackerClient(s.tracker, token, timeout=min(5.0, s.lease_ttl / 3))
-        self.membership = Membership(self._client, me, report=self.report, on_fatal=self._fatal)
+        self.membership = Membership(self._client, me, report=self.report, on_fatal=self._fatal,
+                                     on_lease=self._on_lease)
+        if self.swarm.verifier is not None:
+            self.swarm.start()
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         if self.tracker is not None:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
@@ -229,6 +273,8 @@ class Daemon:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.swarm is not None:
+            await self.swarm.stop()
         if self._client is not None:
             await self._client.close()
         if self._runner is not None:
@@ -294,6 +340,30 @@ class Daemon:
             return web.Response(body=pack(reply), content_type=MSGPACK)
 
         return handler
+
+    async def _publish_chunk(self, request: web.Request) -> web.Response:
+        try:
+            version, index = int(request.match_info["version"]), int(request.match_info["index"])
+        except ValueError:
+            return web.json_response({"error": "version and index must be integers"}, status=400)
+        if (request.content_length or 0) > MAX_CHUNK:
+            return web.json_response({"error": f"a chunk is at most {MAX_CHUNK} bytes"}, status=413)
+        data = await request.content.read(MAX_CHUNK + 1)
+        if len(data) > MAX_CHUNK or version < 0 or index < 0:
+            return web.json_response({"error": "bad chunk"}, status=400)
+        try:
+            return web.json_response(await self.swarm.publish_chunk(version, index, data))
+        except SparrowError as e:
+            return web.json_response({"error": str(e)}, status=409 if isinstance(e, IntegrityError) else 400)
+
+    async def _publish_manifest(self, request: web.Request) -> web.Response:
+        data = await request.content.read(MAX_MANIFEST + 1)
+        if len(data) > MAX_MANIFEST:
+            return web.json_response({"error": "manifest too large"}, status=413)
+        try:
+            return web.json_response(await self.swarm.publish_manifest(data))
+        except SparrowError as e:
+            return web.json_response({"error": str(e)}, status=400)
 
     async def _tracker_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.tracker.status())

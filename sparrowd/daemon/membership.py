@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ..errors import FormatError, SparrowError
+from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
 from ..swarm.leases import LeaseGone
 from .logs import event
@@ -156,11 +156,13 @@ class Membership:
         report: Callable[[], dict] | None = None,
         rng: random.Random | None = None,
         on_fatal: Callable[[Exception], None] | None = None,
+        on_lease: Callable[[dict], None] | None = None,
     ):
         self.client, self.me = client, dict(me)
         self.report = report or (lambda: {})
         self.rng = rng or random.Random(int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
         self.on_fatal = on_fatal
+        self.on_lease = on_lease
         self.state = LeaseState()
         self.joined = asyncio.Event()
         self._in_outage = False
@@ -171,6 +173,8 @@ class Membership:
         return max(0.0, self.state.expires_at - time.monotonic())
 
     def _take(self, reply: dict, sent_at: float) -> None:
+        if self.on_lease is not None:
+            self.on_lease(reply)  # may refuse the lease (a trainer key other than the pinned one)
         s = self.state
         s.epoch = int(reply["epoch"])
         s.ttl = float(reply["lease_ttl"])
@@ -208,8 +212,8 @@ class Membership:
                     await asyncio.sleep(backoff * self.rng.uniform(0.5, 1.0))
                     backoff = min(backoff * 2, self.MAX_BACKOFF)
                     continue
-                except Unauthorized as e:
-                    if self.state.joins == 0 and self.on_fatal:  # a wrong token at start: say so and stop
+                except (Unauthorized, IntegrityError) as e:
+                    if self.state.joins == 0 and self.on_fatal:  # a wrong token or trainer key at start: stop
                         self.on_fatal(e)
                         return
                     self._unreachable(e)
@@ -221,7 +225,7 @@ class Membership:
             except LeaseGone as e:
                 event(log, logging.WARNING, "lease gone; re-joining", reason=str(e))
                 self.state.epoch = None
-            except (TrackerUnavailable, Unauthorized, FormatError) as e:
+            except (TrackerUnavailable, Unauthorized, FormatError, IntegrityError) as e:
                 self._unreachable(e)
 
     def _unreachable(self, e: Exception) -> None:

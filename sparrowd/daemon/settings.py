@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import InputError
+from ..units import parse_size
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
 
 __all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default_data_dir", "MIN_TOKEN_LEN"]
@@ -65,6 +66,12 @@ def _positive_int(text: Any) -> int:
     if v < 1:
         raise ValueError("must be at least 1")
     return v
+
+
+def _rate(text: Any) -> int | None:
+    """Bytes per second with an optional K, M, G suffix (powers of 1024); 0 means unlimited."""
+    v = parse_size(str(text))
+    return v or None
 
 
 def _choice(*options: str) -> Callable[[Any], str]:
@@ -115,6 +122,10 @@ class Settings:
     peer_limit: int = DEFAULT_PEER_LIMIT
     log_format: str = "text"
     log_level: str = "info"
+    retain: int = 8
+    upload_rate: int | None = None
+    download_rate: int | None = None
+    wan_upload_rate: int | None = None
 
     @property
     def is_tracker(self) -> bool:
@@ -135,6 +146,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peer_limit": _positive_int,
     "log_format": _choice("text", "json"),
     "log_level": _choice("debug", "info", "warning", "error"),
+    "retain": _positive_int,
+    "upload_rate": _rate,
+    "download_rate": _rate,
+    "wan_upload_rate": _rate,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

@@ -31,6 +31,9 @@ RENEW = {
     "engine_version": Opt(Int),
     "bytes_up": Opt(NonNegInt),
     "bytes_down": Opt(NonNegInt),
+    "bytes_up_wan": Opt(NonNegInt),
+    "bytes_down_wan": Opt(NonNegInt),
+    "progress": Opt(List),
 }
 LEAVE = {"node_id": Str, "epoch": NonNegInt}
 
@@ -48,8 +51,10 @@ class TrackerService:
         peer_limit: int,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        trainer_key: bytes = b"",
     ):
         self.table, self.tracker_id, self.peer_limit = table, tracker_id, peer_limit
+        self.trainer_key = trainer_key
         self.clock = clock
         self.rng = rng or random.Random()
 
@@ -62,6 +67,8 @@ class TrackerService:
             "renew_interval": renew_interval(self.table.ttl),
             "expires_in": node.expires_at - now,
             "tracker_id": self.tracker_id,
+            "trainer_key": self.trainer_key,
+            "latest_version": self.table.latest_version,
             "peers": [_peer(p) for p in peers],
         }
 
@@ -81,10 +88,14 @@ class TrackerService:
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)
         ):
             raise FormatError(f"renew: field 'versions' must be at most {MAX_VERSIONS_REPORTED} integers >= 0")
+        progress = m["progress"]
+        if progress is not None and not (len(progress) == 3 and all(NonNegInt(x) for x in progress)):
+            raise FormatError("renew: field 'progress' must be [version, chunks held, chunks known]")
         try:
             node = self.table.renew(
                 m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
-                bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
+                bytes_up=m["bytes_up"], bytes_down=m["bytes_down"], bytes_up_wan=m["bytes_up_wan"],
+                bytes_down_wan=m["bytes_down_wan"], progress=progress,
             )
         except LeaseGone as e:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))

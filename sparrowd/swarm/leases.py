@@ -85,6 +85,9 @@ class Node:
     bytes_down: int = 0
     rate_up: float = 0.0
     rate_down: float = 0.0
+    bytes_up_wan: int = 0
+    bytes_down_wan: int = 0
+    progress: tuple[int, int, int] | None = None  # version in flight: (version, chunks held, chunks known)
 
 
 class LeaseStore(Protocol):
@@ -145,6 +148,9 @@ class LeaseTable:
         engine_version: int | None = None,
         bytes_up: int | None = None,
         bytes_down: int | None = None,
+        bytes_up_wan: int | None = None,
+        bytes_down_wan: int | None = None,
+        progress: tuple[int, int, int] | None = None,
     ) -> Node:
         """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
         node = self._live(node_id, epoch, now)
@@ -156,6 +162,11 @@ class LeaseTable:
             changes["versions"] = tuple(sorted(set(int(v) for v in versions)))
         if engine_version is not None:
             changes["engine_version"] = int(engine_version)
+        if bytes_up_wan is not None:
+            changes["bytes_up_wan"] = int(bytes_up_wan)
+        if bytes_down_wan is not None:
+            changes["bytes_down_wan"] = int(bytes_down_wan)
+        changes["progress"] = tuple(progress) if progress is not None else None
         for key, value in (("up", bytes_up), ("down", bytes_down)):
             if value is None:
                 continue
@@ -281,4 +292,7 @@ def _node_view(n: Node, now: float, ttl: float) -> dict:
         "bytes_down": n.bytes_down,
         "rate_up": round(n.rate_up, 1),
         "rate_down": round(n.rate_down, 1),
+        "bytes_up_wan": n.bytes_up_wan,
+        "bytes_down_wan": n.bytes_down_wan,
+        "in_flight": None if n.progress is None else dict(zip(("version", "chunks_held", "chunks_known"), n.progress)),
     }

@@ -1,0 +1,28 @@
+"""Token buckets for rate limits, with the clock passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TokenBucket"]
+
+
+@dataclass
+class TokenBucket:
+    """``rate`` bytes per second (0 or None: unlimited), bursts up to ``burst`` bytes."""
+
+    rate: float | None
+    burst: float = 256 << 10
+    _tokens: float = 0.0
+    _last: float | None = None
+
+    def take(self, now: float, n: int) -> float:
+        """Spend ``n`` bytes; returns how long to wait before sending them (0 if at once)."""
+        if not self.rate:
+            return 0.0
+        if self._last is None:
+            self._tokens, self._last = self.burst, now
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

@@ -1,0 +1,127 @@
+"""What a node knows about each version: its signed chunk list and the chunks it holds.
+
+A version's chunks are numbered in the order the trainer produced them. The
+trainer signs announcements of chunks as they are encoded (``first`` index
+and ``[hash, size]`` pairs), then the manifest, whose chunk list must agree
+with everything announced; the version is complete once the manifest is in
+and every chunk is held. A chunk index is known only through a signed
+statement, so nothing else can be stored or served. Pure: statements in,
+indices and decisions out; the chunk store does the I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..codec.manifest import Manifest
+from ..errors import FormatError, IntegrityError
+from ..schema import Bytes, List, NonNegInt, fields, pack, unpack
+from .signing import ANNOUNCE, MANIFEST, Signed, Verifier
+
+__all__ = ["ChunkRef", "VersionState", "announce_body", "to_bitmap", "from_bitmap", "MAX_CHUNKS_PER_VERSION"]
+
+MAX_CHUNKS_PER_VERSION = 1 << 20
+_ANNOUNCE = {"first": NonNegInt, "chunks": List}
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    hash: bytes
+    size: int
+
+
+def announce_body(first: int, chunks: list[ChunkRef]) -> bytes:
+    return pack({"first": first, "chunks": [[c.hash, c.size] for c in chunks]})
+
+
+def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef]]:
+    m = fields(unpack(body, what="chunk announcement", max_len=64 << 20), _ANNOUNCE, what="chunk announcement")
+    out = []
+    for item in m["chunks"]:
+        if not (isinstance(item, list) and len(item) == 2 and Bytes(item[0]) and len(item[0]) == 32
+                and NonNegInt(item[1])):
+            raise FormatError("chunk announcement: each chunk must be [32-byte hash, size]")
+        out.append(ChunkRef(item[0], item[1]))
+    if m["first"] + len(out) > MAX_CHUNKS_PER_VERSION:
+        raise FormatError(f"chunk announcement: more than {MAX_CHUNKS_PER_VERSION} chunks")
+    return m["first"], out
+
+
+@dataclass
+class VersionState:
+    version: int
+    chunks: dict[int, ChunkRef] = field(default_factory=dict)
+    statements: list[Signed] = field(default_factory=list)
+    manifest: Manifest | None = None
+    have: set[int] = field(default_factory=set)
+    _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int | None:
+        """Number of chunks, once the manifest is in."""
+        return len(self.manifest.chunks) if self.manifest is not None else None
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and len(self.have) == self.total
+
+    @property
+    def base_version(self) -> int | None:
+        return self.manifest.base_version if self.manifest is not None else None
+
+    def missing(self) -> list[int]:
+        return sorted(i for i in self.chunks if i not in self.have)
+
+    def index_of(self, h: bytes) -> int | None:
+        return self._by_hash.get(h)
+
+    def add(self, s: Signed, verifier: Verifier) -> list[int]:
+        """Take a signed statement; returns the chunk indices it made known (empty if nothing new)."""
+        if s.version != self.version:
+            raise FormatError(f"statement for version {s.version} given to version {self.version}")
+        if any(s.sig == t.sig for t in self.statements):
+            return []
+        verifier.verify(s)
+        if s.kind == ANNOUNCE:
+            first, refs = _parse_announce(s.body)
+            new = self._merge(dict(enumerate(refs, start=first)))
+        else:
+            assert s.kind == MANIFEST
+            m = Manifest.from_bytes(s.body)
+            if m.version != self.version:
+                raise IntegrityError(f"manifest says version {m.version}, signed as {self.version}")
+            refs = {i: ChunkRef(c.hash, c.size) for i, c in enumerate(m.chunks)}
+            extra = [i for i in self.chunks if i not in refs]
+            if extra:
+                raise IntegrityError(f"version {self.version}: chunk {extra[0]} was announced but is not in the manifest")
+            new = self._merge(refs)
+            self.manifest = m
+        self.statements.append(s)
+        return new
+
+    def _merge(self, refs: dict[int, ChunkRef]) -> list[int]:
+        for i, r in refs.items():
+            known = self.chunks.get(i)
+            if known is not None and known != r:
+                raise IntegrityError(f"version {self.version}: chunk {i} announced twice with different hashes")
+        new = [i for i in refs if i not in self.chunks]
+        self.chunks.update(refs)
+        for i in new:
+            self._by_hash.setdefault(refs[i].hash, i)
+        return new
+
+
+def to_bitmap(indices, n: int) -> bytes:
+    """A have-map: bit i (big-endian within bytes) set when chunk i is held."""
+    bits = np.zeros(n, dtype=bool)
+    idx = np.fromiter((i for i in indices if 0 <= i < n), dtype=np.int64)
+    bits[idx] = True
+    return np.packbits(bits).tobytes()
+
+
+def from_bitmap(data: bytes, limit: int = MAX_CHUNKS_PER_VERSION) -> set[int]:
+    if len(data) * 8 > limit + 7:
+        raise FormatError(f"have-map of {len(data)} bytes exceeds {limit} chunks")
+    return set(np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8))).tolist())
