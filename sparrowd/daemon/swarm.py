@@ -204,10 +204,10 @@ class Swarm:
         import blake3
 
         vs = self._version(version)
-        if vs.manifest is not None:
-            raise FormatError(f"version {version} is already complete")
         ref = ChunkRef(blake3.blake3(data).digest(), len(data))
         known = vs.chunks.get(index)
+        if vs.manifest is not None and known is None:
+            raise FormatError(f"version {version} is complete; it has no chunk {index}")
         if known is not None:
             if known != ref:
                 raise IntegrityError(f"version {version}: chunk {index} was published with another hash")
@@ -322,7 +322,7 @@ class Swarm:
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
         remote.uploads += 1
-        try:
+        try:  # a peer that cancels (endgame) closes the connection mid-chunk: not an error
             if not (self.up.rate or (wan and self.wan_up.rate)):
                 resp = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
                 await resp.prepare(request)  # sendfile: the chunk goes from page cache to the socket
@@ -338,6 +338,8 @@ class Swarm:
                             await asyncio.sleep(delay)
                         await resp.write(piece)
                 await resp.write_eof()
+        except ConnectionError:
+            return resp
         finally:
             remote.uploads -= 1
         remote.rate_to.add(time.monotonic(), size)

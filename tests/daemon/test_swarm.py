@@ -1,0 +1,114 @@
+"""Chunks spread through a swarm of real daemons: three regions, several versions, deaths, restarts."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import blake3
+import pytest
+
+from sparrowd.codec.patchfile import parse_patch
+from tests.daemon.harness import get, status, wait_for
+from tests.daemon.patches import write_chain
+from tests.helpers import sparrowd
+
+pytestmark = pytest.mark.slow
+
+REGIONS = ("eu", "us", "ap")
+
+
+def publish(cluster, path) -> None:
+    r = sparrowd("publish", path, "--daemon", cluster.tracker, "--token-file", cluster.token_file)
+    assert r.returncode == 0, r.stderr
+
+
+def manifests(paths):
+    out = {}
+    for p in paths:
+        view = parse_patch(p.read_bytes())
+        out[view.manifest.version] = view.manifest
+    return out
+
+
+def held(cluster) -> dict[str, list[int]]:
+    return {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+
+
+def check_store(daemon, manifest) -> None:
+    """Every chunk on the node's disk is complete and hash-valid."""
+    d = daemon.data_dir / "versions" / str(manifest.version) / "chunks"
+    for i, entry in enumerate(manifest.chunks):
+        data = (d / f"{i}.chunk").read_bytes()
+        assert len(data) == entry.size and blake3.blake3(data).digest() == entry.hash, (daemon.name, i)
+
+
+def metric(daemon, token, name: str) -> float:
+    text = get(f"{daemon.url}/metrics", token)[1].decode()
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M))
+
+
+def test_three_versions_reach_six_nodes_in_three_regions_and_a_late_joiner_catches_up(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 3, mib=8, chunk_kib=8)
+    ms = manifests(paths)
+    trainer = cluster.trainer()
+    rollouts = [cluster.rollout(f"{r}{i}", r) for r in REGIONS for i in (1, 2)]
+    wait_for(lambda: len(cluster.nodes()) == 7, 15, "seven nodes")
+    for p in paths:
+        publish(cluster, p)
+    names = {d.name for d in rollouts}
+    wait_for(lambda: all(held(cluster).get(n) == [1, 2, 3] for n in names), 60, "every node to hold 1..3")
+    for d in rollouts:
+        for m in ms.values():
+            check_store(d, m)
+    total = sum(m.patch_bytes for m in ms.values())
+    up = metric(trainer, cluster.token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + metric(
+        trainer, cluster.token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
+    assert total <= up <= 1.5 * total, (up, total)  # super-seeding: each chunk leaves the trainer about once
+    snap = status(cluster.tracker, cluster.token)
+    assert snap["latest_version"] == 3
+    assert all("bytes_up_wan" in n and "bytes_down_wan" in n for n in snap["nodes"])
+
+    late = cluster.rollout("late", "us")
+    wait_for(lambda: held(cluster).get("late") == [1, 2, 3], 30, "the late joiner to catch up")
+    for m in ms.values():
+        check_store(late, m)
+
+    # Publishing again is harmless; a version that does not follow the chain is refused.
+    r = sparrowd("publish", paths[2], "--daemon", cluster.tracker, "--token-file", cluster.token_file)
+    assert r.returncode == 0 and "was already published" in r.stdout
+
+
+def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without_refetching(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 1, mib=32, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    # A slow trainer uplink keeps the version in flight long enough to kill a node inside it.
+    cluster.trainer(extra=("--upload-rate", "256K"))
+    rollouts = [cluster.rollout(f"{r}1", r, extra=("--upload-rate", "512K")) for r in REGIONS]
+    victim = cluster.rollout("victim", "eu", extra=("--upload-rate", "512K"))
+    wait_for(lambda: len(cluster.nodes()) == 5, 15, "five nodes")
+    publish(cluster, paths[0])
+
+    def victim_chunks() -> int:
+        d = victim.data_dir / "versions" / "1" / "chunks"
+        return len(list(d.glob("*.chunk"))) if d.exists() else 0
+
+    wait_for(lambda: victim_chunks() >= 3, 30, "the victim to hold a few chunks")
+    victim.kill()
+    kept = victim_chunks()
+    assert kept < len(m.chunks)
+    names = {d.name for d in rollouts}
+    wait_for(lambda: all(held(cluster).get(n) == [1] for n in names), 90, "the others to complete")
+    for d in rollouts:
+        check_store(d, m)
+
+    again = cluster.rollout("victim", "eu")  # same data dir
+    wait_for(lambda: held(cluster).get("victim") == [1], 30, "the victim to complete after its restart")
+    check_store(again, m)
+    sizes = {i: e.size for i, e in enumerate(m.chunks)}
+    fetched = metric(again, cluster.token, 'sparrowd_bytes_total{direction="down",region_class="same"}') + metric(
+        again, cluster.token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
+    # It fetched at most what it lacked (endgame duplicates aside), never what it had verified.
+    missing = sum(sorted(sizes.values())[: len(m.chunks) - kept]) if kept else m.patch_bytes
+    assert fetched <= m.patch_bytes - sum(sorted(sizes.values())[:kept]) + 2 * max(sizes.values()), (fetched, missing)
+    assert "chunk store loaded" in again.log()
