@@ -291,7 +291,8 @@ class Daemon:
     async def _sweeper(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_EVERY)
-            self.tracker.sweep()
+            for node in self.tracker.sweep():
+                self.swarm.forget(node.node_id)
 
     async def _watchdog(self, interval: float) -> None:
         while True:

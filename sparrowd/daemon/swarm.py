@@ -73,6 +73,8 @@ class PeerState:
     rate: Rate = field(default_factory=Rate)
     task: asyncio.Task | None = None
     gen: int = -1
+    pushing: bool = False
+    push_again: bool = False
 
 
 @dataclass
@@ -246,6 +248,12 @@ class Swarm:
 
     # ------------------------------------------------------------ serving side
 
+    def forget(self, node_id: str) -> None:
+        """A node's lease ended: what super-seeding gave it goes to others, its view is dropped."""
+        for ss in self.superseed.values():
+            ss.forget(node_id)
+        self.remotes.pop(node_id, None)
+
     def _remote(self, request: web.Request) -> Remote:
         node = request.headers.get(NODE_HEADER, "")[:64] or f"anon@{request.remote}"
         region = request.headers.get(REGION_HEADER, "")[:64] or "?"
@@ -259,6 +267,8 @@ class Swarm:
         """What this node shows a peer of a version: all it holds, or the super-seed's offer."""
         if self.signer is None:
             return vs.have
+        if self._choking_active() and remote.node_id not in self.unchoked:
+            return set()  # no assignments to a peer that cannot fetch them now
         ss = self.superseed.get(vs.version)
         if ss is None:
             return set()
@@ -282,7 +292,11 @@ class Swarm:
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
         remote = self._remote(request)
-        remote.have = {v: h for v, (_, h) in theirs.items()}
+        new_have = {v: h for v, (_, h) in theirs.items()}
+        if new_have != remote.have:
+            remote.have = new_have
+            if self.signer is not None:
+                await self._notify()  # wake this peer's long poll: it may be offered more now
         wait = min(float(m["wait"] or 0), 15.0)
         if m["after"] >= self.gen and wait > 0:
             async with self._waiters:
@@ -358,7 +372,13 @@ class Swarm:
                 peers.append(ChokerPeer(r.node_id, wants, rate_from=p.rate.rate(now) if p else 0.0,
                                         rate_to=r.rate_to.rate(now)))
             seed = all(vs.complete for vs in self.versions.values())
-            self.unchoked = self.choker.decide(now, peers, seed=seed)
+            unchoked = self.choker.decide(now, peers, seed=seed)
+            if unchoked != self.unchoked:
+                for pid in self.unchoked - unchoked:  # what a choked peer was given goes to others
+                    for ss in self.superseed.values():
+                        ss.forget(pid)
+                self.unchoked = unchoked
+                await self._notify()  # peers waiting in an exchange learn their new choke state now
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ fetching side
@@ -387,20 +407,23 @@ class Swarm:
                         "fetching": to_bitmap(fetching, n)})
         return out
 
+    async def _exchange(self, ps: PeerState, wait: float) -> None:
+        msg = {"node_id": self.daemon.node_id, "region": self.daemon.settings.region, "after": ps.gen,
+               "wait": int(wait), "versions": self._my_versions()}
+        async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
+                                      headers={"Content-Type": MSGPACK},
+                                      timeout=aiohttp.ClientTimeout(total=wait + 10)) as r:
+            body = await r.content.read(MAX_EXCHANGE + 1)
+            if r.status != 200:
+                raise SparrowError(f"exchange with {ps.node_id}: HTTP {r.status}")
+        self._ingest(ps, unpack(body, what=f"exchange reply from {ps.node_id}", max_len=MAX_EXCHANGE))
+
     async def _peer_loop(self, ps: PeerState) -> None:
+        """The long poll: returns when the peer changed (or after a few seconds), then asks again."""
         backoff = 0.5
         while True:
-            msg = {"node_id": self.daemon.node_id, "region": self.daemon.settings.region, "after": ps.gen,
-                   "wait": int(EXCHANGE_WAIT), "versions": self._my_versions()}
             try:
-                async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
-                                              headers={"Content-Type": MSGPACK},
-                                              timeout=aiohttp.ClientTimeout(total=EXCHANGE_WAIT + 10)) as r:
-                    body = await r.content.read(MAX_EXCHANGE + 1)
-                    if r.status != 200:
-                        raise SparrowError(f"exchange with {ps.node_id}: HTTP {r.status}")
-                reply = unpack(body, what=f"exchange reply from {ps.node_id}", max_len=MAX_EXCHANGE)
-                self._ingest(ps, reply)
+                await self._exchange(ps, EXCHANGE_WAIT)
                 backoff = 0.5
             except asyncio.CancelledError:
                 raise
@@ -411,6 +434,32 @@ class Swarm:
                 event(log, logging.DEBUG, "exchange failed", peer=ps.node_id, reason=str(e) or type(e).__name__)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _tell_peers(self) -> None:
+        """Have messages: after a new chunk, a quick exchange with every peer carries the new
+        have-map (the peer's long polls wake on it; the trainer re-offers at once)."""
+        for ps in list(self.peers.values()):
+            if ps.pushing:
+                ps.push_again = True
+                continue
+            ps.pushing = True
+            asyncio.create_task(self._push(ps), name=f"have-{ps.node_id}")
+
+    async def _push(self, ps: PeerState) -> None:
+        try:
+            while True:
+                ps.push_again = False
+                try:
+                    await self._exchange(ps, 0)
+                except IntegrityError as e:
+                    self._ban(ps, str(e))
+                    return
+                except (SparrowError, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    return
+                if not ps.push_again:
+                    return
+        finally:
+            ps.pushing = False
 
     def _ingest(self, ps: PeerState, reply) -> None:
         if not isinstance(reply, dict) or not isinstance(reply.get("versions"), list):
@@ -527,6 +576,7 @@ class Swarm:
                 event(log, logging.INFO, "version complete", version=vs.version, chunks=vs.total)
                 self._retire()
             await self._notify()
+            self._tell_peers()
         except IntegrityError as e:
             self._ban(ps, str(e))
         except OSError as e:

@@ -9,10 +9,11 @@ __all__ = ["TokenBucket"]
 
 @dataclass
 class TokenBucket:
-    """``rate`` bytes per second (0 or None: unlimited), bursts up to ``burst`` bytes."""
+    """``rate`` bytes per second (0 or None: unlimited), bursts up to ``burst`` bytes
+    (default: a tenth of a second's worth, at least 16 KiB)."""
 
     rate: float | None
-    burst: float = 256 << 10
+    burst: float | None = None
     _tokens: float = 0.0
     _last: float | None = None
 
@@ -20,6 +21,8 @@ class TokenBucket:
         """Spend ``n`` bytes; returns how long to wait before sending them (0 if at once)."""
         if not self.rate:
             return 0.0
+        if self.burst is None:
+            self.burst = max(16 << 10, self.rate / 10)
         if self._last is None:
             self._tokens, self._last = self.burst, now
         self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import blake3
 import pytest
@@ -83,9 +82,9 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
     paths = write_chain(tmp_path / "patches", 1, mib=32, chunk_kib=8)
     (m,) = manifests(paths).values()
     # A slow trainer uplink keeps the version in flight long enough to kill a node inside it.
-    cluster.trainer(extra=("--upload-rate", "256K"))
-    rollouts = [cluster.rollout(f"{r}1", r, extra=("--upload-rate", "512K")) for r in REGIONS]
-    victim = cluster.rollout("victim", "eu", extra=("--upload-rate", "512K"))
+    cluster.trainer(extra=("--upload-rate", "48K"))
+    rollouts = [cluster.rollout(f"{r}1", r, extra=("--upload-rate", "96K")) for r in REGIONS]
+    victim = cluster.rollout("victim", "eu", extra=("--upload-rate", "96K"))
     wait_for(lambda: len(cluster.nodes()) == 5, 15, "five nodes")
     publish(cluster, paths[0])
 
