@@ -17,6 +17,7 @@ import asyncio
 import fcntl
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -342,7 +343,21 @@ class Daemon:
 
         return handler
 
+    @staticmethod
+    def _local_only(request: web.Request) -> web.Response | None:
+        """Publishing needs the token and a connection from this machine: a stolen token is not enough."""
+        try:
+            local = ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+        except ValueError:
+            local = False
+        if local:
+            return None
+        event(log, logging.WARNING, "refused a publish from another machine", remote=request.remote or "?")
+        return web.json_response({"error": "publishing is only accepted from the trainer's own machine"}, status=403)
+
     async def _publish_chunk(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
         try:
             version, index = int(request.match_info["version"]), int(request.match_info["index"])
         except ValueError:
@@ -358,6 +373,8 @@ class Daemon:
             return web.json_response({"error": str(e)}, status=409 if isinstance(e, IntegrityError) else 400)
 
     async def _publish_manifest(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
         data = await request.content.read(MAX_MANIFEST + 1)
         if len(data) > MAX_MANIFEST:
             return web.json_response({"error": "manifest too large"}, status=413)

@@ -184,9 +184,11 @@ class Swarm:
         return vs
 
     def _take_statement(self, vs: VersionState, s: Signed) -> list[int]:
+        before = len(vs.statements)
         new = vs.add(s, self.verifier)
-        if vs.statements and vs.statements[-1] is s:
-            self.store.add_statement(vs, s)
+        if len(vs.statements) == before:
+            return new  # seen before
+        self.store.add_statement(vs, s)
         if s.kind == MANIFEST:
             event(log, logging.INFO, "manifest received", version=vs.version, chunks=vs.total,
                   base_version=vs.base_version)
@@ -332,6 +334,8 @@ class Swarm:
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
+        if v in self.superseed:
+            self.superseed[v].claim(i)
         path = self.store.chunk_path(v, i)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import blake3
 import pytest
@@ -111,3 +112,78 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
     missing = sum(sorted(sizes.values())[: len(m.chunks) - kept]) if kept else m.patch_bytes
     assert fetched <= m.patch_bytes - sum(sorted(sizes.values())[:kept]) + 2 * max(sizes.values()), (fetched, missing)
     assert "chunk store loaded" in again.log()
+
+
+def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere(cluster, tmp_path):
+    """A hostile node with the swarm token: it relays the trainer's real signed statements,
+    claims every chunk, and serves each with one byte flipped."""
+    import asyncio
+    import threading
+
+    import msgpack
+    from aiohttp import web
+
+    from tests.daemon.harness import free_port
+
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    cluster.trainer()
+    publish(cluster, paths[0])
+    port = free_port()
+    auth = {"Authorization": f"Bearer {cluster.token}"}
+    mp = {**auth, "Content-Type": "application/msgpack"}
+    # Join as a rollout in region "eu", and collect the trainer's signed statements as any node would.
+    code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
+                     data=msgpack.packb({"node_id": "mallory", "role": "rollout", "region": "eu",
+                                         "address": f"127.0.0.1:{port}"}))
+    assert code == 200
+    lease = msgpack.unpackb(body)
+    code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers=mp,
+                     data=msgpack.packb({"node_id": "mallory", "region": "eu", "after": -1, "wait": 0,
+                                         "versions": []}))
+    statements = msgpack.unpackb(body)["versions"][0]["statements"]
+    everything = bytes([0xFF]) * ((len(m.chunks) + 7) // 8)
+    served = []
+
+    async def exchange(request):
+        reply = {"gen": 1, "choked": False, "versions": [
+            {"version": 1, "statements": statements, "have": everything, "fetching": b""}]}
+        return web.Response(body=msgpack.packb(reply), content_type="application/msgpack")
+
+    async def chunk(request):
+        i = int(request.match_info["index"])
+        served.append(i)
+        view = parse_patch(paths[0].read_bytes())
+        data = bytearray(view.chunks[i])
+        data[len(data) // 2] ^= 0x01
+        return web.Response(body=bytes(data))
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/swarm/exchange", exchange), web.get("/v1/swarm/chunk/{version}/{index}", chunk)])
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    stop_renewing = threading.Event()
+
+    def renew():
+        while not stop_renewing.wait(0.5):
+            get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", headers=mp,
+                data=msgpack.packb({"node_id": "mallory", "epoch": lease["epoch"]}))
+
+    threading.Thread(target=renew, daemon=True).start()
+    try:
+        victim = cluster.rollout("honest", "eu", extra=("--log-level", "debug"))
+        wait_for(lambda: held(cluster).get("honest") == [1], 20, "the honest node to complete")
+        check_store(victim, m)
+        assert served, "the honest node never asked the hostile peer (test did not test anything)"
+        assert "peer banned for the session peer=mallory" in victim.log()
+        n_served = len(served)
+        time.sleep(1.0)
+        assert len(served) == n_served  # banned: asked nothing more
+    finally:
+        stop_renewing.set()
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)

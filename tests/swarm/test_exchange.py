@@ -106,7 +106,7 @@ def test_choker_tit_for_tat_and_a_rotating_optimistic_unchoke():
 
 
 def test_super_seed_gives_distinct_chunks_before_repeating_any():
-    s = SuperSeed(chunks=8, per_peer=1, regive_after=5.0, rng=random.Random(0))
+    s = SuperSeed(chunks=8, per_peer=1, regive_after=5.0, claim_within=100.0, rng=random.Random(0))
     offers = [s.offer(0.0, f"n{i}", set(), {}) for i in range(8)]
     assert sorted(next(iter(o)) for o in offers) == list(range(8))  # eight peers, eight different chunks
     assert s.offer(1.0, "n8", set(), {}) == set()  # nothing is repeated while its first copy may still spread
@@ -122,6 +122,11 @@ def test_super_seed_gives_distinct_chunks_before_repeating_any():
     held = {c: 1 for c in range(8) if c != lost}
     assert s.offer(4.0, "n8", set(), held) == set()
     assert s.offer(6.0, "n8", set(), held) == {lost}
+    # A peer that never even asks for what it was given loses it after ``claim_within``.
+    q = SuperSeed(chunks=2, per_peer=1, claim_within=1.0, regive_after=100.0, rng=random.Random(0))
+    lazy, busy = q.offer(0.0, "lazy", set(), {}), q.offer(0.0, "busy", set(), {})
+    q.claim(next(iter(busy)))
+    assert q.offer(2.0, "third", set(), {}) == lazy
     # A peer holding its chunk gets the next one; with more chunks announced, fresh ones first.
     s.grow(10)
     assert s.offer(6.0, "n0", offers[0], held) <= {8, 9}
@@ -183,6 +188,9 @@ def simulate(nodes_per_region: int, regions: int, chunks: int, *, seed: int, sta
         for n, q in requests:
             if (n, q) not in served:
                 fetching[n].add(q.index)
+        for n, q in requests:
+            if q.peer_id == "trainer":
+                ss.claim(q.index)
         for n, q in done:
             if q.index in have[n]:
                 continue
