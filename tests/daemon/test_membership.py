@@ -237,3 +237,22 @@ def test_a_node_frozen_past_its_lease_rejoins_with_a_new_epoch(cluster):
     assert [e["epoch"] for e in joins] == [first, again] and all(e["level"] == "info" for e in joins)
     # The sweep or the refused renewal, whichever came first, logged the end of the old life.
     assert any(e["msg"] in ("lease expired", "renewal refused") and e["node_id"] == "r1" for e in events)
+
+
+def test_publishing_is_refused_from_other_machines():
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from sparrowd.daemon.app import Daemon as App
+
+    def request(peer):
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda key, default=None: (peer, 1234) if key == "peername" else default
+        return make_mocked_request("POST", "/v1/publish/manifest", transport=transport)
+
+    for local in ("127.0.0.1", "127.8.9.10", "::1"):
+        assert App._local_only(request(local)) is None
+    for remote in ("10.0.0.5", "192.168.1.2", "2001:db8::1"):
+        refused = App._local_only(request(remote))
+        assert refused.status == 403 and b"own machine" in refused.body
