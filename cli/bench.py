@@ -15,9 +15,38 @@ def register(sub) -> None:
     c.add_argument("--size-mib", type=int, default=512, help="bf16 bytes of each side of the throughput pair (default 512)")
     c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
+    register_swarm(bs)
 
 
 def cmd_codec(args) -> int:
     from sparrowd.bench.codec import run
 
     return run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json)
+
+
+def register_swarm(bs) -> None:
+    s = bs.add_parser("swarm", help="a trainer and N rollout daemons on loopback, against star distribution",
+                      description="Run a trainer and N rollout daemons as separate processes on loopback in R "
+                                  "regions, with WAN links emulated by the daemons' rate limits, publish versions, "
+                                  "and report time to all nodes, trainer upload and cross-region bytes; then "
+                                  "measure star distribution (every node pulls from the trainer) in the same run.")
+    s.add_argument("--nodes", type=int, default=16, help="rollout daemons (default 16)")
+    s.add_argument("--regions", type=int, default=4, help="regions (default 4)")
+    s.add_argument("--patch-mib", type=int, default=64, help="patch size in MiB (default 64)")
+    s.add_argument("--versions", type=int, default=2, help="versions to publish (default 2)")
+    s.add_argument("--chunk", default="2M", help="chunk size (default 2M)")
+    s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
+    s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
+    s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
+    s.add_argument("--no-star", action="store_true", help="skip the star baseline")
+    s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
+    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.set_defaults(func=cmd_swarm)
+
+
+def cmd_swarm(args) -> int:
+    from sparrowd.bench.swarm import run
+
+    return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
+               chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
+               star=not args.no_star, json_path=args.json, keep=args.keep)

@@ -38,6 +38,7 @@ from ..schema import pack, unpack
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_name
 from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
+from .bodies import read_limited
 from .leasedb import SqliteLeaseStore
 from .logs import event
 from .membership import (
@@ -330,9 +331,9 @@ class Daemon:
                 return web.json_response({"error": f"body must be {MSGPACK}"}, status=415)
             if (request.content_length or 0) > MAX_TRACKER_MESSAGE:
                 return _too_large(request.content_length)
-            body = await request.content.read(MAX_TRACKER_MESSAGE + 1)
-            if len(body) > MAX_TRACKER_MESSAGE:  # no or a false Content-Length
-                return _too_large(len(body))
+            body = await read_limited(request.content, MAX_TRACKER_MESSAGE)
+            if body is None:  # no or a false Content-Length
+                return _too_large(MAX_TRACKER_MESSAGE + 1)
             try:
                 reply = method(unpack(body, what=name, max_len=MAX_TRACKER_MESSAGE))
             except LeaseGone as e:
@@ -364,8 +365,8 @@ class Daemon:
             return web.json_response({"error": "version and index must be integers"}, status=400)
         if (request.content_length or 0) > MAX_CHUNK:
             return web.json_response({"error": f"a chunk is at most {MAX_CHUNK} bytes"}, status=413)
-        data = await request.content.read(MAX_CHUNK + 1)
-        if len(data) > MAX_CHUNK or version < 0 or index < 0:
+        data = await read_limited(request.content, MAX_CHUNK)
+        if data is None or version < 0 or index < 0:
             return web.json_response({"error": "bad chunk"}, status=400)
         try:
             return web.json_response(await self.swarm.publish_chunk(version, index, data))
@@ -375,8 +376,8 @@ class Daemon:
     async def _publish_manifest(self, request: web.Request) -> web.Response:
         if (refused := self._local_only(request)) is not None:
             return refused
-        data = await request.content.read(MAX_MANIFEST + 1)
-        if len(data) > MAX_MANIFEST:
+        data = await read_limited(request.content, MAX_MANIFEST)
+        if data is None:
             return web.json_response({"error": "manifest too large"}, status=413)
         try:
             return web.json_response(await self.swarm.publish_manifest(data))

@@ -29,6 +29,7 @@ import aiohttp
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
 from ..swarm.leases import LeaseGone
+from .bodies import read_limited
 from .logs import event
 from .tracker import TrackerService
 
@@ -74,7 +75,9 @@ class HttpTrackerClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:
             async with self._session.post(f"{self.url}{path}", data=pack(msg), headers=self._headers) as r:
-                body = await r.content.read(MAX_TRACKER_MESSAGE + 1)
+                body = await read_limited(r.content, MAX_TRACKER_MESSAGE)
+                if body is None:
+                    raise FormatError(f"tracker reply to {path}: over {MAX_TRACKER_MESSAGE} bytes")
                 if r.status == 200:
                     reply = unpack(body, what=f"tracker reply to {path}", max_len=MAX_TRACKER_MESSAGE)
                     if not isinstance(reply, dict):

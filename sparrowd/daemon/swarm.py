@@ -39,6 +39,7 @@ from ..swarm.rate import Rate
 from ..swarm.signing import ANNOUNCE, MANIFEST, Signed, Signer, Verifier
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import ChunkRef, VersionState, announce_body, from_bitmap, to_bitmap
+from .bodies import read_limited
 from .logs import event
 from .store import ChunkStore
 
@@ -282,8 +283,8 @@ class Swarm:
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.version, set()), held_by) & vs.have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
-        body = await request.content.read(MAX_EXCHANGE + 1)
-        if len(body) > MAX_EXCHANGE:
+        body = await read_limited(request.content, MAX_EXCHANGE)
+        if body is None:
             return web.json_response({"error": "exchange message too large"}, status=413)
         try:
             m = fields(unpack(body, what="exchange", max_len=MAX_EXCHANGE), _EXCHANGE_REQ, what="exchange")
@@ -417,7 +418,9 @@ class Swarm:
         async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
                                       headers={"Content-Type": MSGPACK},
                                       timeout=aiohttp.ClientTimeout(total=wait + 10)) as r:
-            body = await r.content.read(MAX_EXCHANGE + 1)
+            body = await read_limited(r.content, MAX_EXCHANGE)
+            if body is None:
+                raise FormatError(f"exchange reply from {ps.node_id}: over {MAX_EXCHANGE} bytes")
             if r.status != 200:
                 raise SparrowError(f"exchange with {ps.node_id}: HTTP {r.status}")
         self._ingest(ps, unpack(body, what=f"exchange reply from {ps.node_id}", max_len=MAX_EXCHANGE))

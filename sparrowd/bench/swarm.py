@@ -1,0 +1,238 @@
+"""``sparrowd bench swarm``: a trainer and N rollout daemons on loopback, against star distribution.
+
+Every daemon is a separate ``sparrowd run`` process on 127.0.0.1. WAN links
+are emulated by the daemons' own rate limits: the trainer's uplink is capped
+(``--trainer-rate``), every rollout node's uplink too (``--node-rate``), and
+uploads to other regions further (``--wan-rate``, per node). Round-trip times
+are those of loopback (the kernel here has no netem, and tbf or htb shape
+bandwidth, not delay), so the lower bound below counts no RTT.
+
+For each version it reports the time from ``publish`` until every node holds
+the version, beside the lower bound (patch size over the trainer's uplink);
+the bytes the trainer uploaded over the patch size; and the bytes that
+crossed regions over (R - 1) x patch size. In the same run, star distribution
+is measured: N clients pull every chunk straight from the trainer's daemon,
+as a broadcast without relaying would.
+
+The patch is a dense one (a new, incompressible tensor), so its size is
+exactly what the flags ask for and the codec plays no part in the timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from ..codec.bits import RawTensor
+from ..codec.patch import encode_patch
+from ..codec.patchfile import parse_patch, patch_parts
+from ..units import format_bytes, parse_size
+
+MB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, token: str, timeout: float = 5.0) -> bytes:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def _status(tracker: str, token: str) -> dict:
+    return json.loads(_get(f"{tracker}/v1/tracker/status", token))
+
+
+def _metric(url: str, token: str, name: str) -> float:
+    text = _get(f"{url}/metrics", token).decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+
+
+def _write_patch(path: Path, version: int, size: int, chunk: int, rng) -> int:
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    new = {f"bench.v{version}": RawTensor("U8", (size,), data)}
+    m, chunks = encode_patch({}, new, version=version, base_version=version - 1 if version > 1 else 0,
+                             chunk_size=chunk)
+    with open(path, "wb") as f:
+        for part in patch_parts(m, [c.data for c in chunks]):
+            f.write(part)
+    return m.patch_bytes
+
+
+class _Procs:
+    def __init__(self, root: Path):
+        self.root, self.procs = root, []
+
+    def start(self, *args: str, name: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", *args], stdout=log, stderr=log)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _wait(pred, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+async def _star(trainer: str, token: str, version: int, manifest, clients: int) -> float:
+    """N clients each pull every chunk of ``version`` from the trainer, as plain HTTP clients."""
+    import aiohttp
+
+    from ..schema import pack
+    from ..swarm.versions import to_bitmap
+
+    n = len(manifest.chunks)
+
+    async def client(k: int, session) -> None:
+        hdr = {"Authorization": f"Bearer {token}", "X-Sparrowd-Node": f"star-{k}", "X-Sparrowd-Region": "star"}
+        have: set[int] = set()
+        while len(have) < n:
+            msg = {"node_id": f"star-{k}", "region": "star", "after": -1, "wait": 0,
+                   "versions": [{"version": version, "statements": 0, "have": to_bitmap(have, n),
+                                 "fetching": b""}]}
+            async with session.post(f"{trainer}/v1/swarm/exchange", data=pack(msg),
+                                    headers={**hdr, "Content-Type": "application/msgpack"}) as r:
+                await r.read()
+            for i in range(n):
+                if i in have:
+                    continue
+                async with session.get(f"{trainer}/v1/swarm/chunk/{version}/{i}", headers=hdr) as r:
+                    if r.status == 200:
+                        await r.read()
+                        have.add(i)
+                    else:
+                        await r.read()
+                        await asyncio.sleep(0.2)
+                        break
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(k, session) for k in range(clients)))
+    return time.monotonic() - t0
+
+
+def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int = 2, chunk: str = "2M",
+        trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", star: bool = True,
+        json_path: str | None = None, keep: bool = False) -> int:
+    rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate))}
+    root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
+    procs = _Procs(root)
+    token_file = root / "swarm.token"
+    token_file.write_text(secrets.token_hex(24) + "\n")
+    os.chmod(token_file, 0o600)
+    token = token_file.read_text().strip()
+    port = _free_port()
+    tracker = f"http://127.0.0.1:{port}"
+    region_names = [f"region{i}" for i in range(regions)]
+    rng = np.random.default_rng(0)
+    print(f"sparrowd bench swarm: {nodes} rollout daemons in {regions} regions + a trainer, on loopback, "
+          f"{os.cpu_count()} CPUs")
+    print(f"   emulated links: trainer uplink {format_bytes(rates['trainer'])}/s, node uplinks "
+          f"{format_bytes(rates['node'])}/s, cross-region uploads {format_bytes(rates['wan'])}/s per node; "
+          f"loopback RTT")
+    patches = []
+    for v in range(1, versions + 1):
+        p = root / f"v{v}.sprw"
+        _write_patch(p, v, patch_mib * MB, parse_size(chunk), rng)
+        patches.append(p)
+    results = []
+    try:
+        procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"127.0.0.1:{port}",
+                    "--data-dir", str(root / "trainer"), "--token-file", str(token_file), "--node-id", "trainer",
+                    "--upload-rate", trainer_rate, "--log-level", "warning", name="trainer")
+        _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
+        for i in range(nodes):
+            region = region_names[i % regions]
+            procs.start("run", "--role", "rollout", "--region", region, "--listen", "127.0.0.1:0",
+                        "--data-dir", str(root / f"n{i}"), "--token-file", str(token_file), "--node-id", f"n{i}",
+                        "--tracker", tracker, "--upload-rate", node_rate, "--wan-upload-rate", wan_rate,
+                        "--log-level", "warning", name=f"n{i}")
+        _wait(lambda: len(_status(tracker, token)["nodes"]) == nodes + 1, 60, "every node to join")
+        up_before, wan_before = 0.0, 0
+        for p in patches:
+            view = parse_patch(p.read_bytes())
+            m = view.manifest
+            t0 = time.monotonic()
+            r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "publish", str(p), "--daemon", tracker,
+                                "--token-file", str(token_file)], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(r.stderr.strip())
+            _wait(lambda: all(m.version in n["versions"] for n in _status(tracker, token)["nodes"]), 600,
+                  f"every node to hold version {m.version}", every=0.05)
+            elapsed = time.monotonic() - t0
+            time.sleep(1.5)  # let the last renewals report byte counters
+            snap = _status(tracker, token)
+            up = _metric(tracker, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + _metric(
+                tracker, token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
+            wan = sum(n["bytes_down_wan"] for n in snap["nodes"])
+            bound = m.patch_bytes / rates["trainer"]
+            row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
+                   "seconds": elapsed, "lower_bound_seconds": bound, "time_over_bound": elapsed / bound,
+                   "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,
+                   "cross_region_over_r_minus_1": (wan - wan_before) / ((regions - 1) * m.patch_bytes)}
+            up_before, wan_before = up, wan
+            results.append(row)
+            print(f"   version {m.version}: {format_bytes(m.patch_bytes)} in {len(m.chunks)} chunks, all nodes in "
+                  f"{elapsed:.1f} s (bound {bound:.1f} s, {row['time_over_bound']:.2f}x); trainer uploaded "
+                  f"{row['trainer_upload_over_patch']:.2f}x the patch; cross-region "
+                  f"{row['cross_region_over_r_minus_1']:.2f}x (R-1) x patch", flush=True)
+        star_row = None
+        if star:
+            last = parse_patch(patches[-1].read_bytes()).manifest
+            t_star = asyncio.run(_star(tracker, token, last.version, last, nodes))
+            star_row = {"seconds": t_star, "over_swarm": t_star / results[-1]["seconds"]}
+            print(f"   star (every node pulls every chunk from the trainer): {t_star:.1f} s, "
+                  f"{star_row['over_swarm']:.1f}x the swarm's time", flush=True)
+    finally:
+        procs.stop()
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    worst = {k: max(r[k] for r in results) for k in ("time_over_bound", "trainer_upload_over_patch",
+                                                     "cross_region_over_r_minus_1")}
+    targets = [("time to all / lower bound", worst["time_over_bound"], 1.5, True),
+               ("trainer upload / patch", worst["trainer_upload_over_patch"], 1.3, True),
+               ("cross-region bytes / ((R-1) x patch)", worst["cross_region_over_r_minus_1"], 1.3, True)]
+    if star_row:
+        targets.append(("star time / swarm time", star_row["over_swarm"], 4.0, False))
+    print("\n   targets (worst version)")
+    for name, value, limit, at_most in targets:
+        ok = value <= limit if at_most else value >= limit
+        print(f"   {name:<40} {value:6.2f}  {'<=' if at_most else '>='} {limit:<4} {'PASS' if ok else 'MISS'}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"versions": results, "star": star_row, "nodes": nodes,
+                                               "regions": regions, "rates": rates}, indent=2))
+    return 0
