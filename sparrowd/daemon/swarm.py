@@ -55,6 +55,7 @@ EXCHANGE_WAIT = 5.0
 PIECE = 256 << 10
 MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
 UPLOADS_PER_PEER = 8
+CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List}
 _VERSION_REQ = {"version": NonNegInt, "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
@@ -533,6 +534,8 @@ class Swarm:
             if not missing:
                 continue
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
+            # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
+            self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
             views = [PeerView(p.node_id, p.region, p.have.get(v, set()), is_trainer=p.role == "trainer",
                               choking=p.choking, inflight=p.inflight, fetching=p.fetching.get(v, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now))
