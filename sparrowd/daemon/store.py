@@ -90,7 +90,8 @@ class ChunkStore:
         _write(d / f"{len(vs.statements) - 1}.sig", s.to_bytes())
 
     def put_chunk(self, vs: VersionState, index: int, data) -> None:
-        """Store a chunk after checking it against its signed hash (IntegrityError if it differs)."""
+        """Store a chunk after checking it against its signed hash (IntegrityError if it differs).
+        Runs in a worker thread, so it leaves ``vs.have`` to the caller, on the event loop."""
         ref = vs.chunks.get(index)
         if ref is None:
             raise IntegrityError(f"version {vs.version}: chunk {index} is in no signed statement")
@@ -99,7 +100,6 @@ class ChunkStore:
         d = self._dir(vs.version) / "chunks"
         d.mkdir(parents=True, exist_ok=True)
         _write(self.chunk_path(vs.version, index), data)
-        vs.have.add(index)
 
     def drop(self, version: int) -> None:
         shutil.rmtree(self._dir(version), ignore_errors=True)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import blake3
 from aiohttp import web
 
 from ..codec.manifest import Manifest
@@ -209,8 +210,6 @@ class Swarm:
     # ------------------------------------------------------------ publishing (trainer)
 
     async def publish_chunk(self, version: int, index: int, data: bytes) -> dict:
-        import blake3
-
         vs = self._version(version)
         ref = ChunkRef(blake3.blake3(data).digest(), len(data))
         known = vs.chunks.get(index)
@@ -223,6 +222,7 @@ class Swarm:
         s = self.signer.sign(ANNOUNCE, version, announce_body(index, [ref]))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
+        vs.have.add(index)
         self.superseed.setdefault(version, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
         await self._notify()
         return {"index": index, "new": True}
@@ -382,9 +382,9 @@ class Swarm:
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
             if unchoked != self.unchoked:
-                for pid in self.unchoked - unchoked:  # what a choked peer was given goes to others
+                for pid in self.unchoked - unchoked:  # what a choked peer was given, and not asked for, goes
                     for ss in self.superseed.values():
-                        ss.forget(pid)
+                        ss.forget(pid, unclaimed_only=True)
                 self.unchoked = unchoked
                 await self._notify()  # peers waiting in an exchange learn their new choke state now
             await asyncio.sleep(1.0)
@@ -580,7 +580,14 @@ class Swarm:
             self.daemon.count_bytes("down", len(data), wan)
             if index in vs.have:
                 return
-            await asyncio.to_thread(self.store.put_chunk, vs, index, data)
+            try:
+                await asyncio.to_thread(self.store.put_chunk, vs, index, data)
+            except OSError as e:  # a full or failing disk: say so, keep serving what is stored
+                self.error = f"storing chunks in {self.store.root}: {e.strerror or e}"
+                event(log, logging.ERROR, "cannot store a chunk", version=vs.version, index=index, reason=self.error)
+                return
+            vs.have.add(index)
+            self.error = None
             for pid, t in self.inflight.get(key, {}).items():  # endgame: cancel the losers
                 if pid != ps.node_id:
                     t.cancel()
@@ -591,13 +598,8 @@ class Swarm:
             self._tell_peers()
         except IntegrityError as e:
             self._ban(ps, str(e))
-        except OSError as e:
-            if isinstance(e, (aiohttp.ClientError,)) or e.errno is None:
-                return
-            self.error = f"storing chunks: {e.strerror or e}"
-            event(log, logging.ERROR, "cannot store a chunk", version=vs.version, index=index, reason=self.error)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            pass  # the request ends; the picker moves the chunk to another peer
         finally:
             ps.inflight -= 1
             tasks = self.inflight.get(key)

@@ -40,10 +40,17 @@ class SuperSeed:
         """Someone asked for chunk ``index``: its assignment is being used."""
         self.claimed.add(index)
 
-    def forget(self, peer: str) -> None:
-        """``peer`` left: what it was given and does not hold may be given to another at once."""
+    def forget(self, peer: str, *, unclaimed_only: bool = False) -> None:
+        """``peer`` left (or was choked: ``unclaimed_only``, since a transfer it started goes on):
+        what it was given and does not hold may be given to another at once."""
+        keep = set()
         for c in self.assigned.pop(peer, ()):
-            self.given_at[c] = float("-inf")
+            if unclaimed_only and c in self.claimed:
+                keep.add(c)
+            else:
+                self.given_at[c] = float("-inf")
+        if keep:
+            self.assigned[peer] = keep
 
     def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int]) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``."""

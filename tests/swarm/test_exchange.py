@@ -213,3 +213,13 @@ def test_simulated_swarm_spares_the_trainer_and_the_region_links(seed):
     star_rounds, star_up, _ = simulate(4, regions, chunks, seed=seed, star=True)
     assert star_up == 16 * chunks
     assert star_rounds >= 4 * rounds, (star_rounds, rounds)
+
+
+def test_choking_a_peer_takes_back_only_what_it_has_not_asked_for():
+    s = SuperSeed(chunks=4, per_peer=2, claim_within=100.0, regive_after=100.0, rng=random.Random(0))
+    given = sorted(s.offer(0.0, "p", set(), {}))
+    s.claim(given[0])
+    s.forget("p", unclaimed_only=True)
+    assert s.offer(1.0, "p", set(), {}) >= {given[0]}  # the transfer it started stays its own
+    others = s.offer(1.0, "q", set(), {})
+    assert given[1] in others and given[0] not in others
