@@ -187,3 +187,27 @@ def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere
         stop_renewing.set()
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
+
+
+def test_retention_and_the_trainer_upload_limit(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 3, mib=8, chunk_kib=8)
+    ms = manifests(paths)
+    rate = 32 << 10
+    trainer = cluster.trainer(extra=("--retain", "2", "--upload-rate", "32K"))
+    for p in paths:  # published before any node exists: the timing below is the transfer alone
+        publish(cluster, p)
+    t0 = time.monotonic()
+    nodes = [cluster.rollout(f"n{i}", "eu", extra=("--retain", "2")) for i in range(2)]
+    wait_for(lambda: all(held(cluster).get(d.name) == [2, 3] for d in nodes), 60, "both nodes to hold 2 and 3")
+    elapsed = time.monotonic() - t0
+    # The retained versions left the trainer no faster than its limit (after a 16 KiB burst);
+    # unlimited, this takes about a second on loopback, start-up included.
+    sent = ms[2].patch_bytes + ms[3].patch_bytes
+    assert elapsed >= (sent - (16 << 10)) / rate * 0.9, elapsed
+    # Only the newest two versions are kept, on disk too, by the trainer and the nodes.
+    assert held(cluster)["trainer"] == [2, 3]
+    for d in [trainer, *nodes]:
+        kept = sorted(int(p.name) for p in (d.data_dir / "versions").iterdir())
+        assert kept == [2, 3], (d.name, kept)
+    for d in nodes:
+        check_store(d, ms[3])

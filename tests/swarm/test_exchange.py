@@ -223,3 +223,19 @@ def test_choking_a_peer_takes_back_only_what_it_has_not_asked_for():
     assert s.offer(1.0, "p", set(), {}) >= {given[0]}  # the transfer it started stays its own
     others = s.offer(1.0, "q", set(), {})
     assert given[1] in others and given[0] not in others
+
+
+def test_token_bucket_paces_to_its_rate_after_a_small_burst():
+    from sparrowd.swarm.bucket import TokenBucket
+
+    b = TokenBucket(100_000)  # burst: a tenth of a second, at least 16 KiB
+    assert b.take(0.0, 16 << 10) == 0.0
+    wait = b.take(0.0, 50_000)
+    assert wait == pytest.approx(0.5)
+    # Sending at the pace it asks for holds the average at the rate.
+    t, sent = 0.5, 0
+    for _ in range(100):
+        t += b.take(t, 10_000)
+        sent += 10_000
+    assert sent / t == pytest.approx(100_000, rel=0.05)
+    assert TokenBucket(None).take(0.0, 1 << 30) == 0.0
