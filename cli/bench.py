@@ -40,6 +40,8 @@ def register_swarm(bs) -> None:
     s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
+    s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="the daemons' log level (default warning; debug logs every chunk stored)")
     s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     s.set_defaults(func=cmd_swarm)
 
@@ -49,4 +51,4 @@ def cmd_swarm(args) -> int:
 
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
-               star=not args.no_star, json_path=args.json, keep=args.keep)
+               star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)

@@ -57,6 +57,7 @@ PIECE = 256 << 10
 MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
 UPLOADS_PER_PEER = 8
 UPLOAD_SLOTS = 8  # peers unchoked at once (one of them the optimistic unchoke)
+SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 
@@ -120,6 +121,9 @@ class Swarm:
         self.wan_up = TokenBucket(wan_upload_rate)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        # A node's uplink finishes a few chunks at a time rather than many at once: a finished chunk
+        # can be relayed, a half-sent one cannot.
+        self._uploads = asyncio.Semaphore(SEED_CONCURRENT if signer else RELAY_CONCURRENT)
         self.error: str | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -344,29 +348,41 @@ class Swarm:
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
         remote.uploads += 1
-        try:  # a peer that cancels (endgame) closes the connection mid-chunk: not an error
-            if not (self.up.rate or (wan and self.wan_up.rate)):
-                resp = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
-                await resp.prepare(request)  # sendfile: the chunk goes from page cache to the socket
-            else:
-                resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
-                                                   "Content-Length": str(size)})
-                await resp.prepare(request)
-                with open(path, "rb") as f:
-                    while piece := f.read(PIECE):
-                        now = time.monotonic()
-                        delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
-                        if delay:
-                            await asyncio.sleep(delay)
-                        await resp.write(piece)
-                await resp.write_eof()
-        except ConnectionError:
-            return resp
+        try:
+            async with self._uploads:
+                resp, sent = await self._send(request, path, size, wan)
         finally:
             remote.uploads -= 1
+        if not sent:
+            return resp
         remote.rate_to.add(time.monotonic(), size)
         self.daemon.count_bytes("up", size, wan)
         return resp
+
+    async def _send(self, request: web.Request, path, size: int, wan: bool) -> tuple[web.StreamResponse, bool]:
+        """The chunk's bytes, paced by the rate limits; False when the peer hung up (an endgame
+        loser cancelled: not an error)."""
+        if not (self.up.rate or (wan and self.wan_up.rate)):
+            resp = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+            try:
+                await resp.prepare(request)  # sendfile where the event loop supports it
+            except ConnectionError:
+                return resp, False
+            return resp, True
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        try:
+            await resp.prepare(request)
+            with open(path, "rb") as f:
+                while piece := f.read(PIECE):
+                    now = time.monotonic()
+                    delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
+                    if delay:
+                        await asyncio.sleep(delay)
+                    await resp.write(piece)
+            await resp.write_eof()
+        except ConnectionError:
+            return resp, False
+        return resp, True
 
     async def _choke_loop(self) -> None:
         while True:
@@ -588,6 +604,8 @@ class Swarm:
                 return
             vs.have.add(index)
             self.error = None
+            event(log, logging.DEBUG, "chunk stored", version=vs.version, index=index, peer=ps.node_id,
+                  bytes=len(data), wan=wan)
             for pid, t in self.inflight.get(key, {}).items():  # endgame: cancel the losers
                 if pid != ps.node_id:
                     t.cancel()

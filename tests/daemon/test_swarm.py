@@ -185,6 +185,7 @@ def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere
         assert len(served) == n_served  # banned: asked nothing more
     finally:
         stop_renewing.set()
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
 
