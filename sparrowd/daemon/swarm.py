@@ -14,7 +14,9 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   served; a peer that sends a bad chunk is banned for the session.
 * The serving side answers exchanges and chunk requests, unchoking the peers
   the choker picks; the trainer shows each peer only what super-seeding
-  offers it. Uploads go through ``sendfile`` unless a rate limit applies.
+  offers it. Unlimited uploads are aiohttp FileResponses: sendfile on asyncio's
+  loop; uvloop does not implement loop.sendfile, so there aiohttp reads and
+  writes in pieces: one copy through user space per chunk served.
 * The trainer publishes through ``/v1/publish/...``: each chunk is signed
   into an announcement as it arrives, so chunks move before the manifest.
 """
