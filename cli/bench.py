@@ -27,7 +27,8 @@ def cmd_codec(args) -> int:
 def register_swarm(bs) -> None:
     s = bs.add_parser("swarm", help="a trainer and N rollout daemons on loopback, against star distribution",
                       description="Run a trainer and N rollout daemons as separate processes on loopback in R "
-                                  "regions, with WAN links emulated by the daemons' rate limits, publish versions, "
+                                  "regions, with the WAN between regions emulated (RTT and per-link bandwidth by "
+                                  "TCP proxies, uplinks by the daemons' rate limits), publish versions, "
                                   "and report time to all nodes, trainer upload and cross-region bytes; then "
                                   "measure star distribution (every node pulls from the trainer) in the same run.")
     s.add_argument("--nodes", type=int, default=16, help="rollout daemons (default 16)")
@@ -38,6 +39,9 @@ def register_swarm(bs) -> None:
     s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
     s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
     s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
+    s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
+    s.add_argument("--link-rate", default="32M",
+                   help="bandwidth of each ordered pair of regions, bytes/s (default 32M; 0: none)")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -51,4 +55,5 @@ def cmd_swarm(args) -> int:
 
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
+               rtt=args.rtt, link_rate=args.link_rate,
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)

@@ -1,18 +1,21 @@
 """``sparrowd bench swarm``: a trainer and N rollout daemons on loopback, against star distribution.
 
-Every daemon is a separate ``sparrowd run`` process on 127.0.0.1. WAN links
-are emulated by the daemons' own rate limits: the trainer's uplink is capped
-(``--trainer-rate``), every rollout node's uplink too (``--node-rate``), and
-uploads to other regions further (``--wan-rate``, per node). Round-trip times
-are those of loopback (the kernel here has no netem, and tbf or htb shape
-bandwidth, not delay), so the lower bound below counts no RTT.
+Every daemon is a separate ``sparrowd run`` process on loopback, each region
+in its own 127.(10+r).0.0/16 block. The WAN between regions is emulated by
+``sparrowd.bench.wan``: TCP proxies that add ``--rtt`` between regions and
+shape each ordered pair of regions to ``--link-rate`` (the kernel here has no
+netem; tbf and htb shape bandwidth, not delay). Uplinks are the daemons' own
+limits: the trainer's (``--trainer-rate``), every rollout node's
+(``--node-rate``) and its uploads to other regions (``--wan-rate``).
 
 For each version it reports the time from ``publish`` until every node holds
-the version, beside the lower bound (patch size over the trainer's uplink);
+the version, beside the lower bound (patch size over the trainer's uplink,
+plus one round trip);
 the bytes the trainer uploaded over the patch size; and the bytes that
 crossed regions over (R - 1) x patch size. In the same run, star distribution
-is measured: N clients pull every chunk straight from the trainer's daemon,
-as a broadcast without relaying would.
+is measured: N clients, spread over the regions like the nodes, pull every
+chunk straight from the trainer's daemon through the same emulated WAN, as a
+broadcast without relaying would.
 
 The patch is a dense one (a new, incompressible tensor), so its size is
 exactly what the flags ask for and the codec plays no part in the timing.
@@ -45,10 +48,15 @@ from ..units import format_bytes, parse_size
 MB = 1 << 20
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _addr(region: int, kind: int, j: int) -> str:
+    """127.(10+region).kind.(j+1): kind 0 a daemon, 1 its WAN proxy, 2 a star client."""
+    return f"127.{10 + region}.{kind}.{j + 1}"
 
 
 def _get(url: str, token: str, timeout: float = 5.0) -> bytes:
@@ -108,8 +116,8 @@ def _wait(pred, timeout: float, what: str, every: float = 0.1):
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-async def _star(trainer: str, token: str, version: int, manifest, clients: int) -> float:
-    """N clients each pull every chunk of ``version`` from the trainer, as plain HTTP clients."""
+async def _star(trainer: str, token: str, version: int, manifest, clients: int, regions: int) -> float:
+    """N clients, spread over the regions, each pull every chunk of ``version`` from the trainer."""
     import aiohttp
 
     from ..schema import pack
@@ -139,31 +147,40 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int) 
                         await asyncio.sleep(0.2)
                         break
 
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(_addr(k % regions, 2, k), 0)))
+                for k in range(clients)]
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(client(k, session) for k in range(clients)))
+    try:
+        await asyncio.gather(*(client(k, sessions[k]) for k in range(clients)))
+    finally:
+        for s in sessions:
+            await s.close()
     return time.monotonic() - t0
 
 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int = 2, chunk: str = "2M",
-        trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", star: bool = True,
+        trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
+        link_rate: str = "32M", star: bool = True,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning") -> int:
-    rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate))}
+    rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
+                                           ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
     procs = _Procs(root)
     token_file = root / "swarm.token"
     token_file.write_text(secrets.token_hex(24) + "\n")
     os.chmod(token_file, 0o600)
     token = token_file.read_text().strip()
-    port = _free_port()
-    tracker = f"http://127.0.0.1:{port}"
+    t_host, t_proxy = _addr(0, 0, 100), _addr(0, 1, 100)
+    port = _free_port(t_host)
+    direct = f"http://{t_host}:{port}"  # the bench's own calls; nodes go through the WAN proxy
+    tracker = f"http://{t_proxy}:{port}"
     region_names = [f"region{i}" for i in range(regions)]
     rng = np.random.default_rng(0)
     print(f"sparrowd bench swarm: {nodes} rollout daemons in {regions} regions + a trainer, on loopback, "
           f"{os.cpu_count()} CPUs")
     print(f"   emulated links: trainer uplink {format_bytes(rates['trainer'])}/s, node uplinks "
           f"{format_bytes(rates['node'])}/s, cross-region uploads {format_bytes(rates['wan'])}/s per node; "
-          f"loopback RTT")
+          f"between regions {rtt * 1000:.0f} ms RTT and {format_bytes(rates['link'])}/s per direction")
     patches = []
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
@@ -171,28 +188,44 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         patches.append(p)
     results = []
     try:
-        procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"127.0.0.1:{port}",
-                    "--data-dir", str(root / "trainer"), "--token-file", str(token_file), "--node-id", "trainer",
-                    "--upload-rate", trainer_rate, "--log-level", log_level, name="trainer")
-        _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
+        proxies = [{"listen": [t_proxy, port], "target": [t_host, port], "region": 0}]
+        listen = []
         for i in range(nodes):
-            region = region_names[i % regions]
-            procs.start("run", "--role", "rollout", "--region", region, "--listen", "127.0.0.1:0",
-                        "--data-dir", str(root / f"n{i}"), "--token-file", str(token_file), "--node-id", f"n{i}",
-                        "--tracker", tracker, "--upload-rate", node_rate, "--wan-upload-rate", wan_rate,
-                        "--log-level", log_level, name=f"n{i}")
-        _wait(lambda: len(_status(tracker, token)["nodes"]) == nodes + 1, 60, "every node to join")
+            r, j = i % regions, i // regions
+            host = _addr(r, 0, j)
+            p = _free_port(host)
+            listen.append((host, p))
+            proxies.append({"listen": [_addr(r, 1, j), p], "target": [host, p], "region": r})
+        (root / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": rtt, "link_rate": rates["link"]}))
+        wan_proc = subprocess.Popen([sys.executable, "-m", "sparrowd.bench.wan", str(root / "wan.json")],
+                                    stdout=subprocess.PIPE, stderr=open(root / "wan.log", "wb"))
+        procs.procs.append(wan_proc)
+        if wan_proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
+        procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"{t_host}:{port}",
+                    "--advertise", f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file",
+                    str(token_file), "--node-id", "trainer", "--upload-rate", trainer_rate,
+                    "--wan-upload-rate", wan_rate, "--log-level", log_level, name="trainer")
+        _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
+        for i, (host, p) in enumerate(listen):
+            r, j = i % regions, i // regions
+            procs.start("run", "--role", "rollout", "--region", region_names[r], "--listen", f"{host}:{p}",
+                        "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
+                        "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
+                        "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--log-level", log_level,
+                        name=f"n{i}")
+        _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
         node_urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(nodes)]
         up_before, wan_before = 0.0, 0
 
         def _trainer_up() -> float:
-            return _metric(tracker, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + _metric(
-                tracker, token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
+            return _metric(direct, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + _metric(
+                direct, token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
         for p in patches:
             view = parse_patch(p.read_bytes())
             m = view.manifest
             t0 = time.monotonic()
-            r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "publish", str(p), "--daemon", tracker,
+            r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "publish", str(p), "--daemon", direct,
                                 "--token-file", str(token_file)], capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(r.stderr.strip())
@@ -211,7 +244,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
             up = _trainer_up()
             wan = sum(_metric(u, token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
                       for u in node_urls)
-            bound = m.patch_bytes / rates["trainer"]
+            bound = m.patch_bytes / rates["trainer"] + rtt
             row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
                    "seconds": elapsed, "trainer_sent_one_copy_seconds": trainer_done, "lower_bound_seconds": bound, "time_over_bound": elapsed / bound,
                    "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,
@@ -226,7 +259,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         star_row = None
         if star:
             last = parse_patch(patches[-1].read_bytes()).manifest
-            t_star = asyncio.run(_star(tracker, token, last.version, last, nodes))
+            t_star = asyncio.run(_star(tracker, token, last.version, last, nodes, regions))
             star_row = {"seconds": t_star, "over_swarm": t_star / results[-1]["seconds"]}
             print(f"   star (every node pulls every chunk from the trainer): {t_star:.1f} s, "
                   f"{star_row['over_swarm']:.1f}x the swarm's time", flush=True)
@@ -249,5 +282,5 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         print(f"   {name:<40} {value:6.2f}  {'<=' if at_most else '>='} {limit:<4} {'PASS' if ok else 'MISS'}")
     if json_path:
         Path(json_path).write_text(json.dumps({"versions": results, "star": star_row, "nodes": nodes,
-                                               "regions": regions, "rates": rates}, indent=2))
+                                               "regions": regions, "rates": rates, "rtt": rtt}, indent=2))
     return 0

@@ -99,6 +99,7 @@ class Daemon:
         self.membership: Membership | None = None
         self.swarm: Swarm | None = None
         self.token = ""
+        self.source_address: str | None = None
         self.metrics = DaemonMetrics(self)
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -233,6 +234,7 @@ class Daemon:
                 _route_to(s.tracker) if s.tracker else socket.gethostbyname(socket.gethostname()))
             adv_port = bound_port
         self.address = f"[{adv_host}]:{adv_port}" if ":" in adv_host else f"{adv_host}:{adv_port}"
+        self.source_address = None if _wildcard(host) else host
         local_host = "127.0.0.1" if _wildcard(host) else host
         self.url = f"http://[{local_host}]:{bound_port}" if ":" in local_host else f"http://{local_host}:{bound_port}"
 
@@ -240,7 +242,8 @@ class Daemon:
         if self.tracker is not None:
             self._client = LocalTrackerClient(self.tracker)
         else:
-            self._client = HttpTrackerClient(s.tracker, token, timeout=min(5.0, s.lease_ttl / 3))
+            self._client = HttpTrackerClient(s.tracker, token, timeout=min(5.0, s.lease_ttl / 3),
+                                             source=self.source_address)
         self.membership = Membership(self._client, me, report=self.report, on_fatal=self._fatal,
                                      on_lease=self._on_lease)
         if self.swarm.verifier is not None:

@@ -57,6 +57,12 @@ class Unauthorized(SparrowError):
     """The tracker refused the swarm token."""
 
 
+def outgoing(source: str | None) -> aiohttp.TCPConnector:
+    """Connections leave from ``source`` (the listen address, when it names one), so that on a
+    multi-homed box peers see the address this node advertises."""
+    return aiohttp.TCPConnector(local_addr=(source, 0) if source else None)
+
+
 def bearer(token: str) -> str:
     return f"Bearer {token}"
 
@@ -64,15 +70,16 @@ def bearer(token: str) -> str:
 class HttpTrackerClient:
     """Tracker calls over HTTP: msgpack bodies, the swarm token as a bearer token."""
 
-    def __init__(self, url: str, token: str, *, timeout: float = 5.0):
+    def __init__(self, url: str, token: str, *, timeout: float = 5.0, source: str | None = None):
         self.url = url.rstrip("/")
+        self._source = source
         self._headers = {"Authorization": bearer(token), "Content-Type": MSGPACK}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
     async def _call(self, path: str, msg: dict) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=outgoing(self._source))
         try:
             async with self._session.post(f"{self.url}{path}", data=pack(msg), headers=self._headers) as r:
                 body = await read_limited(r.content, MAX_TRACKER_MESSAGE)

@@ -44,6 +44,7 @@ from ..swarm.superseed import SuperSeed
 from ..swarm.versions import ChunkRef, VersionState, announce_body, from_bitmap, to_bitmap
 from .bodies import read_limited
 from .logs import event
+from .membership import outgoing
 from .store import ChunkStore
 
 __all__ = ["Swarm", "MSGPACK", "MAX_CHUNK", "NODE_HEADER", "REGION_HEADER"]
@@ -145,7 +146,7 @@ class Swarm:
             self.load()
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(headers={
+        self._session = aiohttp.ClientSession(connector=outgoing(self.daemon.source_address), headers={
             "Authorization": f"Bearer {self.daemon.token}", NODE_HEADER: self.daemon.node_id,
             REGION_HEADER: self.daemon.settings.region})
         self._tasks.append(asyncio.create_task(self._choke_loop(), name="choker"))

@@ -1,0 +1,113 @@
+"""A WAN emulator for the swarm benchmark: TCP proxies that add round-trip time and shape links.
+
+The kernel here has no netem, so delay is added in user space. Every region
+gets its own loopback block, ``127.(10+r).0.0/16``: node ``j`` of region ``r``
+listens on ``127.(10+r).0.(j+1)`` and makes its outgoing connections from
+there too (the daemon binds outgoing connections to its listen address), and
+a proxy for it listens on ``127.(10+r).1.(j+1)``, the address it advertises.
+The proxy tells the caller's region from the caller's source address: inside
+a region it forwards as it is; across regions it holds every piece of data
+for half the round-trip time in each direction and paces it through a token
+bucket shared by every connection on that ordered pair of regions (the link).
+
+Run as ``python -m sparrowd.bench.wan CONFIG.json``, where the config lists
+``proxies`` (``listen`` and ``target`` as ``[host, port]``, and ``region``),
+``rtt`` (seconds between regions) and ``link_rate`` (bytes per second per
+ordered region pair; 0 for none). It runs until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import sys
+import time
+
+from ..swarm.bucket import TokenBucket
+
+PIECE = 64 << 10
+QUEUE = 64  # pieces held per direction: bounds the bytes in flight, like a TCP window
+
+
+def region_of(host: str) -> int | None:
+    """The region of a benchmark address (127.(10+r).x.y), or None for anything else."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    b = ip.packed
+    return b[1] - 10 if ip.version == 4 and b[0] == 127 and b[1] >= 10 else None
+
+
+class Wan:
+    def __init__(self, rtt: float, link_rate: float):
+        self.rtt, self.link_rate = rtt, link_rate
+        self.links: dict[tuple[int, int], TokenBucket] = {}
+
+    def link(self, src: int, dst: int) -> TokenBucket:
+        b = self.links.get((src, dst))
+        if b is None:
+            b = self.links[(src, dst)] = TokenBucket(self.link_rate or None)
+        return b
+
+    async def pipe(self, reader, writer, delay: float, bucket: TokenBucket | None) -> None:
+        queue: asyncio.Queue = asyncio.Queue(QUEUE)
+
+        async def pull():
+            while data := await reader.read(PIECE):
+                await queue.put((time.monotonic() + delay, data))
+            await queue.put((0.0, b""))
+
+        async def push():
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    break
+                wait = due - time.monotonic()
+                if bucket is not None:
+                    wait = max(wait, bucket.take(time.monotonic(), len(data)))
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            await asyncio.gather(pull(), push())
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def serve(self, listen: tuple[str, int], target: tuple[str, int], region: int):
+        async def handle(reader, writer):
+            src = region_of(writer.get_extra_info("peername")[0])
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*target)
+            except OSError:
+                writer.close()
+                return
+            if src is None or src == region:
+                delay, there, back = 0.0, None, None
+            else:
+                delay, there, back = self.rtt / 2, self.link(src, region), self.link(region, src)
+            await asyncio.gather(self.pipe(reader, up_writer, delay, there),
+                                 self.pipe(up_reader, writer, delay, back))
+
+        return await asyncio.start_server(handle, *listen)
+
+
+async def _main(config: dict) -> None:
+    wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0))
+    servers = [await wan.serve(tuple(p["listen"]), tuple(p["target"]), int(p["region"])) for p in config["proxies"]]
+    print("ready", flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    try:
+        uvloop.run(_main(json.loads(open(sys.argv[1]).read())))
+    except KeyboardInterrupt:
+        pass
