@@ -85,6 +85,18 @@ def _write_patch(path: Path, version: int, size: int, chunk: int, rng) -> int:
     return m.patch_bytes
 
 
+def _cpu_seconds(procs: list[subprocess.Popen]) -> float:
+    """User + system CPU time the processes have used so far (Linux /proc)."""
+    total = 0
+    for p in procs:
+        try:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class _Procs:
     def __init__(self, root: Path):
         self.root, self.procs = root, []
@@ -224,7 +236,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         for p in patches:
             view = parse_patch(p.read_bytes())
             m = view.manifest
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _cpu_seconds(procs.procs)
             r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "publish", str(p), "--daemon", direct,
                                 "--token-file", str(token_file)], capture_output=True, text=True)
             if r.returncode:
@@ -240,6 +252,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
 
             _wait(everyone_holds, 600, f"every node to hold version {m.version}", every=0.05)
             elapsed = time.monotonic() - t0
+            busy = (_cpu_seconds(procs.procs) - cpu0) / (elapsed * (os.cpu_count() or 1))
             time.sleep(0.5)  # endgame losers end
             up = _trainer_up()
             wan = sum(_metric(u, token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
@@ -248,14 +261,16 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
             row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
                    "seconds": elapsed, "trainer_sent_one_copy_seconds": trainer_done, "lower_bound_seconds": bound, "time_over_bound": elapsed / bound,
                    "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,
-                   "cross_region_over_r_minus_1": (wan - wan_before) / ((regions - 1) * m.patch_bytes)}
+                   "cross_region_over_r_minus_1": (wan - wan_before) / ((regions - 1) * m.patch_bytes),
+                   "cpu_busy_fraction": busy}
             up_before, wan_before = up, wan
             results.append(row)
             print(f"   version {m.version}: {format_bytes(m.patch_bytes)} in {len(m.chunks)} chunks, all nodes in "
                   f"{elapsed:.1f} s (bound {bound:.1f} s, {row['time_over_bound']:.2f}x; the trainer had sent one copy "
                   f"after {trainer_done if trainer_done is not None else float('nan'):.1f} s); trainer uploaded "
                   f"{row['trainer_upload_over_patch']:.2f}x the patch; cross-region "
-                  f"{row['cross_region_over_r_minus_1']:.2f}x (R-1) x patch", flush=True)
+                  f"{row['cross_region_over_r_minus_1']:.2f}x (R-1) x patch; daemons and WAN emulator used "
+                  f"{100 * busy:.0f}% of the {os.cpu_count()} CPUs", flush=True)
         star_row = None
         if star:
             last = parse_patch(patches[-1].read_bytes()).manifest
