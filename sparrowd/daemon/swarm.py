@@ -84,6 +84,8 @@ class PeerState:
     gen: int = -1
     pushing: bool = False
     push_again: bool = False
+    strikes: int = 0  # requests that timed out or failed in a row
+    cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
 
 
 @dataclass
@@ -558,7 +560,7 @@ class Swarm:
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
             views = [PeerView(p.node_id, p.region, p.have.get(v, set()), is_trainer=p.role == "trainer",
-                              choking=p.choking, inflight=p.inflight, fetching=p.fetching.get(v, set()),
+                              choking=p.choking or now < p.cooldown_until, inflight=p.inflight, fetching=p.fetching.get(v, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now))
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((v, i), {})) for i in missing}
@@ -606,6 +608,7 @@ class Swarm:
                 event(log, logging.ERROR, "cannot store a chunk", version=vs.version, index=index, reason=self.error)
                 return
             vs.have.add(index)
+            ps.strikes = 0
             self.error = None
             event(log, logging.DEBUG, "chunk stored", version=vs.version, index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)
@@ -619,8 +622,13 @@ class Swarm:
             self._tell_peers()
         except IntegrityError as e:
             self._ban(ps, str(e))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
-            pass  # the request ends; the picker moves the chunk to another peer
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            # The request ends and the chunk goes back to the picker; the peer sits out a while
+            # (longer each time in a row), so a stalled peer does not get the chunk again.
+            ps.strikes += 1
+            ps.cooldown_until = time.monotonic() + min(60.0, 2.0 ** ps.strikes)
+            event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, version=vs.version,
+                  index=index, reason=type(e).__name__, seconds=min(60.0, 2.0 ** ps.strikes))
         finally:
             ps.inflight -= 1
             tasks = self.inflight.get(key)

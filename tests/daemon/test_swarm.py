@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import threading
 import time
 
 import blake3
+import msgpack
 import pytest
+from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
-from tests.daemon.harness import get, status, wait_for
+from tests.daemon.harness import free_port, get, status, wait_for
 from tests.daemon.patches import write_chain
 from tests.helpers import sparrowd
 
@@ -114,80 +119,108 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
     assert "chunk store loaded" in again.log()
 
 
-def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere(cluster, tmp_path):
-    """A hostile node with the swarm token: it relays the trainer's real signed statements,
-    claims every chunk, and serves each with one byte flipped."""
-    import asyncio
-    import threading
-
-    import msgpack
-    from aiohttp import web
-
-    from tests.daemon.harness import free_port
-
-    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
-    (m,) = manifests(paths).values()
-    cluster.trainer()
-    publish(cluster, paths[0])
+@contextlib.contextmanager
+def hostile_peer(cluster, patch, serve_chunk, node_id="mallory"):
+    """A node with the swarm token, in region eu: it joins and renews like a daemon, relays the
+    trainer's real signed statements, claims every chunk, and answers chunk requests with
+    ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body). Yields the indices asked of it."""
     port = free_port()
-    auth = {"Authorization": f"Bearer {cluster.token}"}
-    mp = {**auth, "Content-Type": "application/msgpack"}
-    # Join as a rollout in region "eu", and collect the trainer's signed statements as any node would.
+    mp = {"Content-Type": "application/msgpack"}
+    view = parse_patch(patch.read_bytes())
     code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
-                     data=msgpack.packb({"node_id": "mallory", "role": "rollout", "region": "eu",
+                     data=msgpack.packb({"node_id": node_id, "role": "rollout", "region": "eu",
                                          "address": f"127.0.0.1:{port}"}))
     assert code == 200
     lease = msgpack.unpackb(body)
     code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers=mp,
-                     data=msgpack.packb({"node_id": "mallory", "region": "eu", "after": -1, "wait": 0,
+                     data=msgpack.packb({"node_id": node_id, "region": "eu", "after": -1, "wait": 0,
                                          "versions": []}))
     statements = msgpack.unpackb(body)["versions"][0]["statements"]
-    everything = bytes([0xFF]) * ((len(m.chunks) + 7) // 8)
-    served = []
+    everything = bytes([0xFF]) * ((len(view.manifest.chunks) + 7) // 8)
+    asked = []
 
     async def exchange(request):
         reply = {"gen": 1, "choked": False, "versions": [
-            {"version": 1, "statements": statements, "have": everything, "fetching": b""}]}
+            {"version": view.manifest.version, "statements": statements, "have": everything, "fetching": b""}]}
         return web.Response(body=msgpack.packb(reply), content_type="application/msgpack")
 
     async def chunk(request):
         i = int(request.match_info["index"])
-        served.append(i)
-        view = parse_patch(paths[0].read_bytes())
-        data = bytearray(view.chunks[i])
-        data[len(data) // 2] ^= 0x01
-        return web.Response(body=bytes(data))
+        asked.append(i)
+        return await serve_chunk(request, i, bytes(view.chunks[i]))
 
     app = web.Application()
     app.add_routes([web.post("/v1/swarm/exchange", exchange), web.get("/v1/swarm/chunk/{version}/{index}", chunk)])
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    stop_renewing = threading.Event()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stop = threading.Event()
 
     def renew():
-        while not stop_renewing.wait(0.5):
+        while not stop.wait(0.5):
             get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", headers=mp,
-                data=msgpack.packb({"node_id": "mallory", "epoch": lease["epoch"]}))
+                data=msgpack.packb({"node_id": node_id, "epoch": lease["epoch"]}))
 
     threading.Thread(target=renew, daemon=True).start()
     try:
-        victim = cluster.rollout("honest", "eu", extra=("--log-level", "debug"))
-        wait_for(lambda: held(cluster).get("honest") == [1], 20, "the honest node to complete")
-        check_store(victim, m)
-        assert served, "the honest node never asked the hostile peer (test did not test anything)"
-        assert "peer banned for the session peer=mallory" in victim.log()
-        n_served = len(served)
-        time.sleep(1.0)
-        assert len(served) == n_served  # banned: asked nothing more
+        yield asked
     finally:
-        stop_renewing.set()
+        stop.set()
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
+        thread.join(5)
+
+
+def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    cluster.trainer()
+    publish(cluster, paths[0])
+
+    async def flipped(request, i, data):
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0x01
+        return web.Response(body=bytes(data))
+
+    with hostile_peer(cluster, paths[0], flipped) as asked:
+        honest = cluster.rollout("honest", "eu")
+        wait_for(lambda: held(cluster).get("honest") == [1], 20, "the honest node to complete")
+        check_store(honest, m)
+        assert asked, "the honest node never asked the hostile peer (the test tested nothing)"
+        assert "peer banned for the session peer=mallory" in honest.log()
+        n_asked = len(asked)
+        time.sleep(1.0)
+        assert len(asked) == n_asked  # banned: asked nothing more
+
+
+def test_a_peer_that_stalls_mid_chunk_loses_its_requests_to_others(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    cluster.trainer()
+    publish(cluster, paths[0])
+
+    async def stall(request, i, data):  # send headers and a few bytes, then nothing
+        resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
+        await resp.prepare(request)
+        await resp.write(data[:10])
+        await asyncio.sleep(3600)
+        return resp
+
+    with hostile_peer(cluster, paths[0], stall) as asked:
+        t0 = time.monotonic()
+        honest = cluster.rollout("honest", "eu")
+        wait_for(lambda: held(cluster).get("honest") == [1], 40, "the honest node to complete")
+        took = time.monotonic() - t0
+        check_store(honest, m)
+        assert asked, "the honest node never asked the stalling peer (the test tested nothing)"
+        # Its requests timed out (5 s plus the chunk size at 128 KiB/s) or lost the endgame to the
+        # trainer, and the stalled peer was put to cool down rather than asked again at once.
+        assert "chunk request failed; peer cools down peer=mallory" in honest.log()
+        assert took < 5.0 + 8 / 128 + 10, took
+        assert len(asked) <= 2 * 2 + 2, asked  # one round of its slots, a retry or two at most
 
 
 def test_retention_and_the_trainer_upload_limit(cluster, tmp_path):
