@@ -118,7 +118,7 @@ class Swarm:
         self.inflight: dict[tuple[int, int], dict[str, asyncio.Task]] = {}
         self.available_since: dict[tuple[int, int], float] = {}
         self.picker = Picker(daemon.node_id, daemon.settings.region)
-        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, spread_regions=signer is not None)
+        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
         self.superseed: dict[int, SuperSeed] = {}
         self.up = TokenBucket(upload_rate)
@@ -399,7 +399,7 @@ class Swarm:
                 wants = any(vs.have - r.have.get(v, set()) for v, vs in self.versions.items())
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, wants, rate_from=p.rate.rate(now) if p else 0.0,
-                                        rate_to=r.rate_to.rate(now), region=r.region))
+                                        rate_to=r.rate_to.rate(now)))
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
             if unchoked != self.unchoked:

@@ -6,14 +6,11 @@ holds everything (a seed) gives them to the peers it uploads to fastest,
 which finishes them soonest. One more slot, the optimistic unchoke, goes to a
 random other interested peer and moves every ``optimistic_interval``
 seconds, so newcomers with nothing to give get a start and faster partners
-are found. With ``spread_regions`` (the trainer) the regular slots go round
-the regions first, the best peer of each region in turn, so first copies
-reach every region early. Pure: ``decide(now, ...)`` returns the unchoked set.
+are found. Pure: ``decide(now, ...)`` returns the unchoked set.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -26,14 +23,12 @@ class ChokerPeer:
     interested: bool
     rate_from: float = 0.0  # bytes/s we download from it
     rate_to: float = 0.0  # bytes/s we upload to it
-    region: str = ""
 
 
 @dataclass
 class Choker:
     slots: int = 4
     optimistic_interval: float = 10.0
-    spread_regions: bool = False
     rng: random.Random = field(default_factory=random.Random)
     _optimistic: str | None = None
     _optimistic_since: float = float("-inf")
@@ -44,11 +39,6 @@ class Choker:
             return {p.peer_id for p in interested}
         key = (lambda p: p.rate_to) if seed else (lambda p: p.rate_from)
         ranked = sorted(interested, key=lambda p: (-key(p), p.peer_id))
-        if self.spread_regions:  # round-robin over regions, best first within each
-            by_region: dict[str, list[ChokerPeer]] = {}
-            for p in ranked:
-                by_region.setdefault(p.region, []).append(p)
-            ranked = [p for turn in itertools.zip_longest(*by_region.values()) for p in turn if p is not None]
         regular = {p.peer_id for p in ranked[: self.slots - 1]}
         rest = [p.peer_id for p in ranked if p.peer_id not in regular]
         if self._optimistic not in rest or now - self._optimistic_since >= self.optimistic_interval:

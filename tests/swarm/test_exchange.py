@@ -239,13 +239,3 @@ def test_token_bucket_paces_to_its_rate_after_a_small_burst():
         sent += 10_000
     assert sent / t == pytest.approx(100_000, rel=0.05)
     assert TokenBucket(None).take(0.0, 1 << 30) == 0.0
-
-
-def test_the_trainer_spreads_its_upload_slots_across_regions_first():
-    peers = [ChokerPeer(f"{r}{i}", True, rate_to=100.0 * i + (1000 if r == "eu" else 0), region=r)
-             for r in ("eu", "us", "ap") for i in range(4)]
-    spread = Choker(slots=4, spread_regions=True, rng=random.Random(0)).decide(0.0, peers, seed=True)
-    regular = {"eu3", "us3", "ap3"}  # the best of each region, though eu's are all faster
-    assert regular <= spread and len(spread) == 4
-    plain = Choker(slots=4, rng=random.Random(0)).decide(0.0, peers, seed=True)
-    assert {"eu3", "eu2", "eu1"} <= plain
