@@ -245,3 +245,29 @@ def test_retention_and_the_trainer_upload_limit(cluster, tmp_path):
         assert kept == [2, 3], (d.name, kept)
     for d in nodes:
         check_store(d, ms[3])
+
+
+def test_chunks_move_before_the_manifest_exists(cluster, tmp_path):
+    """Streaming announce: chunks published one by one reach nodes while later ones are still to
+    come; the version completes when the signed manifest follows."""
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    view = parse_patch(paths[0].read_bytes())
+    cluster.trainer()
+    node = cluster.rollout("early", "us")
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    half = len(view.chunks) // 2
+    for i in range(half):
+        code, body = get(f"{cluster.tracker}/v1/publish/1/chunk/{i}", cluster.token, method="POST",
+                         data=bytes(view.chunks[i]))
+        assert code == 200, body
+    stored = node.data_dir / "versions" / "1" / "chunks"
+    wait_for(lambda: stored.exists() and len(list(stored.glob("*.chunk"))) == half, 15,
+             "the node to hold the chunks published so far")
+    assert held(cluster).get("early") == []  # not complete: no manifest yet
+    for i in range(half, len(view.chunks)):
+        assert get(f"{cluster.tracker}/v1/publish/1/chunk/{i}", cluster.token, method="POST",
+                   data=bytes(view.chunks[i]))[0] == 200
+    code, body = get(f"{cluster.tracker}/v1/publish/manifest", cluster.token, method="POST", data=view.manifest_bytes)
+    assert code == 200, body
+    wait_for(lambda: held(cluster).get("early") == [1], 20, "the node to complete version 1")
+    check_store(node, view.manifest)
