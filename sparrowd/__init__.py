@@ -8,4 +8,13 @@ from .errors import BaseMismatchError, FormatError, InputError, IntegrityError, 
 
 __version__ = "0.1.0"
 
-__all__ = ["SparrowError", "FormatError", "IntegrityError", "BaseMismatchError", "InputError", "__version__"]
+__all__ = ["SparrowError", "FormatError", "IntegrityError", "BaseMismatchError", "InputError", "Publisher",
+           "__version__"]
+
+
+def __getattr__(name):
+    if name == "Publisher":  # imported on first use: it needs torch, the daemon does not
+        from .publisher import Publisher
+
+        return Publisher
+    raise AttributeError(f"module 'sparrowd' has no attribute {name!r}")
