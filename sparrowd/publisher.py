@@ -121,12 +121,16 @@ class Publisher:
             raise InputError("publish takes an nn.Module or a state dict of tensors")
         return sd
 
-    def _served(self, t) -> _Tensor:
-        """The tensor as the engine serves it: floats cast to the served dtype, as integer bits."""
+    def _served(self, t, *, own: bool) -> _Tensor:
+        """The tensor as the engine serves it: floats cast to the served dtype, as integer bits.
+        ``own``: the result must not share memory with the model (it is kept as the last
+        published copy, and the optimizer updates the model in place)."""
         torch = _torch()
         t = t.detach()
         if t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
+            t = t.to(self.dtype)  # a new tensor: owned already
+        elif own:
+            t = t.clone()
         name = str(t.dtype).removeprefix("torch.")
         if name not in _TORCH_DTYPES:
             raise InputError(f"dtype {t.dtype} cannot be published")
@@ -145,7 +149,7 @@ class Publisher:
         """Take ``model`` as version ``version``, the base the rollout nodes already hold."""
         state = {}
         for name, t in self._state(model).items():
-            s = self._served(t)
+            s = self._served(t, own=True)
             s.fp = fingerprint(self._host(s.bits))
             state[name] = s
         self._last, self.version = state, version
@@ -187,7 +191,7 @@ class Publisher:
         if set(state) != set(self._last):
             raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor)")
         for name in sorted(state):
-            old, new = self._last[name], self._served(state[name])
+            old, new = self._last[name], self._served(state[name], own=False)
             if (old.dtype, old.shape) != (new.dtype, new.shape):
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor)")
             stats.tensors += 1
@@ -198,9 +202,9 @@ class Publisher:
                 torch.cuda.synchronize(new.bits.device)
             stats.compare_seconds += time.perf_counter() - t0
             if idx.numel() == 0:
-                new.fp = old.fp
-                new_state[name] = new
-                continue
+                continue  # the kept copy stays as it is
+            if new.bits.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr():
+                new.bits = new.bits.clone()  # the model's own memory: keep a copy, not a view
             t0 = time.perf_counter()
             idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
             ov, nv = self._host(old.bits[idx]), self._host(new.bits[idx])

@@ -102,3 +102,18 @@ def test_a_daemon_that_is_down_is_a_clear_error_and_nothing_counts_as_published(
         pub.publish(model, version=1)
     assert pub.version == 0  # the next publish still diffs against version 0
     pub.close()
+
+
+def test_bf16_weights_updated_in_place_are_still_diffed_against_the_published_copy(cluster):
+    """When the model already holds bf16, the Publisher must keep a copy, not a view the optimizer
+    then overwrites (every later diff would come out empty)."""
+    cluster.trainer()
+    model = TinyLM().to(torch.bfloat16)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
+    pub.start(model, version=0)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.head.weight[step, :8] += 1.0
+        stats = pub.publish(model, version=step)
+        assert stats.tensors_changed == 1 and stats.elements_changed == 8, stats
+    pub.close()
