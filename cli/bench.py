@@ -16,6 +16,7 @@ def register(sub) -> None:
     c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
+    register_publish(bs)
 
 
 def cmd_codec(args) -> int:
@@ -57,3 +58,20 @@ def cmd_swarm(args) -> int:
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate,
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
+
+
+def register_publish(bs) -> None:
+    s = bs.add_parser("publish", help="the Publisher on a synthetic bf16 model, against a bare compare",
+                      description="Start a trainer daemon on loopback and publish a synthetic bf16 model with "
+                                  "about 1%% of elements changed per step; report publish time against a pass that "
+                                  "only compares the same tensors, and the time to the first chunk.")
+    s.add_argument("--size-mib", type=int, default=1024, help="model size in MiB of bf16 (default 1024)")
+    s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
+    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.set_defaults(func=cmd_publish)
+
+
+def cmd_publish(args) -> int:
+    from sparrowd.bench.publish import run
+
+    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)

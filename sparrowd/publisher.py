@@ -33,7 +33,7 @@ import numpy as np
 
 from .codec.bits import RawTensor
 from .codec.chunk import ULP
-from .codec.extract import fingerprint
+from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
 from .daemon.settings import read_token
 from .errors import InputError, SparrowError
@@ -196,21 +196,31 @@ class Publisher:
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor)")
             stats.tensors += 1
             stats.elements += new.bits.numel()
+            aliased = new.bits.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr()
             t0 = time.perf_counter()
-            idx = torch.nonzero(new.bits != old.bits).reshape(-1)
-            if new.bits.is_cuda:
+            if new.bits.device.type == "cpu":
+                # On the CPU the fused C pass compares, gathers and fingerprints in one read.
+                host_new = self._host(new.bits)
+                idx_h, ov, nv, _, new_fp = diff_fingerprint(self._host(old.bits), host_new)
+                stats.compare_seconds += time.perf_counter() - t0
+                if idx_h.size == 0:
+                    continue  # the kept copy stays as it is
+            else:
+                idx = torch.nonzero(new.bits != old.bits).reshape(-1)
                 torch.cuda.synchronize(new.bits.device)
-            stats.compare_seconds += time.perf_counter() - t0
-            if idx.numel() == 0:
-                continue  # the kept copy stays as it is
-            if new.bits.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr():
+                stats.compare_seconds += time.perf_counter() - t0
+                if idx.numel() == 0:
+                    continue
+                t0 = time.perf_counter()
+                idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
+                ov, nv = self._host(old.bits[idx]), self._host(new.bits[idx])
+                host_new = self._host(new.bits)  # for the fingerprint: a copy from the GPU (see README)
+                stats.to_host_seconds += time.perf_counter() - t0
+                new_fp = fingerprint(host_new)
+            if aliased:
                 new.bits = new.bits.clone()  # the model's own memory: keep a copy, not a view
-            t0 = time.perf_counter()
-            idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
-            ov, nv = self._host(old.bits[idx]), self._host(new.bits[idx])
-            host_new = self._host(new.bits)  # for the fingerprint; a view on the CPU, a copy from a GPU
-            stats.to_host_seconds += time.perf_counter() - t0
-            new.fp = fingerprint(host_new)
+                host_new = self._host(new.bits)
+            new.fp = new_fp
             new_state[name] = new
             stats.tensors_changed += 1
             stats.elements_changed += int(idx_h.size)
