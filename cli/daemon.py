@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
+from sparrowd.daemon.calls import http_call
 from sparrowd.daemon.settings import DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
@@ -110,33 +109,6 @@ def cmd_run(args) -> int:
     settings = load_settings({k: getattr(args, k) for k in _SETTING_FLAGS}, config=args.config)
     setup_logging(settings.log_format, settings.log_level)
     return run_daemon(settings)
-
-
-# ---------------------------------------------------------------- a small HTTP client for local commands
-
-
-def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0, data=None) -> dict:
-    """One JSON call to a daemon, with the swarm token; errors become one-line SparrowErrors."""
-    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"},
-                                 data=(b"" if data is None else data) if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read(16 << 20)
-    except urllib.error.HTTPError as e:
-        if e.code == 401:
-            raise SparrowError(f"{url}: the daemon refused the swarm token") from None
-        try:
-            reason = json.loads(e.read(4096))["error"]
-        except (ValueError, KeyError, TypeError, OSError):
-            reason = f"HTTP {e.code}"
-        raise SparrowError(f"{url}: {reason}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise SparrowError(f"{url}: unreachable ({getattr(reason, 'strerror', None) or reason})") from None
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise SparrowError(f"{url}: the reply is not JSON") from None
 
 
 def _alive(pid: int) -> bool:

@@ -21,10 +21,7 @@ Needs torch; the rest of sparrowd does not.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +32,9 @@ from .codec.bits import RawTensor
 from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
+from .daemon.calls import http_call
 from .daemon.settings import read_token
-from .errors import InputError, SparrowError
+from .errors import InputError
 
 __all__ = ["Publisher", "PublishStats"]
 
@@ -242,16 +240,4 @@ class Publisher:
     # ------------------------------------------------------------ the daemon
 
     def _post(self, path: str, data) -> dict:
-        req = urllib.request.Request(f"{self.daemon}{path}", data=bytes(data), method="POST",
-                                     headers={"Authorization": f"Bearer {self._token}"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read(1 << 20))
-        except urllib.error.HTTPError as e:
-            try:
-                reason = json.loads(e.read(4096))["error"]
-            except (ValueError, KeyError, TypeError, OSError):
-                reason = f"HTTP {e.code}"
-            raise SparrowError(f"daemon {self.daemon} refused {path}: {reason}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise SparrowError(f"daemon {self.daemon} unreachable: {getattr(e, 'reason', e)}") from None
+        return http_call(f"{self.daemon}{path}", self._token, method="POST", data=bytes(data), timeout=self.timeout)

@@ -1,0 +1,40 @@
+"""One JSON call to a daemon with the swarm token, for the commands and the Publisher.
+
+Synchronous (urllib): the callers are a command line and a training loop,
+not an event loop. Every failure becomes one SparrowError line naming the
+URL: refused token, the daemon's own error text, or unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from ..errors import SparrowError
+
+__all__ = ["http_call"]
+
+
+def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0, data=None) -> dict:
+    """One JSON call to a daemon, with the swarm token; errors become one-line SparrowErrors."""
+    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"},
+                                 data=(b"" if data is None else data) if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read(16 << 20)
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise SparrowError(f"{url}: the daemon refused the swarm token") from None
+        try:
+            reason = json.loads(e.read(4096))["error"]
+        except (ValueError, KeyError, TypeError, OSError):
+            reason = f"HTTP {e.code}"
+        raise SparrowError(f"{url}: {reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise SparrowError(f"{url}: unreachable ({getattr(reason, 'strerror', None) or reason})") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise SparrowError(f"{url}: the reply is not JSON") from None
