@@ -56,7 +56,8 @@ def register(sub) -> None:
         description="Send every chunk of PATCH (from `sparrowd delta diff`) to the trainer's daemon, then its "
                     "manifest. The daemon signs each chunk's announcement as it arrives, so the swarm starts "
                     "moving chunks before the last is sent; the version is complete with the manifest. "
-                    "Re-running after an interruption sends only what is missing.")
+                    "Re-running after an interruption is safe: chunks the daemon already holds are acknowledged, "
+                    "not stored twice.")
     pb.add_argument("patch", metavar="PATCH", help="a .sprw patch file")
     pb.add_argument("--daemon", metavar="URL", default=os.environ.get("SPARROWD_DAEMON", "http://127.0.0.1:7070"),
                     help="the trainer's daemon (default $SPARROWD_DAEMON or http://127.0.0.1:7070)")
