@@ -58,7 +58,18 @@ def register(sub) -> None:
                     "moving chunks before the last is sent; the version is complete with the manifest. "
                     "Re-running after an interruption is safe: chunks the daemon already holds are acknowledged, "
                     "not stored twice.")
-    pb.add_argument("patch", metavar="PATCH", help="a .sprw patch file")
+    pb.add_argument("patch", metavar="PATCH", nargs="?", help="a .sprw patch file (or use --checkpoint)")
+    pb.add_argument("--checkpoint", metavar="DIR",
+                    help="a Hugging Face checkpoint folder (or .safetensors file) to publish as --version: it is "
+                         "diffed against the last one published from --state-dir, then kept there as the new base")
+    pb.add_argument("--version", type=int, metavar="N", help="with --checkpoint: the version it is")
+    pb.add_argument("--init", action="store_true",
+                    help="with --checkpoint: record it as the base version N (what the nodes start from) "
+                         "without publishing anything")
+    pb.add_argument("--state-dir", metavar="DIR",
+                    help=f"with --checkpoint: where the last published checkpoint is kept "
+                         f"(default {default_data_dir() / 'published'})")
+    pb.add_argument("--values", choices=("ulp", "absolute"), default="ulp", help="value mode (default ulp)")
     pb.add_argument("--daemon", metavar="URL", default=os.environ.get("SPARROWD_DAEMON", "http://127.0.0.1:7070"),
                     help="the trainer's daemon (default $SPARROWD_DAEMON or http://127.0.0.1:7070)")
     pb.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
@@ -233,14 +244,12 @@ def _count(n: int, noun: str) -> str:
 # ---------------------------------------------------------------- publish
 
 
-def cmd_publish(args) -> int:
+def _publish_file(path, daemon: str, token: str):
+    """Send a patch file's chunks, then its manifest; returns (manifest, bytes newly taken, new)."""
     from sparrowd.delta import open_patch
 
-    if not args.token_file:
-        raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
-    token, _ = read_token(Path(args.token_file).expanduser())
-    base = args.daemon.rstrip("/")
-    with open_patch(args.patch) as view:
+    base = daemon.rstrip("/")
+    with open_patch(path) as view:
         view.verify_chunks()
         m = view.manifest
         sent = 0
@@ -249,7 +258,67 @@ def cmd_publish(args) -> int:
                           timeout=60.0)
             sent += len(data) if r.get("new") else 0
         r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)
-    state = "published" if r.get("new") else "was already published"
+    return m, sent, bool(r.get("new"))
+
+
+def _publish_checkpoint(args, token: str) -> int:
+    """Diff the checkpoint against the last one published from the state dir, publish, keep it."""
+    import shutil
+
+    from sparrowd.checkpoint import atomic_dir
+    from sparrowd.delta import diff_files
+
+    if args.version is None or args.version < 0:
+        raise InputError("--checkpoint needs --version N (0 or more)")
+    src = Path(args.checkpoint)
+    if not src.exists():
+        raise InputError(f"{src}: no such checkpoint")
+    state = Path(args.state_dir or default_data_dir() / "published").expanduser()
+    kept, record = state / "checkpoint", state / "published.json"
+
+    def keep() -> None:
+        state.mkdir(parents=True, exist_ok=True)
+        with atomic_dir(kept, force=True) as tmp:
+            if src.is_dir():
+                shutil.copytree(src, tmp, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, tmp / src.name)
+        with atomic_file(record) as tmp:
+            Path(tmp).write_text(json.dumps({"version": args.version, "source": str(src.absolute())}) + "\n")
+
+    if args.init:
+        keep()
+        print(f"{src} recorded as base version {args.version} in {state}")
+        return 0
+    try:
+        last = json.loads(record.read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        raise InputError(f"nothing published from {state} yet: record the base first with --init") from None
+    if args.version <= last:
+        raise InputError(f"version {args.version} does not follow the last published version {last}")
+    old = kept if src.is_dir() else kept / src.name
+    patch = state / f"v{args.version}.sprw"
+    try:
+        diff_files(old, src, patch, values=args.values, version=args.version, base_version=last)
+        m, sent, new = _publish_file(patch, args.daemon, token)
+    finally:
+        patch.unlink(missing_ok=True)
+    keep()  # only once the daemon took the manifest: a failed publish leaves the base as it was
+    print(f"version {m.version} (base {m.base_version}) published from {src}: {_count(len(m.chunks), 'chunk')}, "
+          f"{m.patch_bytes} bytes, {m.elements_changed} elements changed")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    if not args.token_file:
+        raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
+    token, _ = read_token(Path(args.token_file).expanduser())
+    if (args.patch is None) == (args.checkpoint is None):
+        raise InputError("give a PATCH file or --checkpoint DIR, one of the two")
+    if args.checkpoint:
+        return _publish_checkpoint(args, token)
+    m, sent, new = _publish_file(args.patch, args.daemon, token)
+    state = "published" if new else "was already published"
     print(f"version {m.version} (base {m.base_version}) {state}: {_count(len(m.chunks), 'chunk')}, "
           f"{m.patch_bytes} bytes, {sent} sent now")
     return 0

@@ -117,3 +117,36 @@ def test_bf16_weights_updated_in_place_are_still_diffed_against_the_published_co
         stats = pub.publish(model, version=step)
         assert stats.tensors_changed == 1 and stats.elements_changed == 8, stats
     pub.close()
+
+
+def test_publish_checkpoint_folders_as_a_chain(cluster, tmp_path):
+    from sparrowd.checkpoint import open_checkpoint
+    from tests.helpers import make_state, save_folder, sparrowd, step
+
+    states = [make_state(0)]
+    for s in (1, 2):
+        states.append(step(states[-1], seed=s))
+    folders = [save_folder(st, tmp_path / f"ckpt{i}") for i, st in enumerate(states)]
+    cluster.trainer()
+    node = cluster.rollout("r1", "eu")
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    common = ("--daemon", cluster.tracker, "--token-file", cluster.token_file, "--state-dir", tmp_path / "pubstate")
+
+    r = sparrowd("publish", "--checkpoint", folders[1], "--version", "1", *common)
+    assert r.returncode == 1 and "record the base first with --init" in r.stderr
+    assert sparrowd("publish", "--checkpoint", folders[0], "--version", "0", "--init", *common).returncode == 0
+    for v in (1, 2):
+        r = sparrowd("publish", "--checkpoint", folders[v], "--version", str(v), *common)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"version {v} (base {v - 1}) published from")
+    r = sparrowd("publish", "--checkpoint", folders[2], "--version", "2", *common)
+    assert r.returncode == 1 and "does not follow the last published version 2" in r.stderr
+
+    wait_for(lambda: {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+             .get("r1") == [1, 2], 30, "the node to hold versions 1 and 2")
+    with open_checkpoint(folders[0]) as base, open_checkpoint(folders[2]) as want:
+        state = {k: RawTensor(t.dtype, t.shape, np.array(t.bits)) for k, t in base.items()}
+        for v in (1, 2):
+            state.update(apply_patch(*stored_patch(node, v), state))
+        for k, t in want.items():
+            assert np.array_equal(state[k].bits, t.bits), k
