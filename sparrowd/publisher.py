@@ -164,7 +164,6 @@ class Publisher:
                            chunk_size=self.chunk_size)
         sent: list[Future] = []
         next_index = [0]
-        new_state: dict[str, _Tensor] = {}
 
         def hand_off(chunks) -> None:
             for c in chunks:
@@ -178,31 +177,32 @@ class Publisher:
                 if stats.first_chunk_seconds is None:
                     stats.first_chunk_seconds = time.perf_counter() - t_start
 
-        def encode(name, old: _Tensor, layout: RawTensor, idx, ov, nv, new_fp) -> None:
+        def encode(name, old_fp: bytes, layout: RawTensor, idx, ov, nv, new_fp) -> None:
             t0 = time.perf_counter()
             # The values were gathered on the device; the encoder only needs the layout of both sides.
-            chunks = enc.add_extract(name, layout, layout, idx, old.fp, new_fp, ov, nv)
+            chunks = enc.add_extract(name, layout, layout, idx, old_fp, new_fp, ov, nv)
             stats.encode_seconds += time.perf_counter() - t0
             hand_off(chunks)
 
         state = self._state(model)
         if set(state) != set(self._last):
             raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor)")
+        updates = []  # (kept tensor, changed indices, new values, new fingerprint), applied once published
         for name in sorted(state):
             old, new = self._last[name], self._served(state[name], own=False)
             if (old.dtype, old.shape) != (new.dtype, new.shape):
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor)")
             stats.tensors += 1
             stats.elements += new.bits.numel()
-            aliased = new.bits.untyped_storage().data_ptr() == state[name].untyped_storage().data_ptr()
             t0 = time.perf_counter()
             if new.bits.device.type == "cpu":
                 # On the CPU the fused C pass compares, gathers and fingerprints in one read.
                 host_new = self._host(new.bits)
-                idx_h, ov, nv, _, new_fp = diff_fingerprint(self._host(old.bits), host_new)
+                idx_h, ov, nv, _, new_fp = diff_fingerprint(self._host(old.bits), host_new, hash_old=False)
                 stats.compare_seconds += time.perf_counter() - t0
                 if idx_h.size == 0:
                     continue  # the kept copy stays as it is
+                updates.append((old, idx_h, nv, new_fp))
             else:
                 idx = torch.nonzero(new.bits != old.bits).reshape(-1)
                 torch.cuda.synchronize(new.bits.device)
@@ -210,26 +210,29 @@ class Publisher:
                 if idx.numel() == 0:
                     continue
                 t0 = time.perf_counter()
+                new_vals = new.bits[idx]
                 idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
-                ov, nv = self._host(old.bits[idx]), self._host(new.bits[idx])
+                ov, nv = self._host(old.bits[idx]), self._host(new_vals)
                 host_new = self._host(new.bits)  # for the fingerprint: a copy from the GPU (see README)
                 stats.to_host_seconds += time.perf_counter() - t0
                 new_fp = fingerprint(host_new)
-            if aliased:
-                new.bits = new.bits.clone()  # the model's own memory: keep a copy, not a view
-                host_new = self._host(new.bits)
-            new.fp = new_fp
-            new_state[name] = new
+                updates.append((old, idx, new_vals, new_fp))
             stats.tensors_changed += 1
             stats.elements_changed += int(idx_h.size)
             layout = RawTensor(new.dtype, new.shape, host_new)
-            sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, new.fp))
+            sent.append(self._pool.submit(encode, name, old.fp, layout, idx_h, ov, nv, new_fp))
         for f in sent:
             f.result()  # errors from the worker (daemon down, refused) surface here
         manifest, rest = enc.finish()
         hand_off(rest)
         self._post("/v1/publish/manifest", manifest.to_bytes())
-        self._last.update(new_state)
+        # Published: bring the kept copies up to this version, O(changed elements), no full copy.
+        for kept, idx, values, new_fp in updates:
+            if isinstance(values, np.ndarray):
+                self._host(kept.bits)[idx] = values  # a numpy view writing into the kept torch tensor
+            else:
+                kept.bits[idx] = values
+            kept.fp = new_fp
         self.version = version
         stats.total_seconds = time.perf_counter() - t_start
         return stats

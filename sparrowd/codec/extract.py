@@ -83,21 +83,25 @@ def _diff_native(
                 cap *= 2
                 ib, ob, nb = (np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in (ib, ob, nb))
         if hashers:
-            hashers[0].update(old[s:e])
+            if hashers[0] is not None:
+                hashers[0].update(old[s:e])
             hashers[1].update(new[s:e])
     return ib[:count], ob[:count], nb[:count]
 
 
-def diff_fingerprint(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes, bytes]:
-    """:func:`diff_values` over whole arrays, plus both fingerprints, reading each array once."""
+def diff_fingerprint(
+    old: np.ndarray, new: np.ndarray, *, hash_old: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes | None, bytes]:
+    """:func:`diff_values` over whole arrays, plus both fingerprints, reading each array once.
+    ``hash_old=False`` skips the old side's fingerprint (the caller kept it) and returns None for it."""
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         raise ValueError("diff needs two 1-D arrays of the same unsigned dtype and length")
     if _native is None or old.size == 0:
         idx, ov, nv = diff_values(old, new)
-        return idx, ov, nv, fingerprint(old), fingerprint(new)
-    hashers = (xxhash.xxh3_128(), xxhash.xxh3_128())
+        return idx, ov, nv, fingerprint(old) if hash_old else None, fingerprint(new)
+    hashers = (xxhash.xxh3_128() if hash_old else None, xxhash.xxh3_128())
     idx, ov, nv = _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hashers)
-    return idx, ov, nv, hashers[0].digest(), hashers[1].digest()
+    return idx, ov, nv, hashers[0].digest() if hash_old else None, hashers[1].digest()
 
 
 def diff_values(

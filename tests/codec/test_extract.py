@@ -86,3 +86,9 @@ def test_native_refuses_bad_arguments():
         _native.diff_into(a, a, 2, 10, 65, *out)
     with pytest.raises(ValueError, match="out of bounds"):
         _native.diff_into(a, a, 2, 10, 5, *out)
+
+
+def test_diff_fingerprint_can_skip_the_old_side():
+    old, new = _pair(np.uint16, 100_003, 0.01, 3)
+    idx, ov, nv, fo, fn = diff_fingerprint(old, new, hash_old=False)
+    assert fo is None and fn == fingerprint(new) and np.array_equal(idx, np.flatnonzero(old != new))
