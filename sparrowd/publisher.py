@@ -109,6 +109,7 @@ class Publisher:
         self._last: dict[str, _Tensor] = {}
         self.version: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
+        self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
 
     # ------------------------------------------------------------ inputs
 
@@ -188,18 +189,27 @@ class Publisher:
         if set(state) != set(self._last):
             raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor)")
         updates = []  # (kept tensor, changed indices, new values, new fingerprint), applied once published
-        for name in sorted(state):
+        names = sorted(state)
+        served = {}
+        for name in names:
             old, new = self._last[name], self._served(state[name], own=False)
             if (old.dtype, old.shape) != (new.dtype, new.shape):
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor)")
+            served[name] = new
+        # On the CPU the fused C pass compares, gathers and fingerprints in one read; tensors go to
+        # two threads (the pass releases the GIL) and come back in name order.
+        cpu = {name: self._compare.submit(self._timed, diff_fingerprint, self._host(self._last[name].bits),
+                                          self._host(new.bits), hash_old=False)
+               for name, new in served.items() if new.bits.device.type == "cpu"}
+        for name in names:
+            old, new = self._last[name], served[name]
             stats.tensors += 1
             stats.elements += new.bits.numel()
             t0 = time.perf_counter()
-            if new.bits.device.type == "cpu":
-                # On the CPU the fused C pass compares, gathers and fingerprints in one read.
+            if name in cpu:
+                seconds, (idx_h, ov, nv, _, new_fp) = cpu.pop(name).result()
                 host_new = self._host(new.bits)
-                idx_h, ov, nv, _, new_fp = diff_fingerprint(self._host(old.bits), host_new, hash_old=False)
-                stats.compare_seconds += time.perf_counter() - t0
+                stats.compare_seconds += seconds
                 if idx_h.size == 0:
                     continue  # the kept copy stays as it is
                 updates.append((old, idx_h, nv, new_fp))
@@ -239,6 +249,13 @@ class Publisher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._compare.shutdown(wait=True)
+
+    @staticmethod
+    def _timed(fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        return time.perf_counter() - t0, out
 
     # ------------------------------------------------------------ the daemon
 
