@@ -38,4 +38,7 @@ def render_status(snap: dict) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     if not rows:
         lines.append("(no live nodes)")
+    errors = [(n.get("node_id", "?"), n["error"]) for n in nodes if n.get("error")]
+    if errors:
+        lines += [""] + [f"{node}: {error}" for node, error in errors]
     return "\n".join(lines)

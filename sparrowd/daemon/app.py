@@ -130,6 +130,7 @@ class Daemon:
             "bytes_up_wan": b[("up", "other")],
             "bytes_down_wan": b[("down", "other")],
             "progress": list(self.swarm.progress()) if self.swarm and self.swarm.progress() else None,
+            "error": self.swarm.error if self.swarm else None,
         }
 
     def _on_lease(self, reply: dict) -> None:
@@ -400,7 +401,7 @@ class Daemon:
             "address": self.address, "tracker": self.settings.tracker or self.url, "pid": os.getpid(),
             "epoch": m.state.epoch if m else None, "lease_expires_in": m.lease_left() if m else None,
             "tracker_reachable": bool(m and m.state.tracker_reachable), "peers": m.state.peers if m else [],
-            "versions": self.versions_held(),
+            "versions": self.versions_held(), "error": self.swarm.error if self.swarm else None,
         })
 
     async def _node_leave(self, request: web.Request) -> web.Response:

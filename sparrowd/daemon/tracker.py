@@ -34,6 +34,7 @@ RENEW = {
     "bytes_up_wan": Opt(NonNegInt),
     "bytes_down_wan": Opt(NonNegInt),
     "progress": Opt(List),
+    "error": Opt(Str),
 }
 LEAVE = {"node_id": Str, "epoch": NonNegInt}
 
@@ -95,7 +96,7 @@ class TrackerService:
             node = self.table.renew(
                 m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
                 bytes_up=m["bytes_up"], bytes_down=m["bytes_down"], bytes_up_wan=m["bytes_up_wan"],
-                bytes_down_wan=m["bytes_down_wan"], progress=progress,
+                bytes_down_wan=m["bytes_down_wan"], progress=progress, error=m["error"],
             )
         except LeaseGone as e:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))

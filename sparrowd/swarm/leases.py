@@ -88,6 +88,7 @@ class Node:
     bytes_up_wan: int = 0
     bytes_down_wan: int = 0
     progress: tuple[int, int, int] | None = None  # version in flight: (version, chunks held, chunks known)
+    error: str | None = None  # what keeps the node from working, as it reported it (a full disk, say)
 
 
 class LeaseStore(Protocol):
@@ -151,6 +152,7 @@ class LeaseTable:
         bytes_up_wan: int | None = None,
         bytes_down_wan: int | None = None,
         progress: tuple[int, int, int] | None = None,
+        error: str | None = None,
     ) -> Node:
         """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
         node = self._live(node_id, epoch, now)
@@ -167,6 +169,7 @@ class LeaseTable:
         if bytes_down_wan is not None:
             changes["bytes_down_wan"] = int(bytes_down_wan)
         changes["progress"] = tuple(progress) if progress is not None else None
+        changes["error"] = error[:300] if error else None
         for key, value in (("up", bytes_up), ("down", bytes_down)):
             if value is None:
                 continue
@@ -295,4 +298,5 @@ def _node_view(n: Node, now: float, ttl: float) -> dict:
         "bytes_up_wan": n.bytes_up_wan,
         "bytes_down_wan": n.bytes_down_wan,
         "in_flight": None if n.progress is None else dict(zip(("version", "chunks_held", "chunks_known"), n.progress)),
+        "error": n.error,
     }

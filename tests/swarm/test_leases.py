@@ -123,7 +123,7 @@ def test_states_and_the_snapshot():
     t = table()
     a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
     t.join("b", "relay", "us", "h:2", now=1000.0)
-    t.renew("a", a.epoch, 1004.0, versions=[7], engine_version=6)
+    t.renew("a", a.epoch, 1004.0, versions=[7], engine_version=6, error="x" * 500)
     t.set_latest_version(5)
     snap = t.snapshot(1005.0, tracker={"node_id": "trainer"})
     assert snap["latest_version"] == 7  # a node already reports 7
@@ -131,6 +131,7 @@ def test_states_and_the_snapshot():
     rows = {n["node_id"]: n for n in snap["nodes"]}
     assert rows["a"]["state"] == "up" and rows["a"]["lease_expires_in"] == 14.0
     assert rows["a"]["versions"] == [7] and rows["a"]["engine_version"] == 6
+    assert rows["a"]["error"] == "x" * 300 and rows["b"]["error"] is None  # reported, and bounded
     assert rows["b"]["state"] == "joining"
     # A node that missed a renewal and a half is stale, before it expires.
     assert node_state(t.get("b", 1008.0), 1008.0, TTL) == "stale"
