@@ -129,7 +129,7 @@ class Daemon:
             "bytes_down": b[("down", "same")] + b[("down", "other")],
             "bytes_up_wan": b[("up", "other")],
             "bytes_down_wan": b[("down", "other")],
-            "progress": list(self.swarm.progress()) if self.swarm and self.swarm.progress() else None,
+            "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
             "error": self.swarm.error if self.swarm else None,
         }
 

@@ -186,6 +186,10 @@ class Swarm:
         vs = min(pending, key=lambda x: x.version)
         return vs.version, len(vs.have), vs.total if vs.total is not None else len(vs.chunks)
 
+    def _fetching(self, version: int) -> set[int]:
+        """Chunks of ``version`` this node has requests out for: what it is "about to" have."""
+        return {i for (v, i) in self.inflight if v == version}
+
     def latest(self) -> int | None:
         return max(self.held(), default=None)
 
@@ -323,8 +327,8 @@ class Swarm:
         for v in sorted(self.versions):
             vs = self.versions[v]
             known = theirs.get(v, (0, None))[0]
-            fetching = {i for (fv, i) in self.inflight if fv == v}
             n = len(vs.chunks)
+            fetching = self._fetching(v)
             out.append({"version": v, "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(fetching, n)})
         reply = {"gen": self.gen, "versions": out, "choked": remote.node_id not in self.unchoked and
@@ -431,7 +435,7 @@ class Swarm:
         out = []
         for v, vs in sorted(self.versions.items()):
             n = len(vs.chunks)
-            fetching = {i for (fv, i) in self.inflight if fv == v}
+            fetching = self._fetching(v)
             out.append({"version": v, "statements": len(vs.statements), "have": to_bitmap(vs.have, n),
                         "fetching": to_bitmap(fetching, n)})
         return out
@@ -497,7 +501,8 @@ class Swarm:
             raise FormatError(f"exchange reply from {ps.node_id}: not a map with versions")
         ps.gen = int(reply.get("gen", -1)) if isinstance(reply.get("gen"), int) else -1
         ps.choking = bool(reply.get("choked"))
-        oldest_kept = min(self.held()[-self.retain:], default=None) if len(self.held()) >= self.retain else None
+        held = self.held()
+        oldest_kept = held[-self.retain] if len(held) >= self.retain else None
         now = time.monotonic()
         seen_versions = set()
         for e in reply["versions"][:4096]:
