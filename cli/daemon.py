@@ -13,6 +13,7 @@ from sparrowd.checkpoint import atomic_file
 from sparrowd.daemon.calls import http_call
 from sparrowd.daemon.settings import DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
+from sparrowd.swarm.chain import Key
 from sparrowd.swarm.leases import ROLES
 
 from .status import render_status
@@ -254,7 +255,7 @@ def _publish_file(path, daemon: str, token: str):
         m = view.manifest
         sent = 0
         for i, data in enumerate(view.chunks):
-            r = http_call(f"{base}/v1/publish/{m.version}/chunk/{i}", token, method="POST", data=bytes(data),
+            r = http_call(f"{base}/v1/publish/{Key(m.version, m.base_version is None).tag}/chunk/{i}", token, method="POST", data=bytes(data),
                           timeout=60.0)
             sent += len(data) if r.get("new") else 0
         r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)

@@ -86,6 +86,7 @@ NonNegInt = _Int(0)
 Str = _Type(str, "a string")
 Bytes = _Type(bytes, "bytes")
 List = _Type(list, "a list")
+Bool = _Type(bool, "a boolean")
 Map = _Type(dict, "a map")
 
 

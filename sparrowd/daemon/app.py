@@ -35,6 +35,7 @@ from ..checkpoint import atomic_file
 from ..codec.manifest import MAX_MANIFEST
 from ..errors import FormatError, InputError, IntegrityError, SparrowError
 from ..schema import pack, unpack
+from ..swarm.chain import Key
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_name
 from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
@@ -207,7 +208,7 @@ class Daemon:
             web.get("/v1/node", self._node_info),
             web.post("/v1/node/leave", self._node_leave),
             web.post("/v1/swarm/exchange", self.swarm.handle_exchange),
-            web.get("/v1/swarm/chunk/{version}/{index}", self.swarm.handle_chunk),
+            web.get("/v1/swarm/chunk/{key}/{index}", self.swarm.handle_chunk),
         ])
         if self.tracker is not None:
             app.add_routes([
@@ -215,8 +216,9 @@ class Daemon:
                 web.post("/v1/tracker/renew", self._tracker_call("renew")),
                 web.post("/v1/tracker/leave", self._tracker_call("leave")),
                 web.get("/v1/tracker/status", self._tracker_status),
-                web.post("/v1/publish/{version}/chunk/{index}", self._publish_chunk),
+                web.post("/v1/publish/{key}/chunk/{index}", self._publish_chunk),
                 web.post("/v1/publish/manifest", self._publish_manifest),
+                web.get("/v1/publish/state", self._publish_state),
             ])
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -364,16 +366,17 @@ class Daemon:
         if (refused := self._local_only(request)) is not None:
             return refused
         try:
-            version, index = int(request.match_info["version"]), int(request.match_info["index"])
+            key, index = Key.parse(request.match_info["key"]), int(request.match_info["index"])
         except ValueError:
-            return web.json_response({"error": "version and index must be integers"}, status=400)
+            return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
+                                     status=400)
         if (request.content_length or 0) > MAX_CHUNK:
             return web.json_response({"error": f"a chunk is at most {MAX_CHUNK} bytes"}, status=413)
         data = await read_limited(request.content, MAX_CHUNK)
-        if data is None or version < 0 or index < 0:
+        if data is None or index < 0:
             return web.json_response({"error": "bad chunk"}, status=400)
         try:
-            return web.json_response(await self.swarm.publish_chunk(version, index, data))
+            return web.json_response(await self.swarm.publish_chunk(key, index, data))
         except SparrowError as e:
             return web.json_response({"error": str(e)}, status=409 if isinstance(e, IntegrityError) else 400)
 
@@ -387,6 +390,11 @@ class Daemon:
             return web.json_response(await self.swarm.publish_manifest(data))
         except SparrowError as e:
             return web.json_response({"error": str(e)}, status=400)
+
+    async def _publish_state(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
+        return web.json_response(self.swarm.published())
 
     async def _tracker_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.tracker.status())

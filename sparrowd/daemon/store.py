@@ -1,6 +1,6 @@
-"""Chunks and signed statements on disk, per version, surviving restarts.
+"""Chunks and signed statements on disk, per object, surviving restarts.
 
-Layout under the data dir::
+Layout under the data dir (``anchors/<version>/`` the same for anchors)::
 
     versions/<version>/statements/<k>.sig    signed announcements and the manifest, in order
     versions/<version>/chunks/<index>.chunk  verified chunk bytes
@@ -23,6 +23,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import IntegrityError, SparrowError
+from ..swarm.chain import Key
 from ..swarm.signing import Signed, Verifier
 from ..swarm.versions import VersionState
 from .logs import event
@@ -45,47 +46,57 @@ def _write(path: Path, data) -> None:
 
 class ChunkStore:
     def __init__(self, root: Path):
-        self.root = Path(root) / "versions"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.base = Path(root)
+        self.root = self.base / "versions"
+        for anchor in (False, True):
+            self._kind_dir(anchor).mkdir(parents=True, exist_ok=True)
 
-    def _dir(self, version: int) -> Path:
-        return self.root / str(version)
+    def _kind_dir(self, anchor: bool) -> Path:
+        return self.base / ("anchors" if anchor else "versions")
 
-    def chunk_path(self, version: int, index: int) -> Path:
-        return self._dir(version) / "chunks" / f"{index}.chunk"
+    def _dir(self, key: Key) -> Path:
+        return self._kind_dir(key.anchor) / str(key.version)
 
-    def load(self, verifier: Verifier | None) -> dict[int, VersionState]:
-        out: dict[int, VersionState] = {}
-        for d in sorted(self.root.iterdir(), key=lambda p: (len(p.name), p.name)):
-            if not d.name.isdigit():
-                continue
-            v = int(d.name)
-            vs = VersionState(v)
-            sig_files = sorted((d / "statements").glob("*.sig"), key=lambda p: int(p.stem))
-            if verifier is None and sig_files:
-                event(log, logging.WARNING, "no trainer key pinned yet; version kept on disk unread", version=v)
-                continue
-            try:
-                for f in sig_files:
-                    vs.add(Signed.from_bytes(f.read_bytes()), verifier)
-            except (SparrowError, OSError) as e:
-                event(log, logging.ERROR, "dropping a stored version that no longer verifies", version=v, reason=str(e))
-                shutil.rmtree(d, ignore_errors=True)
-                continue
-            for i, ref in vs.chunks.items():
-                p = self.chunk_path(v, i)
-                if not p.exists():
-                    continue
-                if blake3.blake3(p.read_bytes()).digest() == ref.hash:
-                    vs.have.add(i)
-                else:
-                    event(log, logging.WARNING, "stored chunk fails its hash; will fetch it again", version=v, index=i)
-                    p.unlink(missing_ok=True)
-            out[v] = vs
+    def chunk_path(self, key: Key, index: int) -> Path:
+        return self._dir(key) / "chunks" / f"{index}.chunk"
+
+    def load(self, verifier: Verifier | None) -> dict[Key, VersionState]:
+        out: dict[Key, VersionState] = {}
+        for anchor in (False, True):
+            for d in sorted(self._kind_dir(anchor).iterdir(), key=lambda p: (len(p.name), p.name)):
+                if d.name.isdigit():
+                    vs = self._load_one(d, VersionState(int(d.name), anchor), verifier)
+                    if vs is not None:
+                        out[vs.key] = vs
         return out
 
+    def _load_one(self, d: Path, vs: VersionState, verifier: Verifier | None) -> VersionState | None:
+        sig_files = sorted((d / "statements").glob("*.sig"), key=lambda p: int(p.stem))
+        if verifier is None and sig_files:
+            event(log, logging.WARNING, "no trainer key pinned yet; kept on disk unread", object=str(vs.key))
+            return None
+        try:
+            for f in sig_files:
+                vs.add(Signed.from_bytes(f.read_bytes()), verifier)
+        except (SparrowError, OSError) as e:
+            event(log, logging.ERROR, "dropping a stored object that no longer verifies", object=str(vs.key),
+                  reason=str(e))
+            shutil.rmtree(d, ignore_errors=True)
+            return None
+        for i, ref in vs.chunks.items():
+            p = self.chunk_path(vs.key, i)
+            if not p.exists():
+                continue
+            if blake3.blake3(p.read_bytes()).digest() == ref.hash:
+                vs.have.add(i)
+            else:
+                event(log, logging.WARNING, "stored chunk fails its hash; will fetch it again", object=str(vs.key),
+                      index=i)
+                p.unlink(missing_ok=True)
+        return vs
+
     def add_statement(self, vs: VersionState, s: Signed) -> None:
-        d = self._dir(vs.version) / "statements"
+        d = self._dir(vs.key) / "statements"
         d.mkdir(parents=True, exist_ok=True)
         _write(d / f"{len(vs.statements) - 1}.sig", s.to_bytes())
 
@@ -94,12 +105,12 @@ class ChunkStore:
         Runs in a worker thread, so it leaves ``vs.have`` to the caller, on the event loop."""
         ref = vs.chunks.get(index)
         if ref is None:
-            raise IntegrityError(f"version {vs.version}: chunk {index} is in no signed statement")
+            raise IntegrityError(f"{vs.key}: chunk {index} is in no signed statement")
         if len(data) != ref.size or blake3.blake3(data).digest() != ref.hash:
-            raise IntegrityError(f"version {vs.version}: chunk {index} does not match its signed hash")
-        d = self._dir(vs.version) / "chunks"
+            raise IntegrityError(f"{vs.key}: chunk {index} does not match its signed hash")
+        d = self._dir(vs.key) / "chunks"
         d.mkdir(parents=True, exist_ok=True)
-        _write(self.chunk_path(vs.version, index), data)
+        _write(self.chunk_path(vs.key, index), data)
 
-    def drop(self, version: int) -> None:
-        shutil.rmtree(self._dir(version), ignore_errors=True)
+    def drop(self, key: Key) -> None:
+        shutil.rmtree(self._dir(key), ignore_errors=True)

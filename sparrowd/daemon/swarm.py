@@ -8,8 +8,12 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   the reply (when something changed, or after a few seconds) carries the
   peer's signed statements it lacks, the peer's have-maps, and whether the
   peer chokes it. Have messages therefore arrive within one round trip.
+* What a node fetches is what ``chain.wanted`` says: the patches from its
+  position to the newest version, or, when that chain is broken (a late
+  node), the newest anchor and the patches after it.
 * A scheduler asks the picker for requests whenever something changed and
-  fetches chunks (``GET /v1/swarm/chunk/V/I``), oldest version first. Each
+  fetches chunks (``GET /v1/swarm/chunk/KEY/I``, KEY ``12`` for version 12's
+  patch, ``a12`` for its anchor), oldest first. Each
   chunk is checked against its signed BLAKE3 hash before it is stored or
   served; a peer that sends a bad chunk is banned for the session.
 * The serving side answers exchanges and chunk requests, unchoking the peers
@@ -34,14 +38,15 @@ from aiohttp import web
 
 from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
-from ..schema import Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
+from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from ..swarm.bucket import TokenBucket
+from ..swarm.chain import Key, position, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.picker import PeerView, Picker, slots_for_rate
 from ..swarm.rate import Rate
-from ..swarm.signing import ANNOUNCE, MANIFEST, Signed, Signer, Verifier
+from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed
-from ..swarm.versions import ChunkRef, VersionState, announce_body, from_bitmap, to_bitmap
+from ..swarm.versions import ChunkRef, VersionState, announce_body, check_kind, from_bitmap, to_bitmap
 from .bodies import read_limited
 from .logs import event
 from .membership import outgoing
@@ -65,8 +70,8 @@ SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no 
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List}
-_VERSION_REQ = {"version": NonNegInt, "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
-_VERSION_REP = {"version": NonNegInt, "statements": List, "have": Bytes, "fetching": Bytes}
+_VERSION_REQ = {"version": NonNegInt, "anchor": Opt(Bool), "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
+_VERSION_REP = {"version": NonNegInt, "anchor": Opt(Bool), "statements": List, "have": Bytes, "fetching": Bytes}
 
 
 @dataclass
@@ -75,8 +80,8 @@ class PeerState:
     address: str
     region: str
     role: str
-    have: dict[int, set[int]] = field(default_factory=dict)
-    fetching: dict[int, set[int]] = field(default_factory=dict)
+    have: dict[Key, set[int]] = field(default_factory=dict)
+    fetching: dict[Key, set[int]] = field(default_factory=dict)
     choking: bool = False
     inflight: int = 0
     rate: Rate = field(default_factory=Rate)
@@ -94,7 +99,7 @@ class Remote:
 
     node_id: str
     region: str
-    have: dict[int, set[int]] = field(default_factory=dict)
+    have: dict[Key, set[int]] = field(default_factory=dict)
     last_seen: float = 0.0
     rate_to: Rate = field(default_factory=Rate)
     uploads: int = 0
@@ -108,19 +113,21 @@ class Swarm:
         self.signer = signer
         self.verifier: Verifier | None = Verifier(signer.public) if signer else None
         self.retain = retain
-        self.versions: dict[int, VersionState] = {}
+        self.origin = 0  # the version a node holds before fetching anything: the base model
+        self.versions: dict[Key, VersionState] = {}  # patches and anchors
+        self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self.banned: set[str] = set()
         self.gen = 0
         self._changed = asyncio.Event()
         self._waiters = asyncio.Condition()
-        self.inflight: dict[tuple[int, int], dict[str, asyncio.Task]] = {}
-        self.available_since: dict[tuple[int, int], float] = {}
+        self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
+        self.available_since: dict[tuple[Key, int], float] = {}
         self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
-        self.superseed: dict[int, SuperSeed] = {}
+        self.superseed: dict[Key, SuperSeed] = {}
         self.up = TokenBucket(upload_rate)
         self.down = TokenBucket(download_rate)
         self.wan_up = TokenBucket(wan_upload_rate)
@@ -137,7 +144,7 @@ class Swarm:
         self.versions = self.store.load(self.verifier)
         for vs in self.versions.values():
             if self.signer and vs.total is not None:
-                self.superseed[vs.version] = SuperSeed(vs.total, per_peer=SEED_PER_PEER)
+                self.superseed[vs.key] = SuperSeed(vs.total, per_peer=SEED_PER_PEER)
         if self.versions:
             event(log, logging.INFO, "chunk store loaded", versions=len(self.versions),
                   chunks=sum(len(v.have) for v in self.versions.values()))
@@ -177,28 +184,41 @@ class Swarm:
     # ------------------------------------------------------------ what the node reports
 
     def held(self) -> list[int]:
-        return sorted(v for v, vs in self.versions.items() if vs.complete)
+        """Versions this node holds whole (a patch, or an anchor)."""
+        return sorted({k.version for k, vs in self.versions.items() if vs.complete})
+
+    def position(self) -> int:
+        """The newest version this node can produce: from the base model (or an anchor) through
+        the patches it holds. The trainer's is the newest it published."""
+        if self.signer is not None:
+            return max(self.held(), default=self.origin)
+        return position(self.origin, {k: vs.obj for k, vs in self.versions.items()})
+
+    def wanted(self) -> set[Key]:
+        """What this node fetches: ``chain.wanted`` from its position."""
+        return wanted(self.position(), {k: vs.obj for k, vs in self.versions.items()},
+                      chain_known=self.trainer_heard)
 
     def progress(self) -> tuple[int, int, int] | None:
-        pending = [vs for vs in self.versions.values() if not vs.complete]
+        pending = [self.versions[k] for k in self.wanted() if k in self.versions and not self.versions[k].complete]
         if not pending:
             return None
-        vs = min(pending, key=lambda x: x.version)
+        vs = min(pending, key=lambda x: x.key)
         return vs.version, len(vs.have), vs.total if vs.total is not None else len(vs.chunks)
 
-    def _fetching(self, version: int) -> set[int]:
-        """Chunks of ``version`` this node has requests out for: what it is "about to" have."""
-        return {i for (v, i) in self.inflight if v == version}
+    def _fetching(self, key: Key) -> set[int]:
+        """Chunks of ``key`` this node has requests out for: what it is "about to" have."""
+        return {i for (k, i) in self.inflight if k == key}
 
     def latest(self) -> int | None:
         return max(self.held(), default=None)
 
     # ------------------------------------------------------------ statements
 
-    def _version(self, v: int) -> VersionState:
-        vs = self.versions.get(v)
+    def _version(self, key: Key) -> VersionState:
+        vs = self.versions.get(key)
         if vs is None:
-            vs = self.versions[v] = VersionState(v)
+            vs = self.versions[key] = VersionState(key.version, key.anchor)
         return vs
 
     def _take_statement(self, vs: VersionState, s: Signed) -> list[int]:
@@ -207,63 +227,86 @@ class Swarm:
         if len(vs.statements) == before:
             return new  # seen before
         self.store.add_statement(vs, s)
-        if s.kind == MANIFEST:
-            event(log, logging.INFO, "manifest received", version=vs.version, chunks=vs.total,
+        if s.is_manifest:
+            event(log, logging.INFO, "manifest received", version=vs.version, anchor=vs.anchor, chunks=vs.total,
                   base_version=vs.base_version)
         return new
 
     def _retire(self) -> None:
-        complete = sorted(v for v, vs in self.versions.items() if vs.complete)
-        for v in complete[: max(0, len(complete) - self.retain)]:
-            self.store.drop(v)
-            del self.versions[v]
-            self.superseed.pop(v, None)
-            event(log, logging.INFO, "version dropped (retention)", version=v, retain=self.retain)
+        """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every
+        patch after it. Of what is not complete, what this node will never want goes too."""
+        keep = retained(((k, vs.obj) for k, vs in self.versions.items() if vs.complete), self.retain)
+        at = self.position()
+        want = self.wanted() if self.signer is None else set()
+        for k, vs in list(self.versions.items()):
+            if k in keep or (not vs.complete and (self.signer is not None or k.version > at or k in want)):
+                continue
+            self.store.drop(k)
+            del self.versions[k]
+            self.superseed.pop(k, None)
+            event(log, logging.INFO, "dropped (retention)", object=str(k), retain=self.retain)
 
     # ------------------------------------------------------------ publishing (trainer)
 
-    async def publish_chunk(self, version: int, index: int, data: bytes) -> dict:
-        vs = self._version(version)
+    async def publish_chunk(self, key: Key, index: int, data: bytes) -> dict:
+        vs = self._version(key)
         ref = ChunkRef(blake3.blake3(data).digest(), len(data))
         known = vs.chunks.get(index)
         if vs.manifest is not None and known is None:
-            raise FormatError(f"version {version} is complete; it has no chunk {index}")
+            raise FormatError(f"{key} is complete; it has no chunk {index}")
         if known is not None:
             if known != ref:
-                raise IntegrityError(f"version {version}: chunk {index} was published with another hash")
+                raise IntegrityError(f"{key}: chunk {index} was published with another hash")
             return {"index": index, "new": False}
-        s = self.signer.sign(ANNOUNCE, version, announce_body(index, [ref]))
+        s = self.signer.sign(announce_kind(key.anchor), key.version, announce_body(index, [ref]))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         vs.have.add(index)
-        self.superseed.setdefault(version, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
+        self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
         await self._notify()
         return {"index": index, "new": True}
 
+    def published(self) -> dict:
+        """The chain as published: the newest version, its manifest's BLAKE3, the newest anchor."""
+        done = [vs for vs in self.versions.values() if vs.complete]
+        latest = max(done, key=lambda vs: (vs.version, not vs.anchor), default=None)
+        anchors = [vs.version for vs in done if vs.anchor]
+        return {"latest": latest.version if latest else None,
+                "manifest": blake3.blake3(latest.manifest.to_bytes()).hexdigest() if latest else None,
+                "anchor": max(anchors, default=None)}
+
     async def publish_manifest(self, data: bytes) -> dict:
+        """A patch's manifest (it names its base) or an anchor's (it applies to nothing).
+        A patch must apply to the newest version published and be newer; an anchor snapshots
+        the newest version, or starts a newer one (for a change a patch cannot carry)."""
         m = Manifest.from_bytes(data)
-        vs = self._version(m.version)
+        key = Key(m.version, m.base_version is None)
+        check_kind(m, key.anchor)
+        vs = self._version(key)
         if vs.manifest is not None:
             if vs.manifest.to_bytes() == m.to_bytes():
-                return {"version": m.version, "chunks": vs.total, "new": False}
-            raise FormatError(f"version {m.version} was published with another manifest")
+                return {"version": m.version, "anchor": key.anchor, "chunks": vs.total, "new": False}
+            raise FormatError(f"{key} was published with another manifest")
         missing = [i for i in range(len(m.chunks)) if i not in vs.have]
         if missing:
-            raise FormatError(f"version {m.version}: {len(missing)} chunks not published yet (first {missing[0]})")
-        latest = max((v for v, x in self.versions.items() if x.complete), default=None)
-        if latest is not None and m.version <= latest:
-            raise FormatError(f"version {m.version} is not newer than the latest published, {latest}")
-        if m.base_version is not None and latest is not None and m.base_version != latest:
-            raise FormatError(f"version {m.version} applies to {m.base_version}, but the latest published is {latest}")
-        self._take_statement(vs, self.signer.sign(MANIFEST, m.version, m.to_bytes()))
-        self.superseed.setdefault(m.version, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
+            raise FormatError(f"{key}: {len(missing)} chunks not published yet (first {missing[0]})")
+        latest = self.published()["latest"]
+        if latest is not None:
+            if key.anchor and m.version < latest:
+                raise FormatError(f"anchor {m.version} is older than the latest published version, {latest}")
+            if not key.anchor and m.version <= latest:
+                raise FormatError(f"version {m.version} is not newer than the latest published, {latest}")
+            if not key.anchor and m.base_version != latest:
+                raise FormatError(f"version {m.version} applies to {m.base_version}, but the latest published is {latest}")
+        self._take_statement(vs, self.signer.sign(manifest_kind(key.anchor), m.version, m.to_bytes()))
+        self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
         if self.daemon.tracker is not None:
-            self.daemon.tracker.table.set_latest_version(m.version)
-        event(log, logging.INFO, "version published", version=m.version, chunks=len(m.chunks),
-              bytes=m.patch_bytes, base_version=m.base_version)
+            self.daemon.tracker.table.set_latest_version(max(m.version, latest or 0))
+        event(log, logging.INFO, "anchor published" if key.anchor else "version published", version=m.version,
+              chunks=len(m.chunks), bytes=m.patch_bytes, base_version=m.base_version)
         self._retire()
         await self._notify()
-        return {"version": m.version, "chunks": len(m.chunks), "new": True}
+        return {"version": m.version, "anchor": key.anchor, "chunks": len(m.chunks), "new": True}
 
     # ------------------------------------------------------------ serving side
 
@@ -288,15 +331,15 @@ class Swarm:
             return vs.have
         if self._choking_active() and remote.node_id not in self.unchoked:
             return set()  # no assignments to a peer that cannot fetch them now
-        ss = self.superseed.get(vs.version)
+        ss = self.superseed.get(vs.key)
         if ss is None:
             return set()
         ss.grow(len(vs.chunks))
         held_by: dict[int, int] = {}
         for r in self.remotes.values():
-            for c in r.have.get(vs.version, ()):
+            for c in r.have.get(vs.key, ()):
                 held_by[c] = held_by.get(c, 0) + 1
-        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.version, set()), held_by) & vs.have
+        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by) & vs.have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         body = await read_limited(request.content, MAX_EXCHANGE)
@@ -307,7 +350,7 @@ class Swarm:
             theirs = {}
             for e in m["versions"][:4096]:
                 e = fields(e, _VERSION_REQ, what="exchange version")
-                theirs[e["version"]] = (e["statements"], from_bitmap(e["have"]))
+                theirs[Key(e["version"], bool(e.get("anchor")))] = (e["statements"], from_bitmap(e["have"]))
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
         remote = self._remote(request)
@@ -324,13 +367,12 @@ class Swarm:
                 except asyncio.TimeoutError:
                     pass
         out = []
-        for v in sorted(self.versions):
-            vs = self.versions[v]
-            known = theirs.get(v, (0, None))[0]
+        for k in sorted(self.versions):
+            vs = self.versions[k]
+            known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            fetching = self._fetching(v)
-            out.append({"version": v, "statements": [s.to_bytes() for s in vs.statements[known:]],
-                        "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(fetching, n)})
+            out.append({"version": k.version, "anchor": k.anchor, "statements": [s.to_bytes() for s in vs.statements[known:]],
+                        "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
         reply = {"gen": self.gen, "versions": out, "choked": remote.node_id not in self.unchoked and
                  self._choking_active()}
         return web.Response(body=pack(reply), content_type=MSGPACK)
@@ -341,19 +383,20 @@ class Swarm:
     async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
         remote = self._remote(request)
         try:
-            v, i = int(request.match_info["version"]), int(request.match_info["index"])
+            key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
         except ValueError:
-            return web.json_response({"error": "version and index must be integers"}, status=400)
-        vs = self.versions.get(v)
+            return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
+                                     status=400)
+        vs = self.versions.get(key)
         if vs is None or i not in vs.have:
             return web.json_response({"error": "not held"}, status=404)
         if self._choking_active() and remote.node_id not in self.unchoked:
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
-        if v in self.superseed:
-            self.superseed[v].claim(i)
-        path = self.store.chunk_path(v, i)
+        if key in self.superseed:
+            self.superseed[key].claim(i)
+        path = self.store.chunk_path(key, i)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
         remote.uploads += 1
@@ -400,7 +443,7 @@ class Swarm:
             for r in self.remotes.values():
                 if now - r.last_seen > 30:
                     continue
-                wants = any(vs.have - r.have.get(v, set()) for v, vs in self.versions.items())
+                wants = any(vs.have - r.have.get(k, set()) for k, vs in self.versions.items())
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, wants, rate_from=p.rate.rate(now) if p else 0.0,
                                         rate_to=r.rate_to.rate(now)))
@@ -433,11 +476,10 @@ class Swarm:
 
     def _my_versions(self) -> list[dict]:
         out = []
-        for v, vs in sorted(self.versions.items()):
+        for k, vs in sorted(self.versions.items()):
             n = len(vs.chunks)
-            fetching = self._fetching(v)
-            out.append({"version": v, "statements": len(vs.statements), "have": to_bitmap(vs.have, n),
-                        "fetching": to_bitmap(fetching, n)})
+            out.append({"version": k.version, "anchor": k.anchor, "statements": len(vs.statements),
+                        "have": to_bitmap(vs.have, n), "fetching": to_bitmap(self._fetching(k), n)})
         return out
 
     async def _exchange(self, ps: PeerState, wait: float) -> None:
@@ -501,33 +543,34 @@ class Swarm:
             raise FormatError(f"exchange reply from {ps.node_id}: not a map with versions")
         ps.gen = int(reply.get("gen", -1)) if isinstance(reply.get("gen"), int) else -1
         ps.choking = bool(reply.get("choked"))
-        held = self.held()
-        oldest_kept = held[-self.retain] if len(held) >= self.retain else None
+        at = self.position()
         now = time.monotonic()
-        seen_versions = set()
+        seen = set()
         for e in reply["versions"][:4096]:
             e = fields(e, _VERSION_REP, what="exchange reply version")
-            v = e["version"]
-            seen_versions.add(v)
-            if oldest_kept is not None and v < oldest_kept and v not in self.versions:
-                continue  # older than what this node retains
-            vs = self.versions.get(v) or VersionState(v)
+            k = Key(e["version"], bool(e.get("anchor")))
+            seen.add(k)
+            if k.version <= at and k not in self.versions:
+                continue  # nothing older than this node's position is of use to it
+            vs = self.versions.get(k) or VersionState(k.version, k.anchor)
             for raw in e["statements"][:1 << 16]:
                 if not isinstance(raw, bytes):
                     raise FormatError("statement must be bytes")
                 if self._take_statement(vs, Signed.from_bytes(raw)):
                     self._touch()
             if not vs.statements:
-                continue  # nothing signed yet: not a version this node knows
-            self.versions.setdefault(v, vs)
+                continue  # nothing signed yet: not an object this node knows
+            self.versions.setdefault(k, vs)
             have = {i for i in from_bitmap(e["have"]) if i in vs.chunks}
-            ps.have[v] = have
-            ps.fetching[v] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
+            ps.have[k] = have
+            ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
             for i in have:
-                self.available_since.setdefault((v, i), now)
-        for v in list(ps.have):
-            if v not in seen_versions:
-                del ps.have[v]
+                self.available_since.setdefault((k, i), now)
+        for k in list(ps.have):
+            if k not in seen:
+                del ps.have[k]
+        if ps.role == "trainer":
+            self.trainer_heard = True  # the trainer lists everything it retains
         self._changed.set()
 
     def _ban(self, ps: PeerState, reason: str) -> None:
@@ -554,9 +597,9 @@ class Swarm:
         my_region = self.daemon.settings.region
         region_nodes = [self.daemon.node_id] + [p.node_id for p in self.peers.values()
                                                  if p.region == my_region and p.role != "trainer"]
-        for v in sorted(self.versions):
-            vs = self.versions[v]
-            if vs.complete:
+        for k in sorted(self.wanted()):
+            vs = self.versions.get(k)
+            if vs is None or vs.complete:
                 continue
             missing = vs.missing()
             if not missing:
@@ -564,28 +607,28 @@ class Swarm:
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
-            views = [PeerView(p.node_id, p.region, p.have.get(v, set()), is_trainer=p.role == "trainer",
-                              choking=p.choking or now < p.cooldown_until, inflight=p.inflight, fetching=p.fetching.get(v, set()),
+            views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
+                              choking=p.choking or now < p.cooldown_until, inflight=p.inflight, fetching=p.fetching.get(k, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now))
                      for p in self.peers.values()]
-            inflight = {i: set(self.inflight.get((v, i), {})) for i in missing}
-            since = {i: self.available_since.get((v, i), now) for i in missing}
-            for req in self.picker.pick(now, version=v, missing=missing, inflight=inflight, peers=views,
+            inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
+            since = {i: self.available_since.get((k, i), now) for i in missing}
+            for req in self.picker.pick(now, version=k.tag, missing=missing, inflight=inflight, peers=views,
                                         region_nodes=region_nodes, available_since=since):
                 ps = self.peers.get(req.peer_id)
                 if ps is None:
                     continue
                 ps.inflight += 1
-                task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{v}-{req.index}")
-                self.inflight.setdefault((v, req.index), {})[ps.node_id] = task
+                task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
+                self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
-        key = (vs.version, index)
+        key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
         try:
             timeout = aiohttp.ClientTimeout(total=5.0 + ref.size / MIN_RATE)
-            async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.version}/{index}",
+            async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
                                          timeout=timeout) as r:
                 if r.status == 503:
                     ps.choking = True
@@ -596,7 +639,7 @@ class Swarm:
                 async for piece in r.content.iter_chunked(PIECE):
                     got += len(piece)
                     if got > ref.size:
-                        raise IntegrityError(f"chunk {index} of version {vs.version} is longer than signed")
+                        raise IntegrityError(f"chunk {index} of {vs.key} is longer than signed")
                     parts.append(piece)
                     ps.rate.add(time.monotonic(), len(piece))
                     delay = self.down.take(time.monotonic(), len(piece))
@@ -610,18 +653,19 @@ class Swarm:
                 await asyncio.to_thread(self.store.put_chunk, vs, index, data)
             except OSError as e:  # a full or failing disk: say so, keep serving what is stored
                 self.error = f"storing chunks in {self.store.root}: {e.strerror or e}"
-                event(log, logging.ERROR, "cannot store a chunk", version=vs.version, index=index, reason=self.error)
+                event(log, logging.ERROR, "cannot store a chunk", object=str(vs.key), index=index, reason=self.error)
                 return
             vs.have.add(index)
             ps.strikes = 0
             self.error = None
-            event(log, logging.DEBUG, "chunk stored", version=vs.version, index=index, peer=ps.node_id,
+            event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)
             for pid, t in self.inflight.get(key, {}).items():  # endgame: cancel the losers
                 if pid != ps.node_id:
                     t.cancel()
             if vs.complete:
-                event(log, logging.INFO, "version complete", version=vs.version, chunks=vs.total)
+                event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
+                      chunks=vs.total, position=self.position())
                 self._retire()
             await self._notify()
             self._tell_peers()
@@ -632,7 +676,7 @@ class Swarm:
             # (longer each time in a row), so a stalled peer does not get the chunk again.
             ps.strikes += 1
             ps.cooldown_until = time.monotonic() + min(60.0, 2.0 ** ps.strikes)
-            event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, version=vs.version,
+            event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, object=str(vs.key),
                   index=index, reason=type(e).__name__, seconds=min(60.0, 2.0 ** ps.strikes))
         finally:
             ps.inflight -= 1

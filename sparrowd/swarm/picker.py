@@ -53,7 +53,7 @@ class Request:
     duplicate: bool = False
 
 
-def designated(version: int, index: int, nodes: Iterable[str]) -> str | None:
+def designated(version: int | str, index: int, nodes: Iterable[str]) -> str | None:
     """Rendezvous hashing: the node of a region that fetches this chunk across the boundary."""
     best, best_key = None, b""
     for n in nodes:
@@ -98,7 +98,7 @@ class Picker:
         self,
         now: float,
         *,
-        version: int,
+        version: int | str,  # a Key.tag: "12", or "a12" for an anchor
         missing: Iterable[int],
         inflight: Mapping[int, set[str]],
         peers: list[PeerView],

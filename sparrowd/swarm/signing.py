@@ -12,7 +12,9 @@ signature covers a domain tag, the kind, the version and the body, so a
 signature can never be replayed as another kind or for another version.
 Kinds: ``announce`` (body: chunks added to a version while it is still being
 extracted) and ``manifest`` (body: the codec's manifest bytes; the version is
-complete when it arrives).
+complete when it arrives) for a patch; ``anchor-announce`` and
+``anchor-manifest`` the same for an anchor, the full snapshot of a version
+(so an anchor's chunk can never pass for a patch's, nor the reverse).
 """
 
 from __future__ import annotations
@@ -28,13 +30,23 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bytes, NonNegInt, Str, fields, pack, unpack
 
-__all__ = ["Signer", "Verifier", "Signed", "ANNOUNCE", "MANIFEST", "load_or_create_key", "pin_public_key"]
+__all__ = ["Signer", "Verifier", "Signed", "ANNOUNCE", "MANIFEST", "ANCHOR_ANNOUNCE", "ANCHOR_MANIFEST",
+           "announce_kind", "manifest_kind", "load_or_create_key", "pin_public_key"]
 
 ANNOUNCE, MANIFEST = "announce", "manifest"
-_KINDS = (ANNOUNCE, MANIFEST)
+ANCHOR_ANNOUNCE, ANCHOR_MANIFEST = "anchor-announce", "anchor-manifest"
+_KINDS = (ANNOUNCE, MANIFEST, ANCHOR_ANNOUNCE, ANCHOR_MANIFEST)
 _DOMAIN = b"sparrowd-signed-v1\x00"
 MAX_SIGNED = 64 << 20
 _SIGNED = {"kind": Str, "version": NonNegInt, "body": Bytes, "sig": Bytes}
+
+
+def announce_kind(anchor: bool) -> str:
+    return ANCHOR_ANNOUNCE if anchor else ANNOUNCE
+
+
+def manifest_kind(anchor: bool) -> str:
+    return ANCHOR_MANIFEST if anchor else MANIFEST
 
 
 def _message(kind: str, version: int, body: bytes) -> bytes:
@@ -47,6 +59,14 @@ class Signed:
     version: int
     body: bytes
     sig: bytes
+
+    @property
+    def anchor(self) -> bool:
+        return self.kind in (ANCHOR_ANNOUNCE, ANCHOR_MANIFEST)
+
+    @property
+    def is_manifest(self) -> bool:
+        return self.kind in (MANIFEST, ANCHOR_MANIFEST)
 
     def to_bytes(self) -> bytes:
         return pack({"kind": self.kind, "version": self.version, "body": self.body, "sig": self.sig})

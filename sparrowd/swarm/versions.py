@@ -1,4 +1,5 @@
-"""What a node knows about each version: its signed chunk list and the chunks it holds.
+"""What a node knows about each object (a version's patch, or its anchor): its signed
+chunk list and the chunks it holds.
 
 A version's chunks are numbered in the order the trainer produced them. The
 trainer signs announcements of chunks as they are encoded (``first`` index
@@ -15,12 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codec.manifest import Manifest
+from ..codec.manifest import FULL, Manifest
 from ..errors import FormatError, IntegrityError
 from ..schema import Bytes, List, NonNegInt, fields, pack, unpack
-from .signing import ANNOUNCE, MANIFEST, Signed, Verifier
+from .chain import Key, Obj
+from .signing import Signed, Verifier
 
-__all__ = ["ChunkRef", "VersionState", "announce_body", "to_bitmap", "from_bitmap", "MAX_CHUNKS_PER_VERSION"]
+__all__ = ["ChunkRef", "VersionState", "announce_body", "check_kind", "to_bitmap", "from_bitmap", "MAX_CHUNKS_PER_VERSION"]
 
 MAX_CHUNKS_PER_VERSION = 1 << 20
 _ANNOUNCE = {"first": NonNegInt, "chunks": List}
@@ -52,11 +54,20 @@ def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef]]:
 @dataclass
 class VersionState:
     version: int
+    anchor: bool = False
     chunks: dict[int, ChunkRef] = field(default_factory=dict)
     statements: list[Signed] = field(default_factory=list)
     manifest: Manifest | None = None
     have: set[int] = field(default_factory=set)
     _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def key(self) -> Key:
+        return Key(self.version, self.anchor)
+
+    @property
+    def obj(self) -> Obj:
+        return Obj(self.base_version, self.complete)
 
     @property
     def total(self) -> int | None:
@@ -79,19 +90,19 @@ class VersionState:
 
     def add(self, s: Signed, verifier: Verifier) -> list[int]:
         """Take a signed statement; returns the chunk indices it made known (empty if nothing new)."""
-        if s.version != self.version:
-            raise FormatError(f"statement for version {s.version} given to version {self.version}")
+        if s.version != self.version or s.anchor != self.anchor:
+            raise FormatError(f"statement for {Key(s.version, s.anchor)} given to {self.key}")
         if any(s.sig == t.sig for t in self.statements):
             return []
         verifier.verify(s)
-        if s.kind == ANNOUNCE:
+        if not s.is_manifest:
             first, refs = _parse_announce(s.body)
             new = self._merge(dict(enumerate(refs, start=first)))
         else:
-            assert s.kind == MANIFEST
             m = Manifest.from_bytes(s.body)
             if m.version != self.version:
                 raise IntegrityError(f"manifest says version {m.version}, signed as {self.version}")
+            check_kind(m, self.anchor)
             refs = {i: ChunkRef(c.hash, c.size) for i, c in enumerate(m.chunks)}
             extra = [i for i in self.chunks if i not in refs]
             if extra:
@@ -111,6 +122,15 @@ class VersionState:
         for i in new:
             self._by_hash.setdefault(refs[i].hash, i)
         return new
+
+
+def check_kind(m: Manifest, anchor: bool) -> None:
+    """An anchor's manifest applies to nothing and writes every tensor whole; a patch's names
+    the version it applies to."""
+    if anchor and (m.base_version is not None or any(t.op != FULL for t in m.tensors)):
+        raise FormatError(f"anchor {m.version}: an anchor applies to nothing and writes every tensor whole")
+    if not anchor and m.base_version is None:
+        raise FormatError(f"version {m.version}: a patch must name its base version (a full snapshot is an anchor)")
 
 
 def to_bitmap(indices, n: int) -> bytes:

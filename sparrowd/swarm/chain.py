@@ -1,0 +1,125 @@
+"""The chain of versions: which objects a node needs, and which it may drop.
+
+The swarm moves two kinds of object, each named by a ``Key``:
+
+* a *patch* ``(v, False)`` turns its base version (in its manifest) into
+  version ``v``; the trainer publishes one per step, each on the last;
+* an *anchor* ``(v, True)`` is a full snapshot of version ``v``, chunked and
+  signed like a patch (a manifest whose tensors are all written whole); the
+  trainer publishes one every few versions, and version 0's is the base model.
+
+A node's *position* is the newest version it can produce from what it holds.
+It fetches the patches that lead from its position to the newest version;
+when that chain is broken (it joined late, or fell behind what the swarm
+retains) it fetches the newest anchor from which an unbroken chain of
+patches leads to the newest version, and those patches, never a guess. (With
+no such anchor it still holds the chain the swarm has, to relay it; its
+engine cannot use it, and the patches' base fingerprints say so.)
+Retention keeps the last ``retain`` patches and never drops the newest
+anchor or a patch after it, so a late node can always catch up.
+
+Pure: keys and manifests' bases in, decisions out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+__all__ = ["Key", "Obj", "position", "wanted", "retained"]
+
+
+class Key(NamedTuple):
+    version: int
+    anchor: bool = False
+
+    def __str__(self) -> str:
+        return f"anchor {self.version}" if self.anchor else f"version {self.version}"
+
+    @property
+    def tag(self) -> str:
+        """The key in a URL: ``12`` for version 12's patch, ``a12`` for its anchor."""
+        return f"a{self.version}" if self.anchor else str(self.version)
+
+    @classmethod
+    def parse(cls, tag: str) -> "Key":
+        digits = tag[1:] if tag.startswith("a") else tag
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+            raise ValueError(f"{tag!r} is not a version (12) or an anchor (a12)")
+        return cls(int(digits), tag.startswith("a"))
+
+
+class Obj(NamedTuple):
+    """What a node knows of an object: the base its manifest names (None for an anchor, or
+    while the manifest is not in yet), and whether the node holds all of it."""
+
+    base: int | None
+    complete: bool
+
+
+def _follow(start: int, patches: Mapping[int, int | None]) -> int:
+    """The version reached from ``start`` through patches whose manifest names their base."""
+    by_base = {b: v for v, b in patches.items() if b is not None}
+    cur = start
+    while cur in by_base and by_base[cur] > cur:
+        cur = by_base[cur]
+    return cur
+
+
+def position(origin: int, held: Mapping[Key, Obj]) -> int:
+    """The newest version producible from ``origin`` (what the node started with, the base model
+    by default) and the complete objects it holds. Every patch a node holds was fetched on a
+    chain from its position, so a held patch's base was once reached even after retention
+    dropped the patches before it."""
+    done = {k: o for k, o in held.items() if o.complete}
+    patches = {k.version: o.base for k, o in done.items() if not k.anchor}
+    starts = [origin] + [k.version for k in done if k.anchor] + [b for b in patches.values() if b is not None]
+    return max(_follow(s, patches) for s in starts)
+
+
+def wanted(at: int, known: Mapping[Key, Obj], *, chain_known: bool = True) -> set[Key]:
+    """The objects a node at version ``at`` should fetch (held ones included; the caller skips
+    what is complete). ``known``: every object the node has a signed statement for.
+    ``chain_known``: the node has heard the trainer's own list, so a patch it does not know of
+    is gone rather than not heard of yet; until then it never turns to an anchor."""
+    patches = {k.version: o.base for k, o in known.items() if not k.anchor}
+    with_manifest = [v for v, b in patches.items() if b is not None]
+    anchors = sorted((k.version for k in known if k.anchor), reverse=True)
+    newest = max(with_manifest + anchors, default=at)
+    end = _follow(at, patches)
+    start, anchor = at, False
+    if end < newest and chain_known:
+        # Broken chain: the newest anchor from which the patches lead all the way.
+        for a in anchors:
+            if a > at and _follow(a, patches) >= newest:
+                start, end, anchor = a, _follow(a, patches), True
+                break
+        else:
+            # No anchor bridges the gap: hold the chain the swarm still has, from its oldest base,
+            # to relay it (the engine cannot apply it without an anchor: its base check refuses).
+            starts = sorted(b for b in patches.values() if b is not None and b > at and _follow(b, patches) >= newest)
+            if starts:
+                start, end = starts[0], _follow(starts[0], patches)
+    out: set[Key] = {Key(start, True)} if anchor else set()
+    cur = start
+    by_base = {b: v for v, b in patches.items() if b is not None}
+    while cur < end:
+        cur = by_base[cur]
+        out.add(Key(cur))
+    # Patches still streaming (manifest not in) build on the newest published version.
+    out.update(Key(v) for v, b in patches.items() if b is None and v > newest)
+    return out
+
+
+def retained(complete: Iterable[tuple[Key, Obj]], retain: int) -> set[Key]:
+    """Of the complete objects, those kept: the last ``retain`` patches, the newest anchor, and
+    every patch after that anchor (so a node that catches up from it finds the whole chain)."""
+    complete = list(complete)
+    patches = sorted(k.version for k, _ in complete if not k.anchor)
+    anchors = [k.version for k, _ in complete if k.anchor]
+    keep = {Key(v) for v in patches[-retain:]} if retain > 0 else set()
+    if anchors:
+        newest = max(anchors)
+        keep.add(Key(newest, True))
+        keep.update(Key(v) for v in patches if v > newest)
+    return keep

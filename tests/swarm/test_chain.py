@@ -1,0 +1,115 @@
+"""The chain planner: what a node fetches to reach the newest version, and what retention keeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparrowd.swarm.chain import Key, Obj, position, retained, wanted
+
+
+def chain(patches=(), anchors=(), complete=(), streaming=()):
+    """Known objects: patches v (base v-1 unless given as (v, base)), anchors, which are held whole."""
+    out = {}
+    for p in patches:
+        v, b = p if isinstance(p, tuple) else (p, p - 1)
+        out[Key(v)] = Obj(b, Key(v) in complete)
+    for a in anchors:
+        out[Key(a, True)] = Obj(None, Key(a, True) in complete)
+    for v in streaming:
+        out[Key(v)] = Obj(None, False)
+    return out
+
+
+def test_a_node_on_the_chain_fetches_the_patches_after_it():
+    assert wanted(3, chain(patches=range(1, 7), anchors=[4])) == {Key(4), Key(5), Key(6)}
+
+
+def test_a_late_node_takes_the_newest_anchor_that_reaches_the_end():
+    known = chain(patches=range(5, 9), anchors=[4, 6])
+    assert wanted(0, known) == {Key(6, True), Key(7), Key(8)}
+    # A node past the newest anchor needs none.
+    assert wanted(6, known) == {Key(7), Key(8)}
+
+
+def test_the_anchor_chosen_is_one_from_which_every_patch_is_there():
+    # Patch 7 is missing: from anchor 6 the chain stops at 6; anchor 8 reaches the end.
+    known = chain(patches=[5, 6, 9, 10], anchors=[4, 6, 8])
+    known[Key(9)] = Obj(8, False)
+    assert wanted(0, known) == {Key(8, True), Key(9), Key(10)}
+    # No anchor from which the chain reaches version 10: the node holds the chain the swarm has.
+    known = chain(patches=[5, 6, 8, 9, 10], anchors=[4])
+    assert wanted(0, known) == {Key(8), Key(9), Key(10)}
+
+
+def test_an_anchor_at_the_newest_version_alone_is_enough():
+    assert wanted(2, chain(patches=[5], anchors=[5])) == {Key(5, True)}
+
+
+def test_no_anchor_until_the_trainer_said_what_it_retains():
+    known = chain(patches=range(5, 9), anchors=[6])
+    assert wanted(0, known, chain_known=False) == set()
+    assert wanted(4, known, chain_known=False) == {Key(5), Key(6), Key(7), Key(8)}
+
+
+def test_streaming_patches_build_on_the_newest_version():
+    known = chain(patches=[1, 2], streaming=[3])
+    assert wanted(0, known) == {Key(1), Key(2), Key(3)}
+    # A late node fetches the stream after the anchor.
+    known = chain(patches=[5, 6], anchors=[6], streaming=[7])
+    assert wanted(0, known) == {Key(6, True), Key(7)}
+
+
+def test_position_follows_held_patches_and_anchors():
+    assert position(0, {}) == 0
+    done = chain(patches=[1, 2, 3], complete={Key(1), Key(2)})
+    assert position(0, done) == 2
+    # After retention dropped 1 and 2, the held patches still say where the node is.
+    done = chain(patches=[3, 4], complete={Key(3), Key(4)})
+    assert position(0, done) == 4
+    done = chain(patches=[7, 8, 9], anchors=[6], complete={Key(6, True), Key(7), Key(8)})
+    assert position(0, done) == 8
+    # An anchor not yet whole moves nothing.
+    assert position(0, chain(patches=[7], anchors=[6], complete={Key(7)})) == 7
+    assert position(0, chain(anchors=[6])) == 0
+
+
+def test_retention_keeps_the_anchor_and_the_patches_after_it():
+    def keep(patches, anchors, retain):
+        objs = chain(patches=patches, anchors=anchors, complete={Key(p) for p in patches} | {Key(a, True) for a in anchors})
+        return retained(objs.items(), retain)
+
+    assert keep(range(1, 11), [], 3) == {Key(8), Key(9), Key(10)}
+    assert keep(range(1, 11), [0, 5], 3) == {Key(5, True)} | {Key(v) for v in range(6, 11)}
+    assert keep(range(1, 11), [0, 5, 10], 3) == {Key(10, True), Key(8), Key(9), Key(10)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 30), every=st.integers(1, 8), retain=st.integers(1, 10), at=st.integers(0, 40))
+def test_retained_objects_always_let_any_node_reach_the_newest_version(n, every, retain, at):
+    """Publish n patches with an anchor every ``every`` versions (and the base as anchor 0),
+    apply retention after each; a node at any version reaches n from what is kept."""
+    kept: dict[Key, Obj] = {Key(0, True): Obj(None, True)}
+    for v in range(1, n + 1):
+        kept[Key(v)] = Obj(v - 1, True)
+        if v % every == 0:
+            kept[Key(v, True)] = Obj(None, True)
+        keep = retained(kept.items(), retain)
+        kept = {k: o for k, o in kept.items() if k in keep}
+    assert sum(1 for k in kept if not k.anchor) >= min(retain, n)
+    at = min(at, n)
+    plan = wanted(at, kept)
+    reached = position(at, {k: kept[k] for k in plan})
+    assert reached == n, (at, sorted(plan), sorted(kept))
+
+
+@pytest.mark.parametrize("tag,key", [("12", Key(12)), ("a12", Key(12, True)), ("0", Key(0))])
+def test_key_tags(tag, key):
+    assert Key.parse(tag) == key and key.tag == tag
+
+
+@pytest.mark.parametrize("tag", ["", "a", "b1", "-1", "1a", "a-1", "１", "9" * 19])
+def test_bad_key_tags(tag):
+    with pytest.raises(ValueError):
+        Key.parse(tag)
