@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import http_call
-from sparrowd.daemon.settings import DEFAULT_LISTEN, default_data_dir, load_settings, read_token
+from sparrowd.daemon.calls import check_start, http_call, published_state
+from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.chain import Key
 from sparrowd.swarm.leases import ROLES
@@ -65,8 +65,14 @@ def register(sub) -> None:
                          "diffed against the last one published from --state-dir, then kept there as the new base")
     pb.add_argument("--version", type=int, metavar="N", help="with --checkpoint: the version it is")
     pb.add_argument("--init", action="store_true",
-                    help="with --checkpoint: record it as the base version N (what the nodes start from) "
-                         "without publishing anything")
+                    help="with --checkpoint: record it as the base version N (what the nodes start from); a daemon "
+                         "with nothing published yet also gets it as anchor N, for nodes that lack the base")
+    pb.add_argument("--anchor", action="store_true",
+                    help="with --checkpoint: publish it whole as anchor N (N the last published version, or a newer "
+                         "one: the way to publish added, removed or reshaped tensors)")
+    pb.add_argument("--anchor-every", type=int, metavar="K", default=DEFAULT_ANCHOR_EVERY,
+                    help=f"with --checkpoint: after every K versions also publish an anchor, from which late nodes "
+                         f"catch up (0: never; default {DEFAULT_ANCHOR_EVERY})")
     pb.add_argument("--state-dir", metavar="DIR",
                     help=f"with --checkpoint: where the last published checkpoint is kept "
                          f"(default {default_data_dir() / 'published'})")
@@ -255,11 +261,23 @@ def _publish_file(path, daemon: str, token: str):
         m = view.manifest
         sent = 0
         for i, data in enumerate(view.chunks):
-            r = http_call(f"{base}/v1/publish/{Key(m.version, m.base_version is None).tag}/chunk/{i}", token, method="POST", data=bytes(data),
-                          timeout=60.0)
+            key = Key(m.version, m.base_version is None)
+            r = http_call(f"{base}/v1/publish/{key.tag}/chunk/{i}", token, method="POST", data=bytes(data), timeout=60.0)
             sent += len(data) if r.get("new") else 0
         r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)
     return m, sent, bool(r.get("new"))
+
+
+def _publish_anchor(src: Path, version: int, state: Path, args, token: str) -> None:
+    from sparrowd.delta import diff_files
+
+    path = state / f"a{version}.sprw"
+    try:
+        diff_files(None, src, path, values=args.values, version=version)
+        m, _, _ = _publish_file(path, args.daemon, token)
+    finally:
+        path.unlink(missing_ok=True)
+    print(f"anchor {version} published from {src}: {_count(len(m.chunks), 'chunk')}, {m.patch_bytes} bytes")
 
 
 def _publish_checkpoint(args, token: str) -> int:
@@ -271,6 +289,11 @@ def _publish_checkpoint(args, token: str) -> int:
 
     if args.version is None or args.version < 0:
         raise InputError("--checkpoint needs --version N (0 or more)")
+    if args.anchor_every < 0:
+        raise InputError("--anchor-every must be 0 (never) or more")
+    if args.init and args.anchor:
+        raise InputError("--init already publishes the base as an anchor when the daemon has nothing; "
+                         "give one of --init and --anchor")
     src = Path(args.checkpoint)
     if not src.exists():
         raise InputError(f"{src}: no such checkpoint")
@@ -288,6 +311,11 @@ def _publish_checkpoint(args, token: str) -> int:
             Path(tmp).write_text(json.dumps({"version": args.version, "source": str(src.absolute())}) + "\n")
 
     if args.init:
+        chain = published_state(args.daemon, token)
+        check_start(chain, args.version)
+        state.mkdir(parents=True, exist_ok=True)
+        if chain["latest"] is None:
+            _publish_anchor(src, args.version, state, args, token)
         keep()
         print(f"{src} recorded as base version {args.version} in {state}")
         return 0
@@ -295,6 +323,12 @@ def _publish_checkpoint(args, token: str) -> int:
         last = json.loads(record.read_text())["version"]
     except (OSError, ValueError, KeyError):
         raise InputError(f"nothing published from {state} yet: record the base first with --init") from None
+    if args.anchor:
+        if args.version < last:
+            raise InputError(f"anchor {args.version} is older than the last published version {last}")
+        _publish_anchor(src, args.version, state, args, token)
+        keep()
+        return 0
     if args.version <= last:
         raise InputError(f"version {args.version} does not follow the last published version {last}")
     old = kept if src.is_dir() else kept / src.name
@@ -307,6 +341,9 @@ def _publish_checkpoint(args, token: str) -> int:
     keep()  # only once the daemon took the manifest: a failed publish leaves the base as it was
     print(f"version {m.version} (base {m.base_version}) published from {src}: {_count(len(m.chunks), 'chunk')}, "
           f"{m.patch_bytes} bytes, {m.elements_changed} elements changed")
+    anchor = published_state(args.daemon, token)["anchor"]
+    if args.anchor_every and args.version - (anchor or 0) >= args.anchor_every:
+        _publish_anchor(src, args.version, state, args, token)
     return 0
 
 

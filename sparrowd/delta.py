@@ -78,7 +78,7 @@ def open_patch(path: str | os.PathLike):
 
 
 def diff_files(
-    old: str | os.PathLike,
+    old: str | os.PathLike | None,
     new: str | os.PathLike,
     out: str | os.PathLike,
     *,
@@ -88,10 +88,15 @@ def diff_files(
     chunk_size: int | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> Manifest:
-    """Diff two checkpoints into a ``.sprw`` file; returns its manifest."""
-    if base_version is None:
+    """Diff two checkpoints into a ``.sprw`` file; returns its manifest. ``old=None`` writes an
+    anchor: every tensor of ``new`` whole, applying to nothing."""
+    if old is None:
+        base_version = None
+    elif base_version is None:
         base_version = version - 1 if version > 0 else None
-    with open_checkpoint(old) as a, open_checkpoint(new) as b:
+    with ExitStack() as stack:
+        a = stack.enter_context(open_checkpoint(old)) if old is not None else {}
+        b = stack.enter_context(open_checkpoint(new))
         kw = {} if chunk_size is None else {"chunk_size": chunk_size}
         manifest, chunks = encode_patch(
             a, b, version=version, base_version=base_version, values=values, on_tensor=progress,

@@ -2,7 +2,7 @@
 
     from sparrowd import Publisher
     pub = Publisher(daemon="http://127.0.0.1:7070", token_file="swarm.token")
-    pub.start(model, version=0)             # the base every rollout node starts from
+    pub.start(model, version=0)             # the base every rollout node starts from (anchor 0)
     stats = pub.publish(model, version=step)
 
 ``publish`` keeps the last published copy of each tensor, in the dtype the
@@ -15,6 +15,26 @@ moving while extraction is still running. Nothing of a version counts as
 published until the daemon has taken its manifest: if the daemon is down or
 refuses, ``publish`` raises and the next call diffs against the last version
 that was published, so a version's base is always the last published one.
+Every call first asks the daemon where its chain ends: a version the daemon
+took although its reply was lost is adopted (its manifest's hash matches);
+any other disagreement is an error, never a patch on the wrong base. A
+restarted daemon reloads its chain from disk, so the loop simply goes on.
+
+Anchors: ``start`` publishes the base as anchor ``version`` when the daemon
+has nothing yet, and every ``anchor_every`` versions ``publish`` follows the
+patch with an anchor of the same version, encoded from the kept copies (no
+second pass over the model). ``publish_anchor`` does it on demand, and is the
+way to publish a change a patch cannot carry (tensors added, removed,
+reshaped). A late rollout node catches up from the newest anchor.
+
+FSDP2 / DTensor parameters are gathered one tensor at a time
+(``full_tensor()``, a collective): every rank calls ``publish``, rank 0
+compares and talks to the daemon, the other ranks only join the gathers and
+get ``None``. Gathering is what the engine needs anyway (it loads whole
+tensors by their Hugging Face names) and keeps the chain one patch per
+version whatever the trainer's sharding; the cost is one tensor's worth of
+memory on rank 0 at a time and the gather's traffic on the trainer's
+own fast interconnect.
 
 Needs torch; the rest of sparrowd does not.
 """
@@ -26,15 +46,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 from .codec.bits import RawTensor
 from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
-from .daemon.calls import http_call
-from .daemon.settings import read_token
-from .errors import InputError
+from .daemon.calls import check_start, http_call, published_state
+from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
+from .errors import InputError, SparrowError
+from .swarm.chain import Key
 
 __all__ = ["Publisher", "PublishStats"]
 
@@ -66,6 +88,8 @@ class PublishStats:
     to_host_seconds: float = 0.0
     encode_seconds: float = 0.0
     handoff_seconds: float = 0.0
+    anchor_seconds: float = 0.0  # an anchor published after the patch (every anchor_every versions)
+    anchor_bytes: int = 0
     first_chunk_seconds: float | None = None  # from the start of publish to the first chunk taken by the daemon
     total_seconds: float = 0.0
 
@@ -93,25 +117,66 @@ def _torch():
     return torch
 
 
+class _Stream:
+    """Chunks handed to the daemon in order as they are encoded, timed into the stats."""
+
+    def __init__(self, pub: "Publisher", key: Key, stats: PublishStats, t_start: float):
+        self.pub, self.key, self.stats, self.t_start = pub, key, stats, t_start
+        self.next = 0
+
+    def send(self, chunks) -> None:
+        for c in chunks:
+            t0 = time.perf_counter()
+            self.pub._post(f"/v1/publish/{self.key.tag}/chunk/{self.next}", c.data)
+            self.next += 1
+            self.stats.handoff_seconds += time.perf_counter() - t0
+            self.stats.patch_bytes += c.size
+            self.stats.chunks += 1
+            if self.stats.first_chunk_seconds is None:
+                self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
+
+
+@dataclass
+class _Pending:
+    """A version whose manifest was sent but whose reply never came: the daemon may hold it."""
+
+    version: int
+    manifest: str  # BLAKE3 of the manifest's bytes, hex
+    updates: list
+
+
 class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 timeout: float = 60.0):
+                 anchor_every: int = DEFAULT_ANCHOR_EVERY, timeout: float = 60.0):
         torch = _torch()
         if token_file is None:
             raise InputError("Publisher needs token_file, the swarm token's file")
+        if anchor_every < 0:
+            raise InputError("anchor_every must be 0 (no periodic anchors) or more")
         self.daemon = daemon.rstrip("/")
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
+        self.anchor_every = anchor_every
         self.dtype = getattr(torch, dtype, None)
         if self.dtype is None or not isinstance(self.dtype, torch.dtype) or dtype not in _TORCH_DTYPES:
             raise InputError(f"served dtype {dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
         self._last: dict[str, _Tensor] = {}
         self.version: int | None = None
+        self.anchor_version: int | None = None
+        self._pending: _Pending | None = None
+        self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
 
     # ------------------------------------------------------------ inputs
+
+    @staticmethod
+    def _follower() -> bool:
+        """Under torch.distributed, ranks other than 0 only join the gathers."""
+        torch = _torch()
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
     def _state(self, model) -> dict:
         torch = _torch()
@@ -120,12 +185,18 @@ class Publisher:
             raise InputError("publish takes an nn.Module or a state dict of tensors")
         return sd
 
+    @staticmethod
+    def _gathered(t):
+        """A DTensor (FSDP2) gathered whole, one tensor at a time; any other tensor as it is."""
+        full = getattr(t, "full_tensor", None)
+        return full() if full is not None and type(t).__name__ == "DTensor" else t
+
     def _served(self, t, *, own: bool) -> _Tensor:
         """The tensor as the engine serves it: floats cast to the served dtype, as integer bits.
         ``own``: the result must not share memory with the model (it is kept as the last
         published copy, and the optimizer updates the model in place)."""
         torch = _torch()
-        t = t.detach()
+        t = self._gathered(t.detach())
         if t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)  # a new tensor: owned already
         elif own:
@@ -144,57 +215,91 @@ class Publisher:
 
     # ------------------------------------------------------------ the API
 
-    def start(self, model, version: int = 0) -> None:
-        """Take ``model`` as version ``version``, the base the rollout nodes already hold."""
-        state = {}
+    def start(self, model, version: int = 0, *, anchor: bool = True) -> PublishStats | None:
+        """Take ``model`` as version ``version``, the base the rollout nodes start from.
+
+        A daemon with nothing published yet gets it as anchor ``version`` (``anchor=False``:
+        the nodes already hold the base; nothing is sent). A daemon whose chain ends at
+        ``version`` (the trainer restarted from that version's checkpoint) goes on from it.
+        Any other daemon state is an error: a patch on a base the nodes do not hold would be
+        refused by every engine."""
+        if self._follower():
+            self._gather_all(model)
+            return None
+        state = self._daemon_state()
+        check_start(state, version)
+        latest = state["latest"]
+        kept = {}
         for name, t in self._state(model).items():
             s = self._served(t, own=True)
             s.fp = fingerprint(self._host(s.bits))
-            state[name] = s
-        self._last, self.version = state, version
+            kept[name] = s
+        self._last, self.version, self._pending = kept, version, None
+        self.anchor_version = state["anchor"]
+        self._unrecorded = latest is None  # the daemon knows nothing of this base until something is published
+        if latest is None and anchor:
+            return self._publish_anchor(version)
+        return None
 
-    def publish(self, model, version: int) -> PublishStats:
+    def publish_anchor(self, model, version: int) -> PublishStats | None:
+        """Publish ``model`` whole as anchor ``version``: the latest version (a snapshot of it;
+        the model must be exactly what was published) or a newer one, which may add, remove or
+        reshape tensors. Later patches build on it."""
+        if self._follower():
+            self._gather_all(model)
+            return None
+        self._check_started()
+        self._sync()
+        if version < self.version:
+            raise InputError(f"anchor {version} is older than the last published version {self.version}")
+        kept = {}
+        for name, t in self._state(model).items():
+            s = self._served(t, own=True)
+            s.fp = fingerprint(self._host(s.bits))
+            if version == self.version and (name not in self._last or s.fp != self._last[name].fp):
+                raise InputError(f"tensor {name!r} is not what version {version} published: publish the model "
+                                 f"as a new version")
+            kept[name] = s
+        if version == self.version and set(kept) != set(self._last):
+            raise InputError(f"the model's tensors are not those version {version} published")
+        stats = self._publish_anchor(version, kept)
+        self._last, self.version = kept, version
+        return stats
+
+    def publish(self, model, version: int) -> PublishStats | None:
         torch = _torch()
-        if self.version is None:
-            raise InputError("call Publisher.start(model, version=0) with the base first")
+        if self._follower():
+            self._gather_all(model)
+            return None
+        self._check_started()
+        self._sync()
         if version <= self.version:
             raise InputError(f"version {version} does not follow the last published version {self.version}")
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version)
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
                            chunk_size=self.chunk_size)
+        stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
-        next_index = [0]
-
-        def hand_off(chunks) -> None:
-            for c in chunks:
-                t0 = time.perf_counter()
-                i = next_index[0]
-                next_index[0] += 1
-                self._post(f"/v1/publish/{version}/chunk/{i}", c.data)
-                stats.handoff_seconds += time.perf_counter() - t0
-                stats.patch_bytes += c.size
-                stats.chunks += 1
-                if stats.first_chunk_seconds is None:
-                    stats.first_chunk_seconds = time.perf_counter() - t_start
 
         def encode(name, old_fp: bytes, layout: RawTensor, idx, ov, nv, new_fp) -> None:
             t0 = time.perf_counter()
             # The values were gathered on the device; the encoder only needs the layout of both sides.
             chunks = enc.add_extract(name, layout, layout, idx, old_fp, new_fp, ov, nv)
             stats.encode_seconds += time.perf_counter() - t0
-            hand_off(chunks)
+            stream.send(chunks)
 
         state = self._state(model)
         if set(state) != set(self._last):
-            raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor)")
+            raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor: "
+                             "publish_anchor)")
         updates = []  # (kept tensor, changed indices, new values, new fingerprint), applied once published
         names = sorted(state)
         served = {}
         for name in names:
             old, new = self._last[name], self._served(state[name], own=False)
             if (old.dtype, old.shape) != (new.dtype, new.shape):
-                raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor)")
+                raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor: publish_anchor)")
             served[name] = new
         # On the CPU the fused C pass compares, gathers and fingerprints in one read; tensors go to
         # two threads (the pass releases the GIL) and come back in name order.
@@ -234,30 +339,102 @@ class Publisher:
         for f in sent:
             f.result()  # errors from the worker (daemon down, refused) surface here
         manifest, rest = enc.finish()
-        hand_off(rest)
-        self._post("/v1/publish/manifest", manifest.to_bytes())
-        # Published: bring the kept copies up to this version, O(changed elements), no full copy.
-        for kept, idx, values, new_fp in updates:
-            if isinstance(values, np.ndarray):
-                self._host(kept.bits)[idx] = values  # a numpy view writing into the kept torch tensor
-            else:
-                kept.bits[idx] = values
-            kept.fp = new_fp
-        self.version = version
+        stream.send(rest)
+        body = manifest.to_bytes()
+        try:
+            self._post("/v1/publish/manifest", body)
+        except SparrowError:
+            # Taken or not? The next call asks the daemon, and adopts this version if it is there.
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates)
+            raise
+        self._advance(version, updates)
         stats.total_seconds = time.perf_counter() - t_start
+        if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
+            a = self._publish_anchor(version)
+            stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
         return stats
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._compare.shutdown(wait=True)
 
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ inside
+
+    def _check_started(self) -> None:
+        if self.version is None:
+            raise InputError("call Publisher.start(model, version=0) with the base first")
+
+    def _gather_all(self, model) -> None:
+        """A follower rank's part: the same gathers as rank 0, in the same (name) order."""
+        state = self._state(model)
+        for name in sorted(state):
+            self._gathered(state[name].detach())
+
+    def _advance(self, version: int, updates) -> None:
+        """Published: bring the kept copies up to this version, O(changed elements), no full copy."""
+        for kept, idx, values, new_fp in updates:
+            if isinstance(values, np.ndarray):
+                self._host(kept.bits)[idx] = values  # a numpy view writing into the kept torch tensor
+            else:
+                kept.bits[idx] = values
+            kept.fp = new_fp
+        self.version, self._pending, self._unrecorded = version, None, False
+
+    def _sync(self) -> None:
+        """Agree with the daemon on where the chain ends before building on it."""
+        state = self._daemon_state()
+        latest = state["latest"]
+        if latest == self.version or (latest is None and self._unrecorded):
+            self._pending = None
+            return
+        p = self._pending
+        if p is not None and latest == p.version and state["manifest"] == p.manifest:
+            self._advance(p.version, p.updates)  # the daemon took it; only the reply was lost
+            return
+        raise InputError(f"the trainer's daemon has version {latest} as its latest, this publisher has "
+                         f"{self.version}: the chain was changed by someone else, or the daemon lost its data dir; "
+                         f"start again from the daemon's latest version")
+
+    def _daemon_state(self) -> dict:
+        return published_state(self.daemon, self._token, timeout=self.timeout)
+
+    def _publish_anchor(self, version: int, tensors: dict[str, _Tensor] | None = None) -> PublishStats:
+        """``tensors`` (the kept copies by default) whole, as anchor ``version``."""
+        tensors = self._last if tensors is None else tensors
+        t_start = time.perf_counter()
+        stats = PublishStats(version=version, base_version=None)
+        enc = PatchEncoder(version=version, base_version=None, values=self.values, chunk_size=self.chunk_size)
+        stream = _Stream(self, Key(version, True), stats, t_start)
+        for name in sorted(tensors):
+            t = tensors[name]
+            t0 = time.perf_counter()
+            host = self._host(t.bits)
+            stats.to_host_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            chunks = enc.add(name, None, RawTensor(t.dtype, t.shape, host))
+            stats.encode_seconds += time.perf_counter() - t0
+            stream.send(chunks)
+            stats.tensors += 1
+            stats.elements += host.size
+        stats.tensors_changed, stats.elements_changed = stats.tensors, stats.elements
+        manifest, rest = enc.finish()
+        stream.send(rest)
+        self._post("/v1/publish/manifest", manifest.to_bytes())
+        self.anchor_version, self._unrecorded = version, False
+        stats.total_seconds = time.perf_counter() - t_start
+        return stats
+
     @staticmethod
     def _timed(fn, *args, **kw):
         t0 = time.perf_counter()
         out = fn(*args, **kw)
         return time.perf_counter() - t0, out
-
-    # ------------------------------------------------------------ the daemon
 
     def _post(self, path: str, data) -> dict:
         return http_call(f"{self.daemon}{path}", self._token, method="POST", data=bytes(data), timeout=self.timeout)

@@ -13,7 +13,7 @@ import urllib.request
 
 from ..errors import SparrowError
 
-__all__ = ["http_call"]
+__all__ = ["http_call", "published_state", "check_start"]
 
 
 def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0, data=None) -> dict:
@@ -38,3 +38,21 @@ def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0
         return json.loads(body)
     except ValueError:
         raise SparrowError(f"{url}: the reply is not JSON") from None
+
+
+def published_state(daemon: str, token: str, *, timeout: float = 5.0) -> dict:
+    """Where the trainer's daemon's chain ends: ``latest`` version, its ``manifest`` BLAKE3, the
+    newest ``anchor`` (each None while nothing is published)."""
+    url = f"{daemon.rstrip('/')}/v1/publish/state"
+    state = http_call(url, token, timeout=timeout)
+    if not isinstance(state, dict) or not {"latest", "manifest", "anchor"} <= set(state):
+        raise SparrowError(f"{url}: the reply does not say where the chain ends")
+    return state
+
+
+def check_start(state: dict, version: int) -> None:
+    """A trainer starts at ``version``: the daemon must have nothing, or end its chain there."""
+    latest = state["latest"]
+    if latest is not None and latest != version:
+        raise SparrowError(f"the trainer's daemon has published up to version {latest}: start from the weights of "
+                           f"version {latest}, or give the daemon a fresh data dir")

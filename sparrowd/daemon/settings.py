@@ -26,6 +26,7 @@ __all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default
 
 MIN_TOKEN_LEN = 16
 DEFAULT_LISTEN = "0.0.0.0:7070"
+DEFAULT_ANCHOR_EVERY = 20  # versions between anchors; the trainer keeps the patches since the newest
 _HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$")
 
 

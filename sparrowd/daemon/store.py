@@ -112,5 +112,15 @@ class ChunkStore:
         d.mkdir(parents=True, exist_ok=True)
         _write(self.chunk_path(vs.key, index), data)
 
+    def read_position(self, default: int) -> int:
+        """The version this node can produce, as last recorded (``default`` when never)."""
+        try:
+            return int((self.base / "position").read_text().strip())
+        except (OSError, ValueError):
+            return default
+
+    def write_position(self, version: int) -> None:
+        _write(self.base / "position", f"{version}\n".encode())
+
     def drop(self, key: Key) -> None:
         shutil.rmtree(self._dir(key), ignore_errors=True)

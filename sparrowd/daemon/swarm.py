@@ -40,7 +40,7 @@ from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from ..swarm.bucket import TokenBucket
-from ..swarm.chain import Key, position, retained, wanted
+from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.picker import PeerView, Picker, slots_for_rate
 from ..swarm.rate import Rate
@@ -113,7 +113,7 @@ class Swarm:
         self.signer = signer
         self.verifier: Verifier | None = Verifier(signer.public) if signer else None
         self.retain = retain
-        self.origin = 0  # the version a node holds before fetching anything: the base model
+        self.at = 0  # the version this node can produce (the base model until it moves; kept on disk)
         self.versions: dict[Key, VersionState] = {}  # patches and anchors
         self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
         self.peers: dict[str, PeerState] = {}
@@ -142,6 +142,7 @@ class Swarm:
 
     def load(self) -> None:
         self.versions = self.store.load(self.verifier)
+        self.at = self.store.read_position(self.at)
         for vs in self.versions.values():
             if self.signer and vs.total is not None:
                 self.superseed[vs.key] = SuperSeed(vs.total, per_peer=SEED_PER_PEER)
@@ -189,10 +190,14 @@ class Swarm:
 
     def position(self) -> int:
         """The newest version this node can produce: from the base model (or an anchor) through
-        the patches it holds. The trainer's is the newest it published."""
+        the patches it completed (``chain.advance``). The trainer's is the newest it published."""
         if self.signer is not None:
-            return max(self.held(), default=self.origin)
-        return position(self.origin, {k: vs.obj for k, vs in self.versions.items()})
+            return max(self.held(), default=self.at)
+        at = advance(self.at, {k: vs.obj for k, vs in self.versions.items()})
+        if at != self.at:
+            self.at = at
+            self.store.write_position(at)
+        return at
 
     def wanted(self) -> set[Key]:
         """What this node fetches: ``chain.wanted`` from its position."""

@@ -8,7 +8,10 @@ The swarm moves two kinds of object, each named by a ``Key``:
   signed like a patch (a manifest whose tensors are all written whole); the
   trainer publishes one every few versions, and version 0's is the base model.
 
-A node's *position* is the newest version it can produce from what it holds.
+A node's *position* is the newest version it can produce: the base model
+(version 0) at first, then wherever the anchors and patches it completed
+take it; the node keeps it on disk, since retention drops the patches that
+got it there.
 It fetches the patches that lead from its position to the newest version;
 when that chain is broken (it joined late, or fell behind what the swarm
 retains) it fetches the newest anchor from which an unbroken chain of
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-__all__ = ["Key", "Obj", "position", "wanted", "retained"]
+__all__ = ["Key", "Obj", "advance", "wanted", "retained"]
 
 
 class Key(NamedTuple):
@@ -66,15 +69,13 @@ def _follow(start: int, patches: Mapping[int, int | None]) -> int:
     return cur
 
 
-def position(origin: int, held: Mapping[Key, Obj]) -> int:
-    """The newest version producible from ``origin`` (what the node started with, the base model
-    by default) and the complete objects it holds. Every patch a node holds was fetched on a
-    chain from its position, so a held patch's base was once reached even after retention
-    dropped the patches before it."""
+def advance(at: int, held: Mapping[Key, Obj]) -> int:
+    """Where a node at version ``at`` stands with the complete objects it holds: at the newest
+    whole anchor if that is further, then through every held patch whose base it has reached.
+    A patch held without its base reached moves nothing (it may have come before its anchor)."""
     done = {k: o for k, o in held.items() if o.complete}
     patches = {k.version: o.base for k, o in done.items() if not k.anchor}
-    starts = [origin] + [k.version for k in done if k.anchor] + [b for b in patches.values() if b is not None]
-    return max(_follow(s, patches) for s in starts)
+    return _follow(max([at] + [k.version for k in done if k.anchor]), patches)
 
 
 def wanted(at: int, known: Mapping[Key, Obj], *, chain_known: bool = True) -> set[Key]:

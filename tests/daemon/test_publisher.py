@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,8 @@ from sparrowd.codec.bits import RawTensor
 from sparrowd.codec.manifest import Manifest
 from sparrowd.codec.patch import apply_patch
 from sparrowd.errors import InputError, SparrowError
-from sparrowd.swarm.signing import MANIFEST, Signed
-from tests.daemon.harness import status, wait_for
+from sparrowd.swarm.signing import Signed
+from tests.daemon.harness import get, status, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +41,14 @@ def served_bits(model) -> dict[str, RawTensor]:
     return out
 
 
-def stored_patch(node, version: int) -> tuple[Manifest, list[bytes]]:
-    """The patch as the rollout node holds it: its signed manifest and its verified chunks."""
-    d = node.data_dir / "versions" / str(version)
+def stored_patch(node, version: int, *, anchor: bool = False) -> tuple[Manifest, list[bytes]]:
+    """The patch (or anchor) as the rollout node holds it: its signed manifest and its verified chunks."""
+    d = node.data_dir / ("anchors" if anchor else "versions") / str(version)
     manifest = None
     for f in (d / "statements").glob("*.sig"):
         s = Signed.from_bytes(f.read_bytes())
-        if s.kind == MANIFEST:
+        if s.is_manifest:
+            assert s.anchor == anchor
             manifest = Manifest.from_bytes(s.body)
     assert manifest is not None
     return manifest, [(d / "chunks" / f"{i}.chunk").read_bytes() for i in range(len(manifest.chunks))]
@@ -92,15 +95,190 @@ def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster):
     pub.close()
 
 
-def test_a_daemon_that_is_down_is_a_clear_error_and_nothing_counts_as_published(cluster, tmp_path):
+def train(model, opt, steps: int = 1) -> None:
+    for _ in range(steps):
+        x = torch.randint(0, 256, (8, 16))
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), torch.roll(x, -1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def held_by(cluster) -> dict[str, list[int]]:
+    return {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+
+
+def rebuild(node, start: dict[str, RawTensor], versions) -> dict[str, RawTensor]:
+    state = dict(start)
+    for v in versions:
+        manifest, chunks = stored_patch(node, v)
+        state.update(apply_patch(manifest, chunks, state))
+    return state
+
+
+def test_a_restarted_trainer_daemon_continues_the_chain(cluster):
+    """The daemon going down is a clear error and publishes nothing; restarted, it reloads the
+    chain from disk and the Publisher carries on at the next version, on the right base."""
+    torch.manual_seed(1)
     model = TinyLM()
-    pub = Publisher(daemon="http://127.0.0.1:9", token_file=cluster.token_file, timeout=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trainer = cluster.trainer()
+    node = cluster.rollout("r1", "us")
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    base = served_bits(model)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, timeout=5)
     pub.start(model, version=0)
-    with torch.no_grad():
-        model.head.weight.add_(1.0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    trainer.stop()
+    train(model, opt)
     with pytest.raises(SparrowError, match="unreachable"):
+        pub.publish(model, version=2)
+    assert pub.version == 1  # the next publish still diffs against version 1
+    trainer.start()
+    train(model, opt)
+    stats = pub.publish(model, version=3)
+    assert (stats.version, stats.base_version) == (3, 1)
+    with pytest.raises(InputError, match="does not follow the last published version 3"):
+        pub.publish(model, version=3)
+    # A second trainer process starting at the wrong version is refused; at the right one it goes on.
+    other = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
+    with pytest.raises(SparrowError, match="published up to version 3"):
+        other.start(model, version=0)
+    other.close()
+    wait_for(lambda: held_by(cluster).get("r1") == [1, 3], 30, "the node to hold versions 1 and 3")
+    state = rebuild(node, base, [1, 3])
+    for k, t in served_bits(model).items():
+        assert np.array_equal(state[k].bits, t.bits), k
+    pub.close()
+
+
+class DropManifestReply:
+    """A proxy to the daemon that forwards everything, but hangs up instead of returning the
+    daemon's reply to the first manifest: the version is taken and the Publisher does not know."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+        import urllib.request
+
+        outer = self
+        self.dropped = 0
+        self.armed = False  # set: the next manifest's reply is dropped
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else None
+                req = urllib.request.Request(upstream + self.path, data=body, method=self.command,
+                                             headers={"Authorization": self.headers["Authorization"]})
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        code, data = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    code, data = e.code, e.read()
+                if self.path == "/v1/publish/manifest" and outer.armed:
+                    outer.armed = False
+                    outer.dropped += 1
+                    self.close_connection = True
+                    return  # hang up: no reply
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_a_version_taken_whose_reply_was_lost_is_adopted_not_rebased(cluster):
+    torch.manual_seed(2)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cluster.trainer()
+    node = cluster.rollout("r1", "us")
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    base = served_bits(model)
+    proxy = DropManifestReply(cluster.tracker)
+    pub = Publisher(daemon=proxy.url, token_file=cluster.token_file, timeout=5)
+    pub.start(model, version=0)
+    train(model, opt)
+    proxy.armed = True
+    with pytest.raises(SparrowError, match="without response"):
         pub.publish(model, version=1)
-    assert pub.version == 0  # the next publish still diffs against version 0
+    assert proxy.dropped == 1 and pub.version == 0
+    train(model, opt)
+    stats = pub.publish(model, version=2)  # the daemon had taken 1: version 2 builds on it
+    assert (stats.version, stats.base_version) == (2, 1) and pub.version == 2
+    wait_for(lambda: held_by(cluster).get("r1") == [1, 2], 30, "the node to hold versions 1 and 2")
+    state = rebuild(node, base, [1, 2])
+    for k, t in served_bits(model).items():
+        assert np.array_equal(state[k].bits, t.bits), k
+    pub.close()
+    proxy.close()
+
+
+def test_a_late_node_catches_up_from_the_newest_anchor(cluster):
+    """Anchors every 3 versions, 2 patches retained: a node that joins after version 7 cannot
+    chain from the base (patch 1 is long gone), so it takes anchor 6 and patch 7, and nothing
+    else; a node that was there all along never fetches an anchor."""
+    torch.manual_seed(3)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trainer = cluster.trainer(extra=("--retain", "2"))
+    early = cluster.rollout("early", "eu", extra=("--retain", "2"))
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=3)
+    assert pub.start(model, version=0).version == 0  # the base, as anchor 0
+    for v in range(1, 8):
+        train(model, opt)
+        stats = pub.publish(model, version=v)
+        assert (stats.anchor_bytes > 0) == (v % 3 == 0), (v, stats)
+        wait_for(lambda: v in held_by(cluster).get("early", []), 30, f"the early node to hold {v}")
+    assert sorted(p.name for p in (trainer.data_dir / "anchors").iterdir()) == ["6"]
+    assert sorted(p.name for p in (trainer.data_dir / "versions").iterdir()) == ["6", "7"]
+    assert list((early.data_dir / "anchors").iterdir()) == []
+
+    late = cluster.rollout("late", "us", extra=("--retain", "2"))
+    wait_for(lambda: held_by(cluster).get("late") == [6, 7], 60, "the late node to hold anchor 6 and patch 7")
+    assert not (late.data_dir / "versions" / "6").exists()
+    manifest, chunks = stored_patch(late, 6, anchor=True)
+    assert manifest.base_version is None
+    state = apply_patch(manifest, chunks, {})
+    state.update(rebuild(late, state, [7]))
+    want = served_bits(model)
+    assert set(state) == set(want)
+    for k, t in want.items():
+        assert np.array_equal(state[k].bits, t.bits), k
+    pub.close()
+
+
+def test_an_anchor_can_change_the_tensors_and_later_patches_build_on_it(cluster):
+    cluster.trainer()
+    model = TinyLM()
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
+    pub.start(model, version=0, anchor=False)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["extra.weight"] = torch.ones(4, 4)
+    with pytest.raises(InputError, match="need an anchor: publish_anchor"):
+        pub.publish(sd, version=1)
+    with pytest.raises(InputError, match="not what version 0 published"):
+        pub.publish_anchor({**sd, "head.bias": sd["head.bias"] + 1}, version=0)
+    stats = pub.publish_anchor(sd, version=1)
+    assert stats.base_version is None and stats.tensors == len(sd)
+    sd["extra.weight"][0, 0] = 2.0
+    stats = pub.publish(sd, version=2)
+    assert (stats.base_version, stats.tensors_changed, stats.elements_changed) == (1, 1, 1)
+    code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
+    assert code == 200 and (json.loads(body)["latest"], json.loads(body)["anchor"]) == (2, 1)
     pub.close()
 
 
@@ -127,20 +305,27 @@ def test_publish_checkpoint_folders_as_a_chain(cluster, tmp_path):
     for s in (1, 2):
         states.append(step(states[-1], seed=s))
     folders = [save_folder(st, tmp_path / f"ckpt{i}") for i, st in enumerate(states)]
-    cluster.trainer()
+    trainer = cluster.trainer()
     node = cluster.rollout("r1", "eu")
     wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
-    common = ("--daemon", cluster.tracker, "--token-file", cluster.token_file, "--state-dir", tmp_path / "pubstate")
+    common = ("--daemon", cluster.tracker, "--token-file", cluster.token_file, "--state-dir", tmp_path / "pubstate",
+              "--anchor-every", "2")
 
     r = sparrowd("publish", "--checkpoint", folders[1], "--version", "1", *common)
     assert r.returncode == 1 and "record the base first with --init" in r.stderr
-    assert sparrowd("publish", "--checkpoint", folders[0], "--version", "0", "--init", *common).returncode == 0
+    r = sparrowd("publish", "--checkpoint", folders[0], "--version", "0", "--init", *common)
+    assert r.returncode == 0 and r.stdout.startswith("anchor 0 published from"), r.stderr
+    assert sorted(p.name for p in (trainer.data_dir / "anchors").iterdir()) == ["0"]
     for v in (1, 2):
         r = sparrowd("publish", "--checkpoint", folders[v], "--version", str(v), *common)
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith(f"version {v} (base {v - 1}) published from")
     r = sparrowd("publish", "--checkpoint", folders[2], "--version", "2", *common)
     assert r.returncode == 1 and "does not follow the last published version 2" in r.stderr
+    # Anchor 2 followed version 2 (every 2 versions); anchor 0 went with retention.
+    assert sorted(p.name for p in (trainer.data_dir / "anchors").iterdir()) == ["2"]
+    r = sparrowd("publish", "--checkpoint", folders[0], "--version", "0", "--init", *common)
+    assert r.returncode == 1 and "published up to version 2" in r.stderr
 
     wait_for(lambda: {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
              .get("r1") == [1, 2], 30, "the node to hold versions 1 and 2")

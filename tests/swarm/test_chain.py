@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparrowd.swarm.chain import Key, Obj, position, retained, wanted
+from sparrowd.swarm.chain import Key, Obj, advance, retained, wanted
 
 
 def chain(patches=(), anchors=(), complete=(), streaming=()):
@@ -61,18 +61,20 @@ def test_streaming_patches_build_on_the_newest_version():
     assert wanted(0, known) == {Key(6, True), Key(7)}
 
 
-def test_position_follows_held_patches_and_anchors():
-    assert position(0, {}) == 0
+def test_advance_follows_held_patches_and_anchors():
+    assert advance(0, {}) == 0
     done = chain(patches=[1, 2, 3], complete={Key(1), Key(2)})
-    assert position(0, done) == 2
-    # After retention dropped 1 and 2, the held patches still say where the node is.
+    assert advance(0, done) == 2
+    # After retention dropped 1 and 2, the node's recorded position still holds.
     done = chain(patches=[3, 4], complete={Key(3), Key(4)})
-    assert position(0, done) == 4
+    assert advance(2, done) == 4 and advance(4, done) == 4
     done = chain(patches=[7, 8, 9], anchors=[6], complete={Key(6, True), Key(7), Key(8)})
-    assert position(0, done) == 8
-    # An anchor not yet whole moves nothing.
-    assert position(0, chain(patches=[7], anchors=[6], complete={Key(7)})) == 7
-    assert position(0, chain(anchors=[6])) == 0
+    assert advance(0, done) == 8
+    # A patch that came before its anchor moves nothing; nor does an anchor not yet whole.
+    assert advance(0, chain(patches=[7], anchors=[6], complete={Key(7)})) == 0
+    assert advance(0, chain(anchors=[6])) == 0
+    # An anchor older than the position does not move it back.
+    assert advance(9, chain(anchors=[6], complete={Key(6, True)})) == 9
 
 
 def test_retention_keeps_the_anchor_and_the_patches_after_it():
@@ -100,7 +102,7 @@ def test_retained_objects_always_let_any_node_reach_the_newest_version(n, every,
     assert sum(1 for k in kept if not k.anchor) >= min(retain, n)
     at = min(at, n)
     plan = wanted(at, kept)
-    reached = position(at, {k: kept[k] for k in plan})
+    reached = advance(at, {k: kept[k] for k in plan})
     assert reached == n, (at, sorted(plan), sorted(kept))
 
 
