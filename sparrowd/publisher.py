@@ -230,7 +230,7 @@ class Publisher:
         check_start(state, version)
         latest = state["latest"]
         kept = {}
-        for name, t in self._state(model).items():
+        for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
             s = self._served(t, own=True)
             s.fp = fingerprint(self._host(s.bits))
             kept[name] = s
@@ -253,7 +253,7 @@ class Publisher:
         if version < self.version:
             raise InputError(f"anchor {version} is older than the last published version {self.version}")
         kept = {}
-        for name, t in self._state(model).items():
+        for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
             s = self._served(t, own=True)
             s.fp = fingerprint(self._host(s.bits))
             if version == self.version and (name not in self._last or s.fp != self._last[name].fp):
@@ -411,6 +411,9 @@ class Publisher:
         stats = PublishStats(version=version, base_version=None)
         enc = PatchEncoder(version=version, base_version=None, values=self.values, chunk_size=self.chunk_size)
         stream = _Stream(self, Key(version, True), stats, t_start)
+        # Two stages: this thread encodes, the worker hands chunks off in order; a few tensors'
+        # chunks at most wait between them.
+        sending: list[Future] = []
         for name in sorted(tensors):
             t = tensors[name]
             t0 = time.perf_counter()
@@ -419,12 +422,16 @@ class Publisher:
             t0 = time.perf_counter()
             chunks = enc.add(name, None, RawTensor(t.dtype, t.shape, host))
             stats.encode_seconds += time.perf_counter() - t0
-            stream.send(chunks)
+            sending.append(self._pool.submit(stream.send, chunks))
+            while len(sending) > 4:
+                sending.pop(0).result()
             stats.tensors += 1
             stats.elements += host.size
         stats.tensors_changed, stats.elements_changed = stats.tensors, stats.elements
         manifest, rest = enc.finish()
-        stream.send(rest)
+        sending.append(self._pool.submit(stream.send, rest))
+        for f in sending:
+            f.result()
         self._post("/v1/publish/manifest", manifest.to_bytes())
         self.anchor_version, self._unrecorded = version, False
         stats.total_seconds = time.perf_counter() - t_start

@@ -5,7 +5,8 @@ A trainer daemon runs on loopback; a model of ``size_mib`` MiB of bf16 in
 each step it times ``Publisher.publish`` (compare on the device, gather,
 fingerprint, encode, hand every chunk to the daemon, manifest) beside a pass
 that only compares the same tensors with the same library (torch), and the
-time until the daemon has taken the first chunk.
+time until the daemon has taken the first chunk. The base goes first, whole,
+as anchor 0; its time is reported too.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, json_pat
         print(f"sparrowd bench publish: {total * 2 / (1 << 30):.2f} GiB of bf16 in {len(model)} tensors, "
               f"{100 * density:.1f}% of elements moved by one ulp per step, torch {torch.__version__} "
               f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs")
-        pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=token)
-        pub.start(model, version=0)
+        pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=token, anchor_every=0)
+        a = pub.start(model, version=0)  # the base, published whole as anchor 0
+        print(f"   anchor 0 (the base, whole): {a.total_seconds:.2f} s, {a.patch_bytes / (1 << 20):.0f} MiB in "
+              f"{a.chunks} chunks (encode {a.encode_seconds:.2f} s, hand-off {a.handoff_seconds:.2f} s)", flush=True)
         for step in range(1, steps + 1):
             before = {k: v.clone() for k, v in model.items()}
             for v in model.values():

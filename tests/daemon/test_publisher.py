@@ -335,3 +335,31 @@ def test_publish_checkpoint_folders_as_a_chain(cluster, tmp_path):
             state.update(apply_patch(*stored_patch(node, v), state))
         for k, t in want.items():
             assert np.array_equal(state[k].bits, t.bits), k
+
+
+def test_fsdp2_ranks_publish_gathered_tensors(cluster, tmp_path):
+    """Two FSDP2 ranks (gloo on the CPU) call publish each step; rank 0's daemon ends up with
+    anchor 0 and patches 1 and 2 that rebuild every step's full weights, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.daemon.harness import free_port
+
+    trainer = cluster.trainer()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.daemon.fsdp_rank", cluster.tracker,
+                               str(cluster.token_file), str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for p in ranks:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    manifest, chunks = stored_patch(trainer, 0, anchor=True)
+    state = apply_patch(manifest, chunks, {})
+    for v in (0, 1, 2):
+        if v:
+            state.update(rebuild(trainer, state, [v]))
+        want = np.load(tmp_path / f"v{v}.npz")
+        assert sorted(state) == sorted(want.files)
+        for k in want.files:
+            assert np.array_equal(state[k].bits, want[k].reshape(-1).view("<u2")), (v, k)
