@@ -15,30 +15,9 @@ from sparrowd.codec.patch import apply_patch
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.signing import Signed
 from tests.daemon.harness import get, status, wait_for
+from tests.models import TinyLM, served_bits, train
 
 pytestmark = pytest.mark.slow
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 64)
-        self.block = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-        self.norm = torch.nn.LayerNorm(64)
-        self.head = torch.nn.Linear(64, 256)
-
-    def forward(self, x):
-        return self.head(self.norm(self.block(self.embed(x))))
-
-
-def served_bits(model) -> dict[str, RawTensor]:
-    """The bf16 bit patterns the engine would serve (floats cast, as the Publisher does)."""
-    out = {}
-    for k, v in model.state_dict().items():
-        assert v.is_floating_point()
-        a = v.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-        out[k] = RawTensor("BF16", tuple(v.shape), a.reshape(-1).view("<u2").copy())
-    return out
 
 
 def stored_patch(node, version: int, *, anchor: bool = False) -> tuple[Manifest, list[bytes]]:
@@ -93,15 +72,6 @@ def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster):
         for k, t in expected[step].items():
             assert np.array_equal(state[k].bits, t.bits), (step, k)
     pub.close()
-
-
-def train(model, opt, steps: int = 1) -> None:
-    for _ in range(steps):
-        x = torch.randint(0, 256, (8, 16))
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), torch.roll(x, -1, 1).reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
 
 
 def held_by(cluster) -> dict[str, list[int]]:
