@@ -39,18 +39,16 @@ from .codec import (
     check_base,
     check_result,
     decode_chunk,
-    dtype_info,
     encode_patch,
     parse_patch,
     patch_parts,
 )
-from .codec.bits import sint_type, unzigzag
-from .codec.chunk import DENSE, ULP
+from .codec.chunk import ULP
+from .decoded import DECODED_FORMAT, decode_patch, write_decoded
 from .errors import FormatError
 
 __all__ = ["diff_files", "apply_file", "open_patch", "inspect_patch", "export_patch", "PatchStats", "DECODED_FORMAT"]
 
-DECODED_FORMAT = "sparrowd-decoded/1"
 
 
 @contextmanager
@@ -231,55 +229,12 @@ def inspect_patch(path: str | os.PathLike, *, verify: bool = True) -> PatchStats
 
 
 def export_patch(path: str | os.PathLike, out: str | os.PathLike) -> Manifest:
-    """Write the decoded patch in the safetensors layout (see docs/FORMAT.md).
-
-    ``<name>.indices`` (I64 flat positions) and ``<name>.values`` (the
-    tensor's dtype for absolute values; signed integers of the same width,
-    the ulp distance, for ulp) per patched tensor; ``<name>.full`` for a
-    tensor written whole. The metadata carries versions, mode and a JSON
-    table of every touched tensor (op, dtype, shape, fingerprints).
-    """
+    """Write the decoded patch in the safetensors layout (see docs/FORMAT.md and
+    :mod:`sparrowd.decoded`): ``<name>.indices`` and ``<name>.values`` per patched tensor,
+    ``<name>.full`` per tensor written whole, and a table of every touched tensor."""
     with open_patch(path) as view:
         m = view.manifest
-        idx: dict[str, list[np.ndarray]] = {}
-        val: dict[str, list[np.ndarray]] = {}
-        modes: dict[str, str] = {}
-        for entry, data in zip(m.chunks, view.chunks):
-            for s in decode_chunk(data, expect_hash=entry.hash):
-                modes[s.name] = s.values
-                if s.kind == DENSE:
-                    val.setdefault(s.name, []).append((s.start, s.data))
-                else:
-                    idx.setdefault(s.name, []).append((s.start, s.indices))
-                    v = unzigzag(s.data) if s.values == ULP else s.data
-                    val.setdefault(s.name, []).append((s.start, v))
-    specs: list[TensorSpec] = []
-    table = {}
-    for t in m.tensors:
-        table[t.name] = {
-            "op": t.op, "dtype": t.dtype, "shape": list(t.shape) if t.shape else t.shape,
-            "values": modes.get(t.name, "absolute"), "changed": t.changed,
-            "base_fp": t.base_fp.hex() if t.base_fp else None, "result_fp": t.result_fp.hex() if t.result_fp else None,
-        }
-        if t.op == REMOVE:
-            continue
-        parts = [a for _, a in sorted(val.get(t.name, []), key=lambda p: p[0])]
-        w = dtype_info(t.dtype).itemsize
-        v = np.concatenate(parts) if parts else np.empty(0, sint_type(w))
-        if t.op == FULL:
-            specs.append(TensorSpec(f"{t.name}.full", t.dtype, t.shape, v))
-            continue
-        ii = np.concatenate([a for _, a in sorted(idx[t.name], key=lambda p: p[0])])
-        specs.append(TensorSpec(f"{t.name}.indices", "I64", (ii.size,), ii))
-        vdt = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}[w] if modes.get(t.name) == ULP else t.dtype
-        specs.append(TensorSpec(f"{t.name}.values", vdt, (v.size,), v))
-    meta = {
-        "format": DECODED_FORMAT,
-        "version": str(m.version),
-        "base_version": "" if m.base_version is None else str(m.base_version),
-        "values": m.values,
-        "tensors": json.dumps(table, sort_keys=True),
-    }
+        d = decode_patch(m, view.chunks)
     with atomic_file(Path(out)) as tmp:
-        write_safetensors(tmp, specs, meta)
+        write_decoded(d, tmp)
     return m

@@ -3,8 +3,9 @@ and every refusal leaves the weights exactly as they were."""
 
 from __future__ import annotations
 
-import dataclasses
 import copy
+import dataclasses
+import mmap
 
 import numpy as np
 import pytest
@@ -128,3 +129,21 @@ def test_a_tensor_of_another_shape_or_dtype_is_refused():
     m, chunks = patch(states, 1)
     with pytest.raises(BaseMismatchError, match="the weights hold torch.float32"):
         PatchApplier(model, version=0).apply(m, [c.data for c in chunks])
+
+
+@pytest.mark.parametrize("values", [ULP, ABSOLUTE])
+def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
+    """The daemon hands engines the decoded layout (sparrowd.decoded) in shared memory; mapped
+    back, it applies exactly like the chunks."""
+    from sparrowd.decoded import decode_patch, read_decoded, write_decoded
+
+    states = steps(2)
+    model = engine_copy(states[0])
+    applier = PatchApplier(model, version=0)
+    for v in (1, 2):
+        m, chunks = patch(states, v, values)
+        write_decoded(decode_patch(m, [c.data for c in chunks]), tmp_path / f"v{v}.safetensors")
+        d = read_decoded(tmp_path / f"v{v}.safetensors")
+        assert isinstance(d.keep, mmap.mmap) and d.elements == m.elements_changed
+        applier.apply_decoded(d)
+        assert_holds(model, states[v])

@@ -141,8 +141,13 @@ def ulp_encode(old: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 def ulp_apply(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     """New bit patterns from ``old`` and zigzag-coded ulp distances ``z``."""
+    return ulp_add(old, unzigzag(z))
+
+
+def ulp_add(old: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """New bit patterns from ``old`` and signed ulp distances ``d`` (same width)."""
     with np.errstate(over="ignore"):
-        return order_unkey(order_key(old) + unzigzag(z).view(old.dtype))
+        return order_unkey(order_key(old) + d.view(old.dtype))
 
 
 def rotl1(bits: np.ndarray) -> np.ndarray:

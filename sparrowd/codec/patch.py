@@ -34,7 +34,6 @@ __all__ = [
     "encode_patch",
     "check_base",
     "check_segments",
-    "decode_checked",
     "apply_segments",
     "check_result",
     "apply_patch",
@@ -317,20 +316,6 @@ def check_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment
             raise FormatError(f"chunk segment {s.name!r}: dtype {s.dtype} but the manifest says {t.dtype}")
         if (t.op == PATCH) != (s.kind == SPARSE) or (s.values == ULP and manifest.values != ULP):
             raise FormatError(f"chunk segment {s.name!r}: {s.kind}/{s.values} does not fit a {t.op} of a {manifest.values} patch")
-
-
-def decode_checked(manifest: Manifest, chunks: Iterable[bytes]) -> list[Segment]:
-    """Every chunk of a patch decoded, hash- and manifest-checked, in manifest order."""
-    out: list[Segment] = []
-    it = iter(chunks)
-    for entry in manifest.chunks:
-        data = next(it, None)
-        if data is None:
-            raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        segments = decode_chunk(data, expect_hash=entry.hash)
-        check_segments(manifest, entry, segments)
-        out.extend(segments)
-    return out
 
 
 def apply_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment], targets: Mapping[str, np.ndarray]) -> None:

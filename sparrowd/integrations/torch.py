@@ -31,20 +31,20 @@ host from the gathered old values: two transfers of the changed elements.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..codec.bits import ulp_apply
-from ..codec.chunk import DENSE, ULP, Segment
+from ..codec.bits import ulp_add
 from ..codec.extract import fingerprint
 from ..codec.manifest import FULL, PATCH, Manifest
-from ..codec.patch import decode_checked
+from ..decoded import Decoded, Write, decode_patch
 from ..errors import BaseMismatchError, InputError, IntegrityError
 
-__all__ = ["PatchApplier", "ApplyStats", "TORCH_DTYPES"]
+__all__ = ["PatchApplier", "ApplyStats", "Placement", "TORCH_DTYPES", "flat_bits"]
 
 # safetensors dtype name -> torch dtype, and the same-width integer dtype its bits are read as
 TORCH_DTYPES = {
@@ -63,7 +63,7 @@ TORCH_DTYPES = {
 @dataclass
 class ApplyStats:
     version: int
-    base_version: int
+    base_version: int | None
     tensors: int = 0
     elements: int = 0
     decode_seconds: float = 0.0
@@ -72,11 +72,18 @@ class ApplyStats:
     total_seconds: float = 0.0
 
 
-def _bits(t: torch.Tensor, as_int: torch.dtype) -> torch.Tensor:
+def _as_int(name: str, t: torch.Tensor) -> torch.dtype:
+    for dt, as_int in TORCH_DTYPES.values():
+        if dt == t.dtype:
+            return as_int
+    raise InputError(f"tensor {name!r}: dtype {t.dtype} cannot be patched")
+
+
+def flat_bits(name: str, t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as a flat integer view (no copy; it must be contiguous)."""
     if not t.is_contiguous():
-        raise InputError("PatchApplier writes in place and needs contiguous tensors")
-    return t.view(as_int).view(-1)
+        raise InputError(f"tensor {name!r}: PatchApplier writes in place and needs contiguous tensors")
+    return t.view(_as_int(name, t)).view(-1)
 
 
 def _host_view(bits: torch.Tensor) -> np.ndarray:
@@ -84,95 +91,127 @@ def _host_view(bits: torch.Tensor) -> np.ndarray:
     return a.view(f"<u{a.dtype.itemsize}")
 
 
+def _to_device(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A numpy array of bits (or positions) as a tensor on ``like``'s device, reinterpreted as
+    its integer dtype when widths agree."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind in "ui" and a.dtype.itemsize == like.element_size() and like.dtype != torch.int64:
+        a = a.view(np.dtype(str(like.dtype).removeprefix("torch.")) if like.dtype != torch.uint8 else np.uint8)
+    with warnings.catch_warnings():  # a read-only mapping (a decoded memfd) is only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a).to(like.device)
+
+
+class Placement:
+    """Where a checkpoint tensor's elements live at runtime: by default one tensor of the same
+    shape, element for element. Engines that fuse or shard tensors (vLLM) give their own."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name, self.tensor = name, tensor
+        self.bits = flat_bits(name, tensor)
+
+    def parts(self, indices: np.ndarray | None, count: int):
+        """``(runtime flat bits, positions there, which of the write's values)`` for each
+        runtime tensor the elements land in; positions ``None`` mean every element in order."""
+        if indices is None:
+            if count != self.bits.numel():
+                raise BaseMismatchError(f"tensor {self.name!r}: {count} values for {self.bits.numel()} elements")
+            return [(self.bits, None, slice(None))]
+        return [(self.bits, indices, slice(None))]
+
+    def check(self, e) -> None:
+        dt = TORCH_DTYPES.get(e.dtype, (None,))[0]
+        if dt != self.tensor.dtype or tuple(self.tensor.shape) != tuple(e.shape):
+            raise BaseMismatchError(f"tensor {e.name!r}: the weights hold {self.tensor.dtype}"
+                                    f"{list(self.tensor.shape)}, the patch writes {e.dtype}{list(e.shape)}")
+
+    def fingerprint(self) -> bytes | None:
+        """XXH3 of the tensor in checkpoint order, when the runtime holds it so."""
+        return fingerprint(_host_view(self.bits))
+
+
 class PatchApplier:
-    def __init__(self, target, *, version: int, verify: bool = True):
-        if isinstance(target, torch.nn.Module):
-            target = target.state_dict()  # detached tensors sharing the parameters' storage
-        if not isinstance(target, Mapping) or not all(isinstance(t, torch.Tensor) for t in target.values()):
-            raise InputError("PatchApplier takes an nn.Module or a state dict of tensors")
-        self.tensors: dict[str, torch.Tensor] = dict(target)
+    def __init__(self, target=None, *, version: int, verify: bool = True,
+                 placements: Mapping[str, Placement] | None = None):
+        if placements is None:
+            if isinstance(target, torch.nn.Module):
+                target = target.state_dict()  # detached tensors sharing the parameters' storage
+            if not isinstance(target, Mapping) or not all(isinstance(t, torch.Tensor) for t in target.values()):
+                raise InputError("PatchApplier takes an nn.Module or a state dict of tensors")
+            placements = {name: Placement(name, t) for name, t in target.items()}
+        self.placements: dict[str, Placement] = dict(placements)
         self.version = version
         self.verify = verify
 
-    def fingerprint(self, name: str) -> bytes:
-        t = self.tensors[name]
-        return fingerprint(_host_view(_bits(t, self._as_int(name, t))))
-
-    @staticmethod
-    def _as_int(name: str, t: torch.Tensor) -> torch.dtype:
-        for dt, as_int in TORCH_DTYPES.values():
-            if dt == t.dtype:
-                return as_int
-        raise InputError(f"tensor {name!r}: dtype {t.dtype} cannot be patched")
-
-    def _check(self, manifest: Manifest) -> None:
-        if manifest.base_version != self.version:
-            raise BaseMismatchError(f"version {manifest.version} applies to {manifest.base_version}, but these "
-                                    f"weights are version {self.version}"
-                                    + (" (an anchor: load it whole)" if manifest.base_version is None else ""))
-        for e in manifest.tensors:
-            t = self.tensors.get(e.name)
-            if e.op not in (PATCH, FULL) or t is None:
-                raise BaseMismatchError(f"tensor {e.name!r}: version {manifest.version} {e.op}s it, which changes "
+    def _check(self, d: Decoded) -> None:
+        if d.base_version != self.version:
+            raise BaseMismatchError(f"version {d.version} applies to {d.base_version}, but these weights are "
+                                    f"version {self.version}"
+                                    + (" (an anchor: load it whole)" if d.base_version is None else ""))
+        for e in d.tensors:
+            p = self.placements.get(e.name)
+            if e.op not in (PATCH, FULL) or p is None:
+                raise BaseMismatchError(f"tensor {e.name!r}: version {d.version} {e.op}s it, which changes "
                                         f"the model's tensors; reload from an anchor")
-            dt = TORCH_DTYPES.get(e.dtype, (None,))[0]
-            if dt != t.dtype or tuple(t.shape) != tuple(e.shape):
-                raise BaseMismatchError(f"tensor {e.name!r}: the weights hold {t.dtype}{list(t.shape)}, version "
-                                        f"{manifest.version} writes {e.dtype}{list(e.shape)}")
+            p.check(e)
 
     def apply(self, manifest: Manifest, chunks: Iterable[bytes]) -> ApplyStats:
-        t_start = time.perf_counter()
-        stats = ApplyStats(manifest.version, manifest.base_version)
-        self._check(manifest)
-        segments = decode_checked(manifest, chunks)  # nothing is touched before every chunk checks out
-        stats.decode_seconds = time.perf_counter() - t_start
+        """Apply a patch as its manifest and chunks (each hash-checked)."""
         t0 = time.perf_counter()
+        d = decode_patch(manifest, chunks)  # nothing is touched before every chunk checks out
+        stats = self.apply_decoded(d)
+        stats.decode_seconds = time.perf_counter() - t0 - stats.total_seconds
+        stats.total_seconds = time.perf_counter() - t0
+        return stats
+
+    def apply_decoded(self, d: Decoded) -> ApplyStats:
+        """Apply a decoded patch (``sparrowd.decoded``, e.g. mapped from the daemon's memfd)."""
+        t_start = time.perf_counter()
+        stats = ApplyStats(d.version, d.base_version)
+        self._check(d)
         if self.verify:
-            for e in manifest.tensors:
-                if e.op == PATCH and self.fingerprint(e.name) != e.base_fp:
+            for e in d.tensors:
+                if e.op == PATCH and self.placements[e.name].fingerprint() != e.base_fp:
                     raise BaseMismatchError(f"tensor {e.name!r}: the weights are not version {self.version} "
-                                            f"as version {manifest.version} expects (fingerprint differs)")
-        stats.verify_seconds = time.perf_counter() - t0
+                                            f"as version {d.version} expects (fingerprint differs)")
+        stats.verify_seconds = time.perf_counter() - t_start
         undo: list[tuple[torch.Tensor, object, torch.Tensor]] = []  # (bits, where, old values)
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                for s in segments:
-                    self._scatter(s, undo)
+                for w in d.writes:
+                    self._scatter(w, undo)
             stats.scatter_seconds = time.perf_counter() - t0
             if self.verify:
                 t1 = time.perf_counter()
-                for e in manifest.tensors:
-                    if self.fingerprint(e.name) != e.result_fp:
+                for e in d.tensors:
+                    if self.placements[e.name].fingerprint() != e.result_fp:
                         raise IntegrityError(f"tensor {e.name!r}: result fingerprint differs after applying "
-                                             f"version {manifest.version}")
+                                             f"version {d.version}")
                 stats.verify_seconds += time.perf_counter() - t1
         except BaseException:
             with torch.no_grad():
                 for bits, where, old in reversed(undo):
-                    bits[where] = old
+                    if where is None:
+                        bits.copy_(old)
+                    else:
+                        bits[where] = old
             raise
-        stats.tensors = len(manifest.tensors)
-        stats.elements = sum(s.count for s in segments)
-        self.version = manifest.version
+        stats.tensors = len(d.tensors)
+        stats.elements = d.elements
+        self.version = d.version
         stats.total_seconds = time.perf_counter() - t_start
         return stats
 
-    def _scatter(self, s: Segment, undo: list) -> None:
-        t = self.tensors[s.name]
-        as_int = self._as_int(s.name, t)
-        bits = _bits(t, as_int)
-        np_int = np.dtype(str(as_int).removeprefix("torch.")) if as_int != torch.uint8 else np.dtype("u1")
-        if s.kind == DENSE:
-            where = slice(s.start, s.stop)
-            undo.append((bits, where, bits[where].clone()))
-            bits[where] = torch.from_numpy(np.ascontiguousarray(s.data).view(np_int)).to(bits.device)
-            return
-        idx = torch.from_numpy(s.indices).to(bits.device)
-        old = bits[idx]
-        undo.append((bits, idx, old))
-        if s.values == ULP:
-            new = ulp_apply(_host_view(old), s.data)
-        else:
-            new = s.data
-        bits[idx] = torch.from_numpy(np.ascontiguousarray(new).view(np_int)).to(bits.device)
+    def _scatter(self, w: Write, undo: list) -> None:
+        for bits, where, which in self.placements[w.name].parts(w.indices, int(w.values.size)):
+            values = w.values[which]
+            if where is None:  # the whole tensor
+                undo.append((bits, None, bits.clone()))
+                bits.copy_(_to_device(values, bits))
+                continue
+            idx = _to_device(where, bits) if isinstance(where, np.ndarray) else where
+            old = bits[idx]
+            undo.append((bits, idx, old))
+            new = ulp_add(_host_view(old), values) if w.ulp else values
+            bits[idx] = _to_device(new, bits)
