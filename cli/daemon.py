@@ -20,7 +20,7 @@ from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
-                  "wan_upload_rate")
+                  "wan_upload_rate", "engine_socket")
 
 
 def register(sub) -> None:
@@ -49,6 +49,9 @@ def register(sub) -> None:
     r.add_argument("--download-rate", metavar="BYTES", help="download limit per second (default: none)")
     r.add_argument("--wan-upload-rate", metavar="BYTES",
                    help="limit on uploads to other regions (cross-region egress costs money; default: none)")
+    r.add_argument("--engine-socket", metavar="PATH",
+                   help="Unix socket the co-located engine reads patches from (default DATA/engine.sock; "
+                        "'off' for none)")
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
 

@@ -40,6 +40,7 @@ from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_n
 from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
 from .bodies import read_limited
+from .engine import EngineServer
 from .leasedb import SqliteLeaseStore
 from .logs import event
 from .membership import (
@@ -110,7 +111,8 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self._lock_fd: int | None = None
         self._wrote_runtime = False
-        self._auth_digest = b""
+        self.auth_digest = b""  # SHA-256 of "Bearer <token>": what every request is compared with
+        self.engines: EngineServer | None = None
         self._last_unauthorized_log: dict[str, float] = {}
 
     # ------------------------------------------------------------ state other parts read
@@ -125,7 +127,7 @@ class Daemon:
         b = self.metrics.bytes
         return {
             "versions": self.versions_held()[-MAX_VERSIONS_REPORTED:],
-            "engine_version": None,
+            "engine_version": self.engines.floor() if self.engines else None,
             "bytes_up": b[("up", "same")] + b[("up", "other")],
             "bytes_down": b[("down", "same")] + b[("down", "other")],
             "bytes_up_wan": b[("up", "other")],
@@ -178,7 +180,7 @@ class Daemon:
         token, too_open = read_token(s.token_file)
         if too_open:
             event(log, logging.WARNING, "token file is readable by group or others; chmod 600 it", path=s.token_file)
-        self._auth_digest = hashlib.sha256(bearer(token).encode()).digest()
+        self.auth_digest = hashlib.sha256(bearer(token).encode()).digest()
         self.token = token
 
         signer = load_or_create_key(self.data_dir / "trainer.key") if s.is_tracker else None
@@ -251,6 +253,12 @@ class Daemon:
                                      on_lease=self._on_lease)
         if self.swarm.verifier is not None:
             self.swarm.start()
+        if s.engine_socket != "off":
+            self.engines = EngineServer(self, Path(s.engine_socket) if s.engine_socket else self.data_dir / "engine.sock")
+            try:
+                await self.engines.start()
+            except SparrowError as e:
+                raise InputError(str(e)) from None
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         if self.tracker is not None:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
@@ -281,6 +289,8 @@ class Daemon:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.engines is not None:
+            await self.engines.stop()
         if self.swarm is not None:
             await self.swarm.stop()
         if self._client is not None:
@@ -312,7 +322,7 @@ class Daemon:
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
         given = hashlib.sha256(request.headers.get("Authorization", "").encode()).digest()
-        if not hmac.compare_digest(given, self._auth_digest):
+        if not hmac.compare_digest(given, self.auth_digest):
             self.metrics.unauthorized += 1
             peer = request.remote or "?"
             now = time.monotonic()

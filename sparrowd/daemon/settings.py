@@ -101,6 +101,16 @@ def _path(text: Any) -> Path:
     return Path(os.path.expanduser(str(text).strip())).absolute()
 
 
+def _engine_socket(text: Any) -> str:
+    t = str(text).strip()
+    if t in ("", "off"):
+        return t
+    p = Path(os.path.expanduser(t)).absolute()
+    if len(str(p).encode()) > 107:
+        raise ValueError("a Unix socket path must be under 108 bytes")
+    return str(p)
+
+
 def default_data_dir(env: Mapping[str, str] = os.environ) -> Path:
     """systemd's StateDirectory, else $XDG_STATE_HOME/sparrowd, else ~/.local/state/sparrowd."""
     if env.get("STATE_DIRECTORY"):
@@ -127,6 +137,7 @@ class Settings:
     upload_rate: int | None = None
     download_rate: int | None = None
     wan_upload_rate: int | None = None
+    engine_socket: str = ""  # "": DATA/engine.sock; "off": no engine socket; else its path
 
     @property
     def is_tracker(self) -> bool:
@@ -151,6 +162,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "upload_rate": _rate,
     "download_rate": _rate,
     "wan_upload_rate": _rate,
+    "engine_socket": _engine_socket,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

@@ -116,6 +116,7 @@ class Swarm:
         self.at = 0  # the version this node can produce (the base model until it moves; kept on disk)
         self.versions: dict[Key, VersionState] = {}  # patches and anchors
         self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
+        self.engine_floor: int | None = None  # the oldest version an attached engine holds
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self.banned: set[str] = set()
@@ -173,6 +174,16 @@ class Swarm:
         if self._session is not None:
             await self._session.close()
 
+    async def changed(self, after: int, wait: float) -> None:
+        """Return once ``gen`` moves past ``after`` (something was stored, signed or decided), or
+        after ``wait`` seconds."""
+        if after >= self.gen and wait > 0:
+            async with self._waiters:
+                try:
+                    await asyncio.wait_for(self._waiters.wait_for(lambda: self.gen > after), wait)
+                except asyncio.TimeoutError:
+                    pass
+
     def _touch(self) -> None:
         self.gen += 1
         self._changed.set()
@@ -200,9 +211,14 @@ class Swarm:
         return at
 
     def wanted(self) -> set[Key]:
-        """What this node fetches: ``chain.wanted`` from its position."""
-        return wanted(self.position(), {k: vs.obj for k, vs in self.versions.items()},
-                      chain_known=self.trainer_heard)
+        """What this node fetches: ``chain.wanted`` from its position, or from its engine's when
+        the engine is behind (it may need an anchor the node itself does not)."""
+        return wanted(self.floor(), {k: vs.obj for k, vs in self.versions.items()}, chain_known=self.trainer_heard)
+
+    def floor(self) -> int:
+        """The oldest version this node or its engine stands at: what it plans from."""
+        at = self.position()
+        return at if self.engine_floor is None else min(at, self.engine_floor)
 
     def progress(self) -> tuple[int, int, int] | None:
         pending = [self.versions[k] for k in self.wanted() if k in self.versions and not self.versions[k].complete]
@@ -241,7 +257,7 @@ class Swarm:
         """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every
         patch after it. Of what is not complete, what this node will never want goes too."""
         keep = retained(((k, vs.obj) for k, vs in self.versions.items() if vs.complete), self.retain)
-        at = self.position()
+        at = self.floor()
         want = self.wanted() if self.signer is None else set()
         for k, vs in list(self.versions.items()):
             if k in keep or (not vs.complete and (self.signer is not None or k.version > at or k in want)):
@@ -364,13 +380,7 @@ class Swarm:
             remote.have = new_have
             if self.signer is not None:
                 await self._notify()  # wake this peer's long poll: it may be offered more now
-        wait = min(float(m["wait"] or 0), 15.0)
-        if m["after"] >= self.gen and wait > 0:
-            async with self._waiters:
-                try:
-                    await asyncio.wait_for(self._waiters.wait_for(lambda: self.gen > m["after"]), wait)
-                except asyncio.TimeoutError:
-                    pass
+        await self.changed(m["after"], min(float(m["wait"] or 0), 15.0))
         out = []
         for k in sorted(self.versions):
             vs = self.versions[k]
@@ -548,7 +558,7 @@ class Swarm:
             raise FormatError(f"exchange reply from {ps.node_id}: not a map with versions")
         ps.gen = int(reply.get("gen", -1)) if isinstance(reply.get("gen"), int) else -1
         ps.choking = bool(reply.get("choked"))
-        at = self.position()
+        at = self.floor()
         now = time.monotonic()
         seen = set()
         for e in reply["versions"][:4096]:

@@ -144,6 +144,14 @@ class PatchApplier:
         self.verify = verify
 
     def _check(self, d: Decoded) -> None:
+        if d.base_version is None and all(e.op == FULL for e in d.tensors):
+            # An anchor: loaded in place only when it has exactly the tensors held now.
+            if {e.name for e in d.tensors} != set(self.placements):
+                raise BaseMismatchError(f"anchor {d.version} has other tensors than these weights; reload the "
+                                        f"model from it")
+            for e in d.tensors:
+                self.placements[e.name].check(e)
+            return
         if d.base_version != self.version:
             raise BaseMismatchError(f"version {d.version} applies to {d.base_version}, but these weights are "
                                     f"version {self.version}"
@@ -165,11 +173,12 @@ class PatchApplier:
         return stats
 
     def apply_decoded(self, d: Decoded) -> ApplyStats:
-        """Apply a decoded patch (``sparrowd.decoded``, e.g. mapped from the daemon's memfd)."""
+        """Apply a decoded patch (``sparrowd.decoded``, e.g. mapped from the daemon's memfd), or
+        load an anchor of the same tensors in place."""
         t_start = time.perf_counter()
         stats = ApplyStats(d.version, d.base_version)
         self._check(d)
-        if self.verify:
+        if self.verify and d.base_version is not None:
             for e in d.tensors:
                 if e.op == PATCH and self.placements[e.name].fingerprint() != e.base_fp:
                     raise BaseMismatchError(f"tensor {e.name!r}: the weights are not version {self.version} "

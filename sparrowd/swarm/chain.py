@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-__all__ = ["Key", "Obj", "advance", "wanted", "retained"]
+__all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan"]
 
 
 class Key(NamedTuple):
@@ -124,3 +124,29 @@ def retained(complete: Iterable[tuple[Key, Obj]], retain: int) -> set[Key]:
         keep.add(Key(newest, True))
         keep.update(Key(v) for v in patches if v > newest)
     return keep
+
+
+def engine_plan(at: int, held: Mapping[Key, Obj]) -> tuple[int | None, list[int]]:
+    """What an engine holding version ``at`` loads next from the node's complete objects:
+    ``(anchor, patches)``. The patches that follow ``at`` when they lead to the newest version
+    held (no anchor); otherwise the newest anchor from which held patches do, then those."""
+    done = {k: o for k, o in held.items() if o.complete}
+    patches = {k.version: o.base for k, o in done.items() if not k.anchor}
+    newest = max((k.version for k in done), default=at)
+
+    def chain(start: int) -> list[int]:
+        by_base = {b: v for v, b in patches.items() if b is not None}
+        out, cur = [], start
+        while cur in by_base and by_base[cur] > cur:
+            cur = by_base[cur]
+            out.append(cur)
+        return out
+
+    direct = chain(at)
+    if (direct[-1] if direct else at) >= newest:
+        return None, direct
+    for a in sorted((k.version for k in done if k.anchor and k.version > at), reverse=True):
+        after = chain(a)
+        if (after[-1] if after else a) >= newest:
+            return a, after
+    return None, direct

@@ -1,0 +1,324 @@
+"""The engine socket: the co-located inference engine's way to the patches this node holds.
+
+A Unix stream socket (``--engine-socket``, default ``DATA/engine.sock``, mode
+0660). The engine says hello (its id, rank, the version it holds and the
+swarm token), long-polls for what is ready, fetches each version decoded and
+acknowledges what it applied; see docs/ENGINE_SOCKET.md. What to hand out is
+``chain.engine_plan`` (pure): the patches after the engine's version, in
+order, or the anchor to load instead when that chain is broken.
+
+Decoding happens here, ahead of the engine's request and off its critical
+path: as soon as a version an engine will need is complete, a worker thread
+decodes it into a memfd in the decoded safetensors layout
+(``sparrowd.decoded``), seals it, and the fetch reply passes the descriptor
+(SCM_RIGHTS): the engine maps the same pages, nothing is copied through the
+socket. At most ``AHEAD`` objects per engine are kept decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..decoded import decode_patch, write_decoded
+from ..enginewire import frame, length, parse, state_fingerprint
+from ..errors import FormatError, SparrowError
+from ..swarm.chain import Key, engine_plan
+from .logs import event
+
+__all__ = ["EngineServer"]
+
+log = logging.getLogger("sparrowd.engine")
+
+AHEAD = 2  # objects decoded ahead per engine
+MAX_WAIT = 30.0
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+@dataclass
+class Engine:
+    engine: str
+    rank: int
+    version: int
+    since: float
+    fingerprint: str | None = None
+
+
+class EngineServer:
+    def __init__(self, daemon, path: Path):
+        self.daemon = daemon
+        self.path = Path(path)
+        self.engines: dict[tuple[str, int], Engine] = {}
+        self._decoded: dict[Key, asyncio.Task] = {}  # -> (memfd, size)
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def swarm(self):
+        return self.daemon.swarm
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(str(self.path))
+        except OSError as e:
+            s.close()
+            raise SparrowError(f"engine socket {self.path}: {e.strerror or e}") from None
+        os.chmod(self.path, 0o660)
+        s.listen(16)
+        s.setblocking(False)
+        self._sock = s
+        self._spawn(self._accept_loop(), "engine-accept")
+        self._spawn(self._watch(), "engine-prefetch")
+        event(log, logging.INFO, "engine socket listening", path=str(self.path))
+
+    def _remove_stale(self) -> None:
+        """A socket file left by a daemon that died is removed; a live one is an error."""
+        if not self.path.exists() and not self.path.is_symlink():
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.path))
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            return
+        finally:
+            probe.close()
+        raise SparrowError(f"engine socket {self.path}: another daemon is serving it")
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self.path.unlink(missing_ok=True)
+        for key in list(self._decoded):
+            self._forget(key)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            self._spawn(self._serve(conn), "engine-conn")
+
+    async def _watch(self) -> None:
+        """Decode ahead as versions complete."""
+        while True:
+            gen = self.swarm.gen
+            await self.swarm.changed(gen, 5.0)
+            if self.engines:
+                self._prefetch()
+
+    # ------------------------------------------------------------ what the node reports
+
+    def floor(self) -> int | None:
+        return min((e.version for e in self.engines.values()), default=None)
+
+    def _changed_engines(self) -> None:
+        self.swarm.engine_floor = self.floor()
+        self._prefetch()
+
+    # ------------------------------------------------------------ one connection
+
+    async def _recv(self, conn: socket.socket) -> dict | None:
+        loop = asyncio.get_running_loop()
+        head = await self._exactly(loop, conn, 4)
+        if head is None:
+            return None
+        body = await self._exactly(loop, conn, length(head))
+        if body is None:
+            return None
+        return parse(body, request=True)
+
+    @staticmethod
+    async def _exactly(loop, conn: socket.socket, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            part = await loop.sock_recv(conn, n - len(buf))
+            if not part:
+                return None
+            buf += part
+        return bytes(buf)
+
+    @staticmethod
+    async def _send(conn: socket.socket, msg: dict, fd: int | None = None) -> None:
+        data = frame(msg)
+        if fd is not None:
+            while True:  # the descriptor rides on the first bytes sent
+                try:
+                    sent = socket.send_fds(conn, [data], [fd])
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(0.005)
+            data = data[sent:]
+        if data:
+            await asyncio.get_running_loop().sock_sendall(conn, data)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        me: Engine | None = None
+        try:
+            while True:
+                try:
+                    msg = await self._recv(conn)
+                except (FormatError, SparrowError) as e:
+                    await self._send(conn, {"op": "error", "error": str(e)})
+                    return
+                if msg is None:
+                    return
+                if me is None:
+                    me = await self._hello(conn, msg)
+                    if me is None:
+                        return
+                    continue
+                op = msg["op"]
+                if op == "ready":
+                    await self._send(conn, await self._ready(me, min(float(msg["wait"] or 0), MAX_WAIT)))
+                elif op == "fetch":
+                    await self._fetch(conn, me, Key(msg["version"], bool(msg.get("anchor"))))
+                elif op == "applied":
+                    await self._send(conn, self._applied(me, msg))
+                else:
+                    await self._send(conn, {"op": "error", "error": f"{op} is only allowed as the first message"})
+        except (ConnectionError, OSError) as e:
+            event(log, logging.DEBUG, "engine connection ended", reason=str(e))
+        finally:
+            conn.close()
+            if me is not None and self.engines.get((me.engine, me.rank)) is me:
+                del self.engines[(me.engine, me.rank)]
+                event(log, logging.INFO, "engine detached", engine=me.engine, rank=me.rank, version=me.version)
+                self._changed_engines()
+
+    async def _hello(self, conn: socket.socket, msg: dict) -> Engine | None:
+        if msg["op"] != "hello":
+            await self._send(conn, {"op": "error", "error": "say hello first"})
+            return None
+        given = hashlib.sha256(f"Bearer {msg['token']}".encode()).digest()
+        if not hmac.compare_digest(given, self.daemon.auth_digest):
+            event(log, logging.WARNING, "engine refused: wrong swarm token", engine=msg["engine"][:64])
+            await self._send(conn, {"op": "error", "error": "wrong swarm token"})
+            return None
+        me = Engine(msg["engine"][:64], msg["rank"], msg["version"], time.monotonic())
+        self.engines[(me.engine, me.rank)] = me
+        event(log, logging.INFO, "engine attached", engine=me.engine, rank=me.rank, version=me.version)
+        self._changed_engines()
+        await self._send(conn, {"op": "welcome", "node": self.daemon.node_id, "position": self.swarm.position()})
+        return me
+
+    # ------------------------------------------------------------ requests
+
+    def _plan(self, version: int) -> tuple[int | None, list[int]]:
+        return engine_plan(version, {k: vs.obj for k, vs in self.swarm.versions.items()})
+
+    async def _ready(self, me: Engine, wait: float) -> dict:
+        deadline = time.monotonic() + wait
+        while True:
+            gen = self.swarm.gen
+            anchor, patches = self._plan(me.version)
+            left = deadline - time.monotonic()
+            if anchor is not None or patches or left <= 0:
+                return {"op": "ready", "version": me.version, "patches": patches, "anchor": anchor}
+            await self.swarm.changed(gen, left)
+
+    async def _fetch(self, conn: socket.socket, me: Engine, key: Key) -> None:
+        vs = self.swarm.versions.get(key)
+        if vs is None or not vs.complete:
+            await self._send(conn, {"op": "error", "error": f"{key} is not held whole here"})
+            return
+        if not key.anchor and vs.base_version != me.version:
+            anchor, _ = self._plan(me.version)
+            await self._send(conn, {"op": "error", "anchor": anchor,
+                                    "error": f"version {key.version} applies to {vs.base_version}, but the engine "
+                                             f"holds {me.version}" + (f"; load anchor {anchor}" if anchor is not None
+                                                                      else "")})
+            return
+        try:
+            fd, size = await self._decode(key)
+        except SparrowError as e:
+            await self._send(conn, {"op": "error", "error": f"{key}: {e}"})
+            return
+        await self._send(conn, {"op": "decoded", "version": key.version, "anchor": key.anchor,
+                                "base_version": vs.base_version, "bytes": size}, fd=fd)
+
+    def _applied(self, me: Engine, msg: dict) -> dict:
+        v, key = msg["version"], Key(msg["version"], bool(msg.get("anchor")))
+        vs = self.swarm.versions.get(key)
+        if vs is None or vs.manifest is None:
+            return {"op": "error", "error": f"{key} is not held here"}
+        if not key.anchor and vs.base_version != me.version:
+            return {"op": "error", "error": f"version {v} applies to {vs.base_version}, not to {me.version}"}
+        if msg.get("fingerprint") is not None and msg["fingerprint"] != state_fingerprint(vs.manifest.tensors):
+            event(log, logging.ERROR, "engine applied something else", engine=me.engine, object=str(key))
+            return {"op": "error", "error": f"{key}: the fingerprint differs from the manifest's"}
+        me.version, me.fingerprint = v, msg.get("fingerprint")
+        event(log, logging.INFO, "engine applied", engine=me.engine, rank=me.rank, object=str(key))
+        self._changed_engines()
+        return {"op": "ok", "version": v}
+
+    # ------------------------------------------------------------ decoding ahead
+
+    def _prefetch(self) -> None:
+        """Decode what attached engines will fetch next; free what none will."""
+        need: set[Key] = set()
+        for e in self.engines.values():
+            anchor, patches = self._plan(e.version)
+            keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches]
+            need.update(keys[:AHEAD])
+        for key in need - set(self._decoded):
+            self._decoded[key] = self._spawn(asyncio.to_thread(self._decode_now, key), f"decode-{key.tag}")
+        for key in set(self._decoded) - need:
+            self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        t = self._decoded.pop(key)
+        if t.done() and not t.cancelled() and t.exception() is None:
+            os.close(t.result()[0])
+        else:
+            t.add_done_callback(lambda t: t.cancelled() or t.exception() or os.close(t.result()[0]))
+
+    async def _decode(self, key: Key) -> tuple[int, int]:
+        t = self._decoded.get(key)
+        if t is None or t.cancelled():
+            t = self._decoded[key] = self._spawn(asyncio.to_thread(self._decode_now, key), f"decode-{key.tag}")
+        try:
+            return await asyncio.shield(t)
+        except (OSError, SparrowError) as e:
+            self._decoded.pop(key, None)
+            raise SparrowError(f"cannot decode: {e}") from None
+
+    def _decode_now(self, key: Key) -> tuple[int, int]:
+        """In a worker thread: the object's chunks, decoded into a sealed memfd."""
+        vs = self.swarm.versions[key]
+        t0 = time.perf_counter()
+        chunks = (self.swarm.store.chunk_path(key, i).read_bytes() for i in range(vs.total))
+        d = decode_patch(vs.manifest, chunks)
+        fd = os.memfd_create(f"sparrowd-{key.tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            write_decoded(d, f"/proc/self/fd/{fd}")
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        event(log, logging.INFO, "decoded for the engine", object=str(key), bytes=size,
+              seconds=round(time.perf_counter() - t0, 3))
+        return fd, size

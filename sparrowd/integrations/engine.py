@@ -1,0 +1,149 @@
+"""The engine's side of the engine socket: ``EngineClient`` and ``sync``.
+
+    client = EngineClient("/var/lib/sparrowd/engine.sock", token_file="swarm.token", version=0)
+    applier = PatchApplier(model, version=0)
+    version = sync(client, applier)          # every ready version applied, in order
+
+Synchronous on purpose: it runs inside an inference engine's worker between
+steps, not on an event loop. A fetch receives a sealed memfd (SCM_RIGHTS)
+holding the decoded patch, maps it read-only and applies straight from the
+mapping; the descriptor is closed when the apply is done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from ..daemon.settings import read_token
+from ..decoded import Decoded, read_decoded
+from ..enginewire import frame, length, parse, state_fingerprint
+from ..errors import BaseMismatchError, InputError, SparrowError
+
+__all__ = ["EngineClient", "sync"]
+
+
+class EngineClient:
+    def __init__(self, path: str | os.PathLike, *, token: str | None = None, token_file: str | os.PathLike | None = None,
+                 engine: str = "engine", rank: int = 0, version: int = 0, timeout: float = 60.0):
+        if token is None:
+            token_file = token_file or os.environ.get("SPARROWD_TOKEN_FILE")
+            if not token_file:
+                raise InputError("EngineClient needs the swarm token: token_file=... or $SPARROWD_TOKEN_FILE")
+            token, _ = read_token(Path(token_file))
+        self.path = str(path)
+        self.version = version
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except OSError as e:
+            self._sock.close()
+            raise SparrowError(f"engine socket {self.path}: cannot connect ({e.strerror or e})") from None
+        reply = self._call({"op": "hello", "engine": engine, "rank": rank, "version": version, "token": token})
+        self.node = reply.get("node")
+
+    # ------------------------------------------------------------ calls
+
+    def ready(self, wait: float = 0.0) -> tuple[int | None, list[int]]:
+        """``(anchor, patches)``: what to load next, waiting up to ``wait`` s for something."""
+        r = self._call({"op": "ready", "wait": int(wait)}, timeout=wait + 30)
+        patches = r.get("patches")
+        if not isinstance(patches, list) or not all(isinstance(v, int) for v in patches):
+            raise SparrowError(f"engine socket {self.path}: malformed ready reply")
+        anchor = r.get("anchor")
+        return (anchor if isinstance(anchor, int) else None), patches
+
+    def fetch(self, version: int, *, anchor: bool = False) -> Decoded:
+        """The decoded patch (or anchor), mapped from the daemon's memfd."""
+        reply, fd = self._call({"op": "fetch", "version": version, "anchor": anchor}, want_fd=True)
+        if fd is None:
+            raise SparrowError(f"engine socket {self.path}: the reply to fetch carried no descriptor")
+        try:
+            d = read_decoded(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        if d.version != version:
+            raise SparrowError(f"engine socket {self.path}: asked for {version}, got {d.version}")
+        return d
+
+    def applied(self, d: Decoded) -> None:
+        self._call({"op": "applied", "version": d.version, "anchor": d.base_version is None,
+                    "fingerprint": state_fingerprint(d.tensors)})
+        self.version = d.version
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ framing
+
+    def _call(self, msg: dict, *, timeout: float | None = None, want_fd: bool = False):
+        if timeout is not None:
+            self._sock.settimeout(timeout)
+        try:
+            self._sock.sendall(frame(msg))
+            head, fds = self._recv_with_fds(4)
+            body = self._exactly(length(head))
+        except (OSError, socket.timeout) as e:
+            raise SparrowError(f"engine socket {self.path}: {e.strerror or e}" if isinstance(e, OSError) and
+                               e.strerror else f"engine socket {self.path}: {type(e).__name__}") from None
+        reply = parse(body, request=False)
+        if reply["op"] == "error":
+            for fd in fds:
+                os.close(fd)
+            err = str(reply.get("error", "refused"))
+            if isinstance(reply.get("anchor"), int) or "applies to" in err:
+                raise BaseMismatchError(f"sparrowd: {err}")
+            raise SparrowError(f"sparrowd: {err}")
+        if want_fd:
+            for fd in fds[1:]:
+                os.close(fd)
+            return reply, (fds[0] if fds else None)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def _recv_with_fds(self, n: int) -> tuple[bytes, list[int]]:
+        data, fds, _, _ = socket.recv_fds(self._sock, n, 4)
+        if not data:
+            raise ConnectionResetError("the daemon closed the engine socket")
+        return data + self._exactly(n - len(data)), list(fds)
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            part = self._sock.recv(n - len(buf))
+            if not part:
+                raise ConnectionResetError("the daemon closed the engine socket")
+            buf += part
+        return bytes(buf)
+
+
+def sync(client: EngineClient, applier, target: int | None = None, *, wait: float = 0.0) -> int:
+    """Apply every version ready at the daemon, in order, up to ``target`` (all when None);
+    load the anchor the daemon names when the engine's chain is broken. Returns the version
+    the engine now holds. Each apply is a transaction: on an error the engine keeps the last
+    version it applied, unchanged, and the error is raised."""
+    while target is None or applier.version < target:
+        anchor, patches = client.ready(wait)
+        wait = 0.0
+        if anchor is not None and (target is None or anchor <= target):
+            d = client.fetch(anchor, anchor=True)
+            applier.apply_decoded(d)
+            client.applied(d)
+            continue
+        todo = [v for v in patches if target is None or v <= target]
+        if not todo:
+            break
+        for v in todo:
+            d = client.fetch(v)
+            applier.apply_decoded(d)
+            client.applied(d)
+    return applier.version
