@@ -162,8 +162,8 @@ class LeaseTable:
             if len(versions) > MAX_VERSIONS_REPORTED:
                 raise InputError(f"at most {MAX_VERSIONS_REPORTED} versions may be reported")
             changes["versions"] = tuple(sorted(set(int(v) for v in versions)))
-        if engine_version is not None:
-            changes["engine_version"] = int(engine_version)
+        # What the node reports now: an engine that detached reads None again.
+        changes["engine_version"] = int(engine_version) if engine_version is not None else None
         if bytes_up_wan is not None:
             changes["bytes_up_wan"] = int(bytes_up_wan)
         if bytes_down_wan is not None:

@@ -24,6 +24,13 @@ def test_join_grants_a_lease_with_a_ttl_and_a_fresh_epoch():
     assert [n.node_id for n in t.live(1002.0)] == ["a", "b"]
 
 
+def test_an_engine_that_detached_is_reported_as_none():
+    t = table()
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    assert t.renew("a", a.epoch, 1001.0, engine_version=4).engine_version == 4
+    assert t.renew("a", a.epoch, 1002.0).engine_version is None
+
+
 def test_renew_extends_and_records_what_the_node_reports():
     t = table()
     a = t.join("a", "rollout", "eu", "h:1", now=1000.0)

@@ -1,0 +1,48 @@
+"""The daemon cluster fixture, shared with tests/daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.daemon.harness import Daemon, free_port, make_token, node_ids
+
+TTL = 2.0  # short leases keep the tests fast; renewals come every TTL/3
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Start daemons with ``cluster.add(...)``; whatever still runs is killed at the end."""
+
+    class Cluster:
+        def __init__(self):
+            self.token_file = make_token(tmp_path / "swarm.token")
+            self.token = self.token_file.read_text().strip()
+            self.port = free_port()
+            self.tracker = f"http://127.0.0.1:{self.port}"
+            self.daemons: list[Daemon] = []
+
+        def trainer(self, **kw) -> Daemon:
+            kw.setdefault("ttl", TTL)
+            d = Daemon(tmp_path, "trainer", "trainer", kw.pop("region", "eu"), self.token_file, port=self.port,
+                       **kw).start()
+            self.daemons.append(d)
+            return d
+
+        def rollout(self, name: str, region: str, **kw) -> Daemon:
+            token_file = kw.pop("token_file", self.token_file)
+            wait = kw.pop("wait", True)
+            d = Daemon(tmp_path, name, "rollout", region, token_file, tracker=self.tracker, **kw)
+            self.daemons.append(d)
+            return d.start(wait=wait)
+
+        def nodes(self) -> set[str]:
+            return node_ids(self.tracker, self.token)
+
+    c = Cluster()
+    yield c
+    for d in c.daemons:
+        if d.proc and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
