@@ -17,6 +17,7 @@ def register(sub) -> None:
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
     register_publish(bs)
+    register_apply(bs)
 
 
 def cmd_codec(args) -> int:
@@ -73,5 +74,23 @@ def register_publish(bs) -> None:
 
 def cmd_publish(args) -> int:
     from sparrowd.bench.publish import run
+
+    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
+
+
+def register_apply(bs) -> None:
+    s = bs.add_parser("apply", help="a vLLM engine's update pause against vLLM reloading the checkpoint",
+                      description="Start a trainer daemon on loopback and a vLLM engine (CPU) on a random Qwen3; "
+                                  "publish steps that move about 1%% of elements and report the pause of each "
+                                  "update through the engine socket against vLLM's load_weights of the whole "
+                                  "checkpoint, in the same engine. Needs vLLM: run it from the engine environment.")
+    s.add_argument("--size-mib", type=int, default=512, help="model size in MiB of bf16 (default 512)")
+    s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
+    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.set_defaults(func=cmd_apply)
+
+
+def cmd_apply(args) -> int:
+    from sparrowd.bench.apply import run
 
     return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)

@@ -50,8 +50,8 @@ def register(sub) -> None:
     r.add_argument("--wan-upload-rate", metavar="BYTES",
                    help="limit on uploads to other regions (cross-region egress costs money; default: none)")
     r.add_argument("--engine-socket", metavar="PATH",
-                   help="Unix socket the co-located engine reads patches from (default DATA/engine.sock; "
-                        "'off' for none)")
+                   help="Unix socket the co-located engine reads patches from (default $RUNTIME_DIRECTORY/engine.sock "
+                        "under systemd, else DATA/engine.sock; 'off' for none)")
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
 

@@ -33,6 +33,17 @@ def test_defaults_and_parsing():
     assert parse_hostport("127.0.0.1:80") == ("127.0.0.1", 80)
 
 
+def test_the_engine_socket_lives_where_the_service_manager_says():
+    from sparrowd.daemon.app import engine_socket_path
+
+    s = load_settings({**BASE, "data_dir": "/d"}, env={})
+    assert engine_socket_path(s, {}) == Path("/d/engine.sock")
+    assert engine_socket_path(s, {"RUNTIME_DIRECTORY": "/run/sparrowd"}) == Path("/run/sparrowd/engine.sock")
+    s = load_settings({**BASE, "engine_socket": "~/e.sock"}, env={})
+    assert engine_socket_path(s, {"RUNTIME_DIRECTORY": "/run/sparrowd"}) == Path("~/e.sock").expanduser()
+    assert load_settings({**BASE}, env={"SPARROWD_ENGINE_SOCKET": "off"}).engine_socket == "off"
+
+
 @pytest.mark.parametrize(
     "flags, env, message",
     [
@@ -46,6 +57,7 @@ def test_defaults_and_parsing():
         ({**BASE, "tracker": None}, {}, "a rollout needs the tracker's address"),
         ({**BASE, "role": "trainer"}, {}, "the trainer hosts the tracker itself"),
         ({"role": "rollout", "region": "eu", "tracker": "http://a:1"}, {}, "missing setting: give --token-file"),
+        ({**BASE, "engine_socket": "/" + "s" * 120}, {}, "a Unix socket path must be under 108 bytes"),
     ],
 )
 def test_bad_settings_are_one_clear_error(flags, env, message):

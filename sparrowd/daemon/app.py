@@ -76,6 +76,15 @@ def read_runtime(data_dir: Path) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
+def engine_socket_path(s: Settings, env=os.environ) -> Path:
+    """The engine socket: as set; else in systemd's RuntimeDirectory (/run/sparrowd); else DATA/engine.sock."""
+    if s.engine_socket:
+        return Path(s.engine_socket)
+    if env.get("RUNTIME_DIRECTORY"):
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "engine.sock"
+    return s.data_dir / "engine.sock"
+
+
 def _wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "::", "")
 
@@ -254,7 +263,7 @@ class Daemon:
         if self.swarm.verifier is not None:
             self.swarm.start()
         if s.engine_socket != "off":
-            self.engines = EngineServer(self, Path(s.engine_socket) if s.engine_socket else self.data_dir / "engine.sock")
+            self.engines = EngineServer(self, engine_socket_path(s, self.env))
             try:
                 await self.engines.start()
             except SparrowError as e:

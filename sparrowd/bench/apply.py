@@ -1,0 +1,146 @@
+"""``sparrowd bench apply``: the pause of a vLLM engine's update against vLLM reloading the model.
+
+Runs where vLLM is installed (the engine environment). A Qwen3 of about
+``size_mib`` MiB of bf16 (random init, ``save_pretrained``) is checkpoint 0;
+each step moves ``density`` of its elements by one ulp and is published
+through a trainer daemon on loopback, whose engine socket the engine attaches
+to. For each step it times ``update(llm)`` (fetch the decoded patch over the
+socket, scatter it into the runtime parameters, reset the prefix cache)
+beside vLLM's own ``load_weights`` of the whole checkpoint of that step, in
+the same engine, and checks that both leave the very same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _config(size_mib: int):
+    from transformers import Qwen3Config
+
+    hidden = 1024 if size_mib >= 256 else 512
+    layers = max(2, int(size_mib * (1 << 20) / 2 / (12.6 * hidden * hidden)))
+    return Qwen3Config(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=64,
+                       max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _params(worker):
+    return {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters()}
+
+
+def _load_weights(worker, folder: str) -> float:
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+    t0 = time.perf_counter()
+    worker.model_runner.model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
+    return time.perf_counter() - t0
+
+
+def _wait_ready(worker, version: int) -> None:
+    deadline = time.monotonic() + 60
+    while version not in worker._sparrow_client.ready(5)[1]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"version {version} never became ready")
+    time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone
+
+
+def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path: str | None = None) -> int:
+    try:
+        import torch
+        from transformers import Qwen3ForCausalLM
+        from vllm import LLM
+    except ImportError as e:
+        print(f"sparrowd bench apply needs vLLM and transformers ({e.name} is missing): run it with the engine "
+              f"environment, e.g. .venv-engine/bin/sparrowd bench apply", file=sys.stderr)
+        return 2
+
+    from ..publisher import Publisher
+    from ..integrations.vllm import update
+
+    root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-apply-"))
+    token = root / "swarm.token"
+    token.write_text(secrets.token_hex(24) + "\n")
+    os.chmod(token, 0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "trainer.log", "wb")
+    daemon = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", "--role", "trainer", "--region",
+                               "bench", "--listen", f"127.0.0.1:{port}", "--data-dir", str(root / "trainer"),
+                               "--token-file", str(token), "--log-level", "warning"], stdout=log, stderr=log)
+    rows = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (root / "trainer" / "daemon.json").exists():
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise RuntimeError(f"the trainer daemon did not start; see {root / 'trainer.log'}")
+            time.sleep(0.1)
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(_config(size_mib)).to(torch.bfloat16)
+        model.save_pretrained(root / "ckpt0")
+        state = model.state_dict()
+        total = sum(t.numel() for t in state.values())
+        pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=token, anchor_every=0)
+        pub.start(state, version=0, anchor=False)
+        llm = LLM(str(root / "ckpt0"), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+                  dtype="bfloat16", max_model_len=512,
+                  worker_extension_cls="sparrowd.integrations.vllm.SparrowWorkerExtension")
+        t0 = time.perf_counter()
+        [learned] = llm.collective_rpc("sparrow_connect", args=(str(root / "trainer" / "engine.sock"),),
+                                       kwargs={"token_file": str(token), "version": 0, "engine": "bench"})
+        connect = time.perf_counter() - t0
+        print(f"sparrowd bench apply: Qwen3 of {total * 2 / (1 << 20):.0f} MiB bf16 ({total / 1e6:.0f}M parameters, "
+              f"{len(state)} tensors), {100 * density:.1f}% of elements moved per step, vLLM CPU, "
+              f"{os.cpu_count()} CPUs", flush=True)
+        print(f"   connect (placements learned from vLLM's loaders): {connect:.2f} s, {learned['runs']} runs "
+              f"for {learned['tensors']} checkpoint tensors", flush=True)
+        g = torch.Generator().manual_seed(1)
+        for step in range(1, steps + 1):
+            changed = 0
+            for t in state.values():
+                bits = t.view(torch.int16).view(-1)
+                idx = torch.randint(0, bits.numel(), (max(1, int(bits.numel() * density)),), generator=g)
+                bits[idx] += 1
+                changed += idx.numel()
+            model.save_pretrained(root / f"ckpt{step}")
+            pub.publish(state, version=step)
+            llm.collective_rpc(_wait_ready, args=(step,))
+            t0 = time.perf_counter()
+            got = update(llm, step)
+            pause = time.perf_counter() - t0
+            assert got == step, got
+            [after_update] = llm.collective_rpc(_params)
+            [reload] = llm.collective_rpc(_load_weights, args=(str(root / f"ckpt{step}"),))
+            [after_reload] = llm.collective_rpc(_params)
+            same = all(torch.equal(after_update[k].view(torch.int16), after_reload[k].view(torch.int16))
+                       for k in after_update)
+            if not same:
+                raise RuntimeError(f"step {step}: the update and vLLM's reload left different parameters")
+            rows.append({"step": step, "elements_changed": changed, "update_seconds": pause,
+                         "load_weights_seconds": reload, "speedup": reload / pause})
+            print(f"   step {step}: update pause {pause:.3f} s vs load_weights of the whole checkpoint "
+                  f"{reload:.3f} s ({reload / pause:.1f}x faster); {changed} elements; parameters identical",
+                  flush=True)
+        pub.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+    return 0
