@@ -142,6 +142,7 @@ class PatchApplier:
         self.placements: dict[str, Placement] = dict(placements)
         self.version = version
         self.verify = verify
+        self.last: ApplyStats | None = None  # the last apply's figures
 
     def _check(self, d: Decoded) -> None:
         by = {e.name: e for e in d.tensors}
@@ -217,6 +218,7 @@ class PatchApplier:
         stats.elements = d.elements
         self.version = d.version
         stats.total_seconds = time.perf_counter() - t_start
+        self.last = stats
         return stats
 
     def _scatter(self, w: Write, undo: list) -> None:
@@ -226,8 +228,8 @@ class PatchApplier:
                 undo.append((bits, None, bits.clone()))
                 bits.copy_(_to_device(values, bits))
                 continue
-            idx = _to_device(where, bits) if isinstance(where, np.ndarray) else where
-            old = bits[idx]
+            idx = _to_device(where, bits)
+            old = bits.index_select(0, idx)  # several times faster than bits[idx] on the CPU
             undo.append((bits, idx, old))
             new = ulp_add(_host_view(old), values) if w.ulp else values
-            bits[idx] = _to_device(new, bits)
+            bits.index_put_((idx,), _to_device(new, bits))

@@ -9,8 +9,8 @@ How checkpoint coordinates become vLLM's runtime parameters is learned once,
 at connect, from the model's own ``load_weights``, so fused ``qkv_proj`` and
 ``gate_up_proj``, tensor-parallel shards and padded vocabularies need no
 table written by hand: for each checkpoint tensor the extension loads probe
-tensors whose elements spell their own flat index (base 256, each digit
-exact in bf16), with every parameter's ``weight_loader`` wrapped to save the
+tensors whose elements spell their own flat index (base 2**14, each digit a
+finite bf16 bit pattern copied exactly), with every parameter's ``weight_loader`` wrapped to save the
 parameter first and fill it with a sentinel; where the digits land is the
 placement, kept as runs of (checkpoint start, parameter start, length).
 Then every parameter is put back as it was. A loader that does anything but
@@ -50,8 +50,12 @@ from .torch import TORCH_DTYPES, PatchApplier, Placement, flat_bits
 
 __all__ = ["SparrowWorkerExtension", "RunPlacement", "learn_placements", "update"]
 
-SENTINEL = -1.0  # no digit (0..255) is negative
-MARK = 77.0  # a first pass of all MARK tells placed elements from ones a loader fills itself (vocab padding)
+# Probes are bit patterns, copied exactly by a loader that only places elements. A digit d of the
+# flat index (base 2**14) is the pattern DIGIT0 + d: a normal, finite bf16/f16 value whatever d is,
+# so no cast or flush to zero can touch it. A first pass of MARK alone tells the elements a loader
+# places from those it fills itself (vocab padding); parameters are filled with SENTINEL first.
+DIGIT_BITS = 14
+DIGIT0, MARK, SENTINEL = 0x0400, 0x3C01, 0x7BFF
 
 
 def _keep_plain_cpu_weights() -> None:
@@ -98,6 +102,11 @@ class RunPlacement(Placement):
             indices = np.arange(self.numel, dtype=np.int64)
         out = []
         for _, bits, src, dst, lens in self._parts:
+            if src.size == 1:  # one run (the usual case): a slice of the sorted positions, shifted
+                a, b = np.searchsorted(indices, [src[0], src[0] + lens[0]])
+                if b > a:
+                    out.append((bits, indices[a:b] + (dst[0] - src[0]), slice(a, b)))
+                continue
             r = np.searchsorted(src, indices, side="right") - 1
             ok = r >= 0
             rr = np.where(ok, r, 0)
@@ -116,9 +125,40 @@ class RunPlacement(Placement):
         return None  # the runtime layout is not the checkpoint's
 
 
+def _decode_probe(name: str, numel: int, ds: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """From one parameter's read-backs (MARK pass, then digits): the checkpoint index of each
+    placed element (``src``) and where it sits (``dst``), both int64."""
+    placed = ds[0] == MARK
+    dst = np.arange(placed.size, dtype=np.int64) if placed.all() else np.flatnonzero(placed)
+    wide = np.int32 if numel < 2**31 else np.int64
+    src = np.zeros(dst.size, dtype=wide)
+    for k, d in enumerate(ds[1:]):
+        g = (d if dst.size == d.size else d[dst]).astype(wide) - DIGIT0
+        if g.size and (int(g.min()) < 0 or int(g.max()) >= 1 << DIGIT_BITS):
+            raise SparrowError(f"vLLM's loader transforms the values of {name}; cannot patch it in place")
+        src |= g << (DIGIT_BITS * k)
+    src = src.astype(np.int64)
+    if src.size and int(src.max()) >= numel:
+        raise SparrowError(f"vLLM's loader does not place {name} element for element; cannot patch it")
+    if src.size > 1 and not np.all(src[1:] > src[:-1]):  # not in order: check no element landed twice
+        hit = np.zeros(numel, dtype=bool)
+        hit[src] = True
+        if int(np.count_nonzero(hit)) != src.size:
+            raise SparrowError(f"vLLM's loader does not place {name} element for element; cannot patch it")
+    return src, dst
+
+
 def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    order = np.argsort(src, kind="stable")
-    s, d = src[order], dst[order]
+    """Runs where both sides advance by one: (src starts, dst starts, lengths)."""
+    n = src.size
+    if n and src[-1] - src[0] == n - 1 and dst[-1] - dst[0] == n - 1 and np.all(src[1:] > src[:-1]) \
+            and np.all(dst[1:] > dst[:-1]):
+        return src[:1].copy(), dst[:1].copy(), np.array([n], dtype=np.int64)  # one contiguous block
+    if n > 1 and np.all(src[1:] > src[:-1]):
+        s, d = src, dst  # placed in order, the usual case: no sort
+    else:
+        order = np.argsort(src, kind="stable")
+        s, d = src[order], dst[order]
     brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     starts = np.concatenate([[0], brk]).astype(np.int64)
     ends = np.concatenate([brk, [s.size]]).astype(np.int64)
@@ -127,7 +167,8 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
 
 def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, RunPlacement]:
     """Where each checkpoint tensor (name -> (dtype, shape)) lands in ``model``'s parameters,
-    found through ``model.load_weights`` itself; the parameters are left as they were."""
+    found through ``model.load_weights`` itself; the parameters are left as they were. Only
+    16-bit float checkpoints (bf16, f16) are probed; other tensors are refused."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     params = dict(model.named_parameters())
@@ -141,7 +182,7 @@ def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[i
             if key not in filled:
                 if key not in saved:
                     saved[key] = param.data.clone()
-                param.data.fill_(SENTINEL)
+                param.data.fill_(float(sentinel[0]))
                 filled.add(key)
             return original(param, loaded, *args, **kwargs)
         return spy
@@ -150,35 +191,36 @@ def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[i
     for n, p in params.items():
         p.weight_loader = spy_on(getattr(p, "weight_loader", None) or default_weight_loader)
     out: dict[str, RunPlacement] = {}
+    sentinel = [0.0]
     try:
         for name, (dtype, shape) in specs.items():
+            if dtype not in ("BF16", "F16"):
+                raise SparrowError(f"checkpoint tensor {name} is {dtype}: only bf16 and f16 models are patched in place")
+            tdt = TORCH_DTYPES[dtype][0]
+            sentinel[0] = torch.tensor(SENTINEL, dtype=torch.int16).view(tdt).item()
             numel = math.prod(shape)
-            digits = max(1, math.ceil(math.log(max(numel, 2), 256)))
-            index = torch.arange(numel, dtype=torch.int64)
+            digits = max(1, math.ceil(math.log2(max(numel, 2)) / DIGIT_BITS))
+            index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64)
             found: dict[int, list[np.ndarray]] = {}
             for k in range(-1, digits):
                 filled.clear()
                 if k < 0:
-                    probe = torch.full(shape, MARK, dtype=TORCH_DTYPES[dtype][0])
+                    probe = torch.full(shape, MARK, dtype=torch.int16).view(tdt)
                 else:
-                    probe = ((index >> (8 * k)) & 255).to(TORCH_DTYPES[dtype][0]).reshape(shape)
+                    d = ((index >> (DIGIT_BITS * k)) & ((1 << DIGIT_BITS) - 1)) + DIGIT0
+                    probe = d.to(torch.int16).view(tdt).reshape(shape)
                 model.load_weights([(name, probe)])
                 for key in filled:
-                    p = params[name_of[key]]
-                    found.setdefault(key, []).append(p.data.detach().reshape(-1).float().cpu().numpy())
+                    data = params[name_of[key]].data.detach().reshape(-1)
+                    # Read back in the checkpoint's dtype (exact for a value that came from it) as bits.
+                    found.setdefault(key, []).append(data.to(tdt).view(torch.int16).cpu().numpy().copy())
             parts = []
             for key, ds in found.items():
                 if len(ds) != digits + 1:
                     raise SparrowError(f"vLLM loads {name} inconsistently; cannot patch this model in place")
-                where = np.flatnonzero(ds[0] == MARK)
-                got = np.stack([d[where] for d in ds[1:]])
-                if np.any((got < 0) | (got > 255) | (got != np.round(got))):
-                    raise SparrowError(f"vLLM's loader transforms the values of {name}; cannot patch it in place")
-                src = sum(got[k].astype(np.int64) << (8 * k) for k in range(digits))
-                if np.any(src >= numel) or np.unique(src).size != src.size:
-                    raise SparrowError(f"vLLM's loader does not place {name} element for element; cannot patch it")
                 pname = name_of[key]
-                parts.append((pname, flat_bits(pname, params[pname].data), *_runs(src, where.astype(np.int64))))
+                src, dst = _decode_probe(name, numel, ds)
+                parts.append((pname, flat_bits(pname, params[pname].data), *_runs(src, dst)))
             out[name] = RunPlacement(name, dtype, shape, parts)
             for key, data in saved.items():
                 params[name_of[key]].data.copy_(data)
@@ -220,6 +262,11 @@ class SparrowWorkerExtension:
 
     def sparrow_version(self) -> int:
         return self._sparrow_applier.version
+
+    def sparrow_stats(self) -> dict | None:
+        """The last apply's figures (``ApplyStats``: scatter seconds, elements, ...)."""
+        last = self._sparrow_applier.last
+        return None if last is None else dict(last.__dict__)
 
 
 def update(llm, target_version: int | None = None) -> int:
