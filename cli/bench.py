@@ -61,15 +61,19 @@ def cmd_swarm(args) -> int:
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
 
 
-def register_publish(bs) -> None:
-    s = bs.add_parser("publish", help="the Publisher on a synthetic bf16 model, against a bare compare",
-                      description="Start a trainer daemon on loopback and publish a synthetic bf16 model with "
-                                  "about 1%% of elements changed per step; report publish time against a pass that "
-                                  "only compares the same tensors, and the time to the first chunk.")
-    s.add_argument("--size-mib", type=int, default=1024, help="model size in MiB of bf16 (default 1024)")
+def _register_sized(bs, name: str, help: str, description: str, size_mib: int, func) -> None:
+    s = bs.add_parser(name, help=help, description=description)
+    s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
     s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    s.set_defaults(func=cmd_publish)
+    s.set_defaults(func=func)
+
+
+def register_publish(bs) -> None:
+    _register_sized(bs, "publish", "the Publisher on a synthetic bf16 model, against a bare compare",
+                    "Start a trainer daemon on loopback and publish a synthetic bf16 model with about 1% of "
+                    "elements changed per step; report publish time against a pass that only compares the same "
+                    "tensors, and the time to the first chunk.", 1024, cmd_publish)
 
 
 def cmd_publish(args) -> int:
@@ -79,15 +83,11 @@ def cmd_publish(args) -> int:
 
 
 def register_apply(bs) -> None:
-    s = bs.add_parser("apply", help="a vLLM engine's update pause against vLLM reloading the checkpoint",
-                      description="Start a trainer daemon on loopback and a vLLM engine (CPU) on a random Qwen3; "
-                                  "publish steps that move about 1%% of elements and report the pause of each "
-                                  "update through the engine socket against vLLM's load_weights of the whole "
-                                  "checkpoint, in the same engine. Needs vLLM: run it from the engine environment.")
-    s.add_argument("--size-mib", type=int, default=512, help="model size in MiB of bf16 (default 512)")
-    s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
-    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    s.set_defaults(func=cmd_apply)
+    _register_sized(bs, "apply", "a vLLM engine's update pause against vLLM reloading the checkpoint",
+                    "Start a trainer daemon on loopback and a vLLM engine (CPU) on a random Qwen3; publish steps "
+                    "that move about 1% of elements and report the pause of each update through the engine "
+                    "socket against vLLM's load_weights of the whole checkpoint, in the same engine. Needs vLLM: "
+                    "run it from the engine environment.", 512, cmd_apply)
 
 
 def cmd_apply(args) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sparrowd.codec.bits import RawTensor
@@ -37,3 +38,23 @@ def train(model, opt, steps: int = 1) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def trained_setup(seed: int) -> tuple[TinyLM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def bf16_model(bits: dict[str, RawTensor]) -> TinyLM:
+    """A bf16 TinyLM holding the given bits (what an engine loads from the checkpoint)."""
+    m = TinyLM().to(torch.bfloat16)
+    with torch.no_grad():
+        for k, t in m.state_dict().items():
+            t.view(torch.int16).view(-1).copy_(torch.from_numpy(bits[k].bits.view(np.int16)))
+    return m
+
+
+def assert_serves(model, bits: dict[str, RawTensor]) -> None:
+    for k, t in model.state_dict().items():
+        assert np.array_equal(t.view(torch.int16).reshape(-1).numpy().view("<u2"), bits[k].bits), k

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import mmap
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from sparrowd.codec.chunk import ABSOLUTE, ULP
 from sparrowd.codec.patch import encode_patch
 from sparrowd.errors import BaseMismatchError, FormatError, IntegrityError
 from sparrowd.integrations.torch import PatchApplier
-from tests.models import TinyLM, served_bits, train
+from tests.models import TinyLM, assert_serves, bf16_model, served_bits, train
 
 
 def steps(n: int, seed: int = 0):
@@ -30,21 +29,6 @@ def steps(n: int, seed: int = 0):
     return out
 
 
-def engine_copy(bits) -> TinyLM:
-    """A bf16 model holding the given bits (what an engine loads from the checkpoint)."""
-    m = TinyLM().to(torch.bfloat16)
-    with torch.no_grad():
-        for k, t in m.state_dict().items():
-            t.view(torch.int16).view(-1).copy_(torch.from_numpy(bits[k].bits.view(np.int16)))
-    return m
-
-
-def assert_holds(model, bits):
-    for k, t in model.state_dict().items():
-        got = t.view(torch.int16).reshape(-1).numpy().view("<u2")
-        assert np.array_equal(got, bits[k].bits), k
-
-
 def patch(states, v, values=ULP):
     return encode_patch(states[v - 1], states[v], version=v, base_version=v - 1, values=values, chunk_size=4096)
 
@@ -52,36 +36,36 @@ def patch(states, v, values=ULP):
 @pytest.mark.parametrize("values", [ULP, ABSOLUTE])
 def test_each_trained_step_applies_in_place_bit_for_bit(values):
     states = steps(3)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     storage = {k: t.data_ptr() for k, t in model.state_dict().items()}
     applier = PatchApplier(model, version=0)
     for v in (1, 2, 3):
         m, chunks = patch(states, v, values)
         stats = applier.apply(m, [c.data for c in chunks])
         assert applier.version == v and stats.elements == m.elements_changed > 0
-        assert_holds(model, states[v])
+        assert_serves(model, states[v])
     # In place: the parameters are the same storage the engine already uses.
     assert {k: t.data_ptr() for k, t in model.state_dict().items()} == storage
 
 
 def test_versions_apply_strictly_in_order():
     states = steps(2)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     applier = PatchApplier(model, version=0)
     m2, c2 = patch(states, 2)
     with pytest.raises(BaseMismatchError, match="applies to 1, but these weights are version 0"):
         applier.apply(m2, [c.data for c in c2])
-    assert_holds(model, states[0])
+    assert_serves(model, states[0])
 
 
 def test_an_anchor_of_the_same_tensors_loads_in_place_and_one_of_others_is_refused():
     states = steps(1)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     applier = PatchApplier(model, version=7)  # an anchor applies whatever the version held
     m, chunks = encode_patch({}, states[1], version=1, base_version=None)
     applier.apply(m, [c.data for c in chunks])
     assert applier.version == 1
-    assert_holds(model, states[1])
+    assert_serves(model, states[1])
     extra = dict(states[1])
     extra["extra.weight"] = states[1]["head.bias"]
     m, chunks = encode_patch({}, extra, version=2, base_version=None)
@@ -93,16 +77,16 @@ def test_an_anchor_of_the_same_tensors_loads_in_place_and_one_of_others_is_refus
 def test_weights_that_are_not_the_base_are_refused_untouched():
     states = steps(1)
     other = steps(1, seed=1)
-    model = engine_copy(other[0])
+    model = bf16_model(other[0])
     m, chunks = patch(states, 1)
     with pytest.raises(BaseMismatchError, match="fingerprint differs"):
         PatchApplier(model, version=0).apply(m, [c.data for c in chunks])
-    assert_holds(model, other[0])
+    assert_serves(model, other[0])
 
 
 def test_a_corrupt_chunk_is_refused_before_any_weight_changes():
     states = steps(1)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     m, chunks = patch(states, 1)
     data = [c.data for c in chunks]
     data[-1] = data[-1][:-1] + bytes([data[-1][-1] ^ 1])
@@ -110,14 +94,14 @@ def test_a_corrupt_chunk_is_refused_before_any_weight_changes():
         PatchApplier(model, version=0).apply(m, data)
     with pytest.raises(FormatError, match="fewer were given"):
         PatchApplier(model, version=0).apply(m, data[:-1])
-    assert_holds(model, states[0])
+    assert_serves(model, states[0])
 
 
 def test_a_wrong_result_rolls_every_write_back():
     """The scatter happened, then the result's fingerprint disagrees: every overwritten value
     goes back, bit for bit, and the applier stays at the old version."""
     states = steps(1)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     m, chunks = patch(states, 1)
     last = m.tensors[-1]
     bad = dataclasses.replace(m, tensors=m.tensors[:-1] + (dataclasses.replace(last, result_fp=b"\0" * len(last.result_fp)),))
@@ -129,12 +113,12 @@ def test_a_wrong_result_rolls_every_write_back():
     for k, t in model.state_dict().items():
         assert torch.equal(t.view(torch.int16), before[k].view(torch.int16)), k
     applier.apply(m, [c.data for c in chunks])  # the real patch still applies
-    assert_holds(model, states[1])
+    assert_serves(model, states[1])
 
 
 def test_a_tensor_of_another_shape_or_dtype_is_refused():
     states = steps(1)
-    model = engine_copy(states[0]).to(torch.float32)
+    model = bf16_model(states[0]).to(torch.float32)
     m, chunks = patch(states, 1)
     with pytest.raises(BaseMismatchError, match="the weights hold torch.float32"):
         PatchApplier(model, version=0).apply(m, [c.data for c in chunks])
@@ -147,7 +131,7 @@ def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
     from sparrowd.decoded import decode_patch, read_decoded, write_decoded
 
     states = steps(2)
-    model = engine_copy(states[0])
+    model = bf16_model(states[0])
     applier = PatchApplier(model, version=0)
     for v in (1, 2):
         m, chunks = patch(states, v, values)
@@ -155,4 +139,4 @@ def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
         d = read_decoded(tmp_path / f"v{v}.safetensors")
         assert isinstance(d.keep, mmap.mmap) and d.elements == m.elements_changed
         applier.apply_decoded(d)
-        assert_holds(model, states[v])
+        assert_serves(model, states[v])

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,33 +92,19 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
               f"environment, e.g. .venv-engine/bin/sparrowd bench apply", file=sys.stderr)
         return 2
 
-    from ..publisher import Publisher
     from ..integrations.vllm import update
+    from ..publisher import Publisher
+    from .trainer import trainer_daemon
 
-    root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-apply-"))
-    token = root / "swarm.token"
-    token.write_text(secrets.token_hex(24) + "\n")
-    os.chmod(token, 0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "trainer.log", "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", "--role", "trainer", "--region",
-                               "bench", "--listen", f"127.0.0.1:{port}", "--data-dir", str(root / "trainer"),
-                               "--token-file", str(token), "--log-level", "warning"], stdout=log, stderr=log)
     rows = []
-    try:
-        deadline = time.monotonic() + 30
-        while not (root / "trainer" / "daemon.json").exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError(f"the trainer daemon did not start; see {root / 'trainer.log'}")
-            time.sleep(0.1)
+    with trainer_daemon("sparrowd-bench-apply-") as trainer:
+        root, token, port_url = trainer.root, trainer.token_file, trainer.url
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(_config(size_mib)).to(torch.bfloat16)
         model.save_pretrained(root / "ckpt0")
         state = model.state_dict()
         total = sum(t.numel() for t in state.values())
-        pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=token, anchor_every=0)
+        pub = Publisher(daemon=port_url, token_file=token, anchor_every=0)
         pub.start(state, version=0, anchor=False)
         llm = LLM(str(root / "ckpt0"), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                   dtype="bfloat16", max_model_len=512,
@@ -178,10 +160,6 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
                   f"{packed:.2f} s with vLLM's packed CPU kernels ({ours / packed:.2f}x)", flush=True)
         else:
             print(f"   (the engine without the extension did not run: {r.stderr.strip().splitlines()[-1:]})")
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
     return 0

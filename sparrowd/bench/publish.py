@@ -13,12 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,25 +25,10 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, json_pat
 
     from ..publisher import Publisher
 
-    root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-publish-"))
-    token = root / "swarm.token"
-    token.write_text(secrets.token_hex(24) + "\n")
-    os.chmod(token, 0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "trainer.log", "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", "--role", "trainer", "--region",
-                               "bench", "--listen", f"127.0.0.1:{port}", "--data-dir", str(root / "trainer"),
-                               "--token-file", str(token), "--log-level", "warning", "--retain", "2"],
-                              stdout=log, stderr=log)
+    from .trainer import trainer_daemon
+
     rows = []
-    try:
-        deadline = time.monotonic() + 30
-        while not (root / "trainer" / "daemon.json").exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError(f"the trainer daemon did not start; see {root / 'trainer.log'}")
-            time.sleep(0.1)
+    with trainer_daemon("sparrowd-bench-publish-", "--retain", "2") as trainer:
         g = torch.Generator().manual_seed(0)
         n = TENSOR_MIB * (1 << 20) // 2
         model = {f"layers.{i}.weight": (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
@@ -58,7 +37,7 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, json_pat
         print(f"sparrowd bench publish: {total * 2 / (1 << 30):.2f} GiB of bf16 in {len(model)} tensors, "
               f"{100 * density:.1f}% of elements moved by one ulp per step, torch {torch.__version__} "
               f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs")
-        pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=token, anchor_every=0)
+        pub = Publisher(daemon=trainer.url, token_file=trainer.token_file, anchor_every=0)
         a = pub.start(model, version=0)  # the base, published whole as anchor 0
         print(f"   anchor 0 (the base, whole): {a.total_seconds:.2f} s, {a.patch_bytes / (1 << 20):.0f} MiB in "
               f"{a.chunks} chunks (encode {a.encode_seconds:.2f} s, hand-off {a.handoff_seconds:.2f} s)", flush=True)
@@ -89,10 +68,6 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, json_pat
                   f"chunks; compare {stats.compare_seconds:.3f} s, to host {stats.to_host_seconds:.3f} s, "
                   f"encode {stats.encode_seconds:.3f} s, hand-off {stats.handoff_seconds:.3f} s", flush=True)
         pub.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
     worst = max(r["publish_over_compare"] for r in rows)
     print(f"\n   publish / compare-only (worst step) {worst:.2f}  <= 1.5  {'PASS' if worst <= 1.5 else 'MISS'}")
     if json_path:

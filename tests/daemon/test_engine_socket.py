@@ -6,31 +6,16 @@ from __future__ import annotations
 import fcntl
 import os
 
-import numpy as np
 import pytest
-import torch
 
 from sparrowd import Publisher
 from sparrowd.errors import BaseMismatchError, SparrowError
 from sparrowd.integrations.engine import EngineClient, sync
 from sparrowd.integrations.torch import PatchApplier
 from tests.daemon.harness import status, wait_for
-from tests.models import TinyLM, served_bits, train
+from tests.models import assert_serves, bf16_model, served_bits, train, trained_setup
 
 pytestmark = pytest.mark.slow
-
-
-def engine_model(bits) -> TinyLM:
-    m = TinyLM().to(torch.bfloat16)
-    with torch.no_grad():
-        for k, t in m.state_dict().items():
-            t.view(torch.int16).view(-1).copy_(torch.from_numpy(bits[k].bits.view(np.int16)))
-    return m
-
-
-def assert_serves(model, bits):
-    for k, t in model.state_dict().items():
-        assert np.array_equal(t.view(torch.int16).reshape(-1).numpy().view("<u2"), bits[k].bits), k
 
 
 def node_status(cluster, name: str) -> dict:
@@ -38,13 +23,9 @@ def node_status(cluster, name: str) -> dict:
 
 
 def test_an_engine_follows_every_step_through_the_socket(cluster):
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cluster.trainer()
-    node = cluster.rollout("r1", "us")
-    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
-    engine = engine_model(served_bits(model))
+    model, opt = trained_setup(0)
+    _, node = cluster.pair()
+    engine = bf16_model(served_bits(model))
     sock = node.data_dir / "engine.sock"
     assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
 
@@ -89,13 +70,9 @@ def test_an_engine_behind_the_retained_chain_loads_the_anchor_its_node_fetches_f
     """The node follows the chain from the start and needs no anchor; an engine that attaches
     at version 0 after patch 1 is gone makes the node fetch anchor 6, loads it in place, then
     applies patch 7. Asking for a patch on the wrong base is refused with the anchor to load."""
-    torch.manual_seed(1)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = trained_setup(1)
     base = served_bits(model)
-    cluster.trainer(extra=("--retain", "2"))
-    node = cluster.rollout("r1", "eu", extra=("--retain", "2"))
-    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    _, node = cluster.pair("eu", extra=("--retain", "2"))
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=3)
     pub.start(model, version=0)
     for v in range(1, 8):
@@ -104,7 +81,7 @@ def test_an_engine_behind_the_retained_chain_loads_the_anchor_its_node_fetches_f
     wait_for(lambda: 7 in node_status(cluster, "r1").get("versions", []), 30, "the node to hold 7")
     assert list((node.data_dir / "anchors").iterdir()) == []
 
-    engine = engine_model(base)
+    engine = bf16_model(base)
     client = EngineClient(node.data_dir / "engine.sock", token_file=cluster.token_file, version=0)
     with pytest.raises(BaseMismatchError, match="applies to 6, but the engine holds 0"):
         client.fetch(7)

@@ -15,7 +15,7 @@ from sparrowd.codec.patch import apply_patch
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.signing import Signed
 from tests.daemon.harness import get, status, wait_for
-from tests.models import TinyLM, served_bits, train
+from tests.models import TinyLM, served_bits, train, trained_setup
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,8 @@ def stored_patch(node, version: int, *, anchor: bool = False) -> tuple[Manifest,
 
 
 def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster):
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cluster.trainer()
-    node = cluster.rollout("r1", "us")
-    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    model, opt = trained_setup(0)
+    _, node = cluster.pair()
 
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
     with pytest.raises(InputError, match="start"):
@@ -89,12 +85,8 @@ def rebuild(node, start: dict[str, RawTensor], versions) -> dict[str, RawTensor]
 def test_a_restarted_trainer_daemon_continues_the_chain(cluster):
     """The daemon going down is a clear error and publishes nothing; restarted, it reloads the
     chain from disk and the Publisher carries on at the next version, on the right base."""
-    torch.manual_seed(1)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    trainer = cluster.trainer()
-    node = cluster.rollout("r1", "us")
-    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    model, opt = trained_setup(1)
+    trainer, node = cluster.pair()
     base = served_bits(model)
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, timeout=5)
     pub.start(model, version=0)
@@ -170,12 +162,8 @@ class DropManifestReply:
 
 
 def test_a_version_taken_whose_reply_was_lost_is_adopted_not_rebased(cluster):
-    torch.manual_seed(2)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cluster.trainer()
-    node = cluster.rollout("r1", "us")
-    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    model, opt = trained_setup(2)
+    _, node = cluster.pair()
     base = served_bits(model)
     proxy = DropManifestReply(cluster.tracker)
     pub = Publisher(daemon=proxy.url, token_file=cluster.token_file, timeout=5)
@@ -200,9 +188,7 @@ def test_a_late_node_catches_up_from_the_newest_anchor(cluster):
     """Anchors every 3 versions, 2 patches retained: a node that joins after version 7 cannot
     chain from the base (patch 1 is long gone), so it takes anchor 6 and patch 7, and nothing
     else; a node that was there all along never fetches an anchor."""
-    torch.manual_seed(3)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = trained_setup(3)
     trainer = cluster.trainer(extra=("--retain", "2"))
     early = cluster.rollout("early", "eu", extra=("--retain", "2"))
     wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")

@@ -99,7 +99,7 @@ def _faults(worker) -> dict:
     import numpy as np
 
     from sparrowd.decoded import Decoded, Write
-    from sparrowd.errors import BaseMismatchError, SparrowError
+    from sparrowd.errors import BaseMismatchError
 
     applier = worker._sparrow_applier
     before = _params(worker)

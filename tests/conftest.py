@@ -1,10 +1,10 @@
-"""The daemon cluster fixture, shared with tests/daemon."""
+"""A cluster of real daemons on loopback, for the multi-process tests (tests/daemon, tests/engine)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.daemon.harness import Daemon, free_port, make_token, node_ids
+from tests.daemon.harness import Daemon, free_port, make_token, node_ids, wait_for
 
 TTL = 2.0  # short leases keep the tests fast; renewals come every TTL/3
 
@@ -34,6 +34,13 @@ def cluster(tmp_path):
             d = Daemon(tmp_path, name, "rollout", region, token_file, tracker=self.tracker, **kw)
             self.daemons.append(d)
             return d.start(wait=wait)
+
+        def pair(self, region: str = "us", **kw) -> tuple[Daemon, Daemon]:
+            """A trainer and one rollout node "r1" that has joined."""
+            trainer = self.trainer(**{k: v for k, v in kw.items() if k == "extra"})
+            node = self.rollout("r1", region, **kw)
+            wait_for(lambda: len(self.nodes()) == 2, 15, "two nodes")
+            return trainer, node
 
         def nodes(self) -> set[str]:
             return node_ids(self.tracker, self.token)
