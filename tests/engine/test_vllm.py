@@ -67,6 +67,7 @@ def test_vllm_follows_trained_steps_bit_for_bit(cluster, tmp_path):
     # Refused patches left the engine serving the last version, unchanged.
     faults = report["faults"]
     assert "applies to" in faults["wrong_base"] and "injected" in faults["halfway"]
+    assert "hash mismatch" in faults["corrupt"]
     assert faults["unchanged"] and faults["version"] == STEPS
     same_params(out / "after-faults.params.npz", out / f"reference-step{STEPS}.params.npz")
     # The node told the tracker which version its engine holds.

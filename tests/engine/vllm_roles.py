@@ -94,12 +94,16 @@ def observe(llm, out: Path, tag: str) -> None:
     (out / f"{tag}.generate.json").write_text(json.dumps(gen))
 
 
-def _faults(worker) -> dict:
-    """A corrupt patch and a patch that fails halfway are refused; nothing changes."""
+def _faults(worker, checkpoint: str) -> dict:
+    """A patch on the wrong base, a corrupt patch and a patch that fails halfway are refused;
+    nothing changes."""
     import numpy as np
 
+    from sparrowd.checkpoint import open_checkpoint
+    from sparrowd.codec.bits import RawTensor
+    from sparrowd.codec.patch import encode_patch
     from sparrowd.decoded import Decoded, Write
-    from sparrowd.errors import BaseMismatchError
+    from sparrowd.errors import BaseMismatchError, IntegrityError
 
     applier = worker._sparrow_applier
     before = _params(worker)
@@ -109,6 +113,17 @@ def _faults(worker) -> dict:
         applier.apply_decoded(d)
     except BaseMismatchError as e:
         seen["wrong_base"] = str(e)
+    # A real patch of the weights the engine holds, one of whose chunks was damaged on the way.
+    with open_checkpoint(checkpoint) as ckpt:
+        base = {n: RawTensor(t.dtype, t.shape, np.array(t.bits)) for n, t in ckpt.items()}
+    moved = {n: RawTensor(t.dtype, t.shape, t.bits ^ np.uint16(1)) for n, t in base.items()}
+    m, chunks = encode_patch(base, moved, version=applier.version + 1, base_version=applier.version)
+    data = [bytearray(c.data) for c in chunks]
+    data[len(data) // 2][-1] ^= 0xFF
+    try:
+        applier.apply(m, [bytes(d) for d in data])
+    except IntegrityError as e:
+        seen["corrupt"] = str(e)
     # A patch of two tensors whose second write fails on the device after the first was made.
     from sparrowd.codec.manifest import PATCH, TensorEntry
 
@@ -156,7 +171,7 @@ def engine(out: Path, socket_path: str, token_file: str, steps: int) -> None:
                     raise SystemExit(f"version {v} never became ready")
                 time.sleep(0.2)
         observe(llm, out, f"engine{v}")
-    [faults] = llm.collective_rpc(_faults)
+    [faults] = llm.collective_rpc(_faults, args=(str(out / f"step{steps}"),))
     observe(llm, out, "after-faults")
     (out / "engine.json").write_text(json.dumps({"learned": learned, "faults": faults, "update_seconds": timings}))
 
