@@ -8,7 +8,7 @@ import sys
 from sparrowd import __version__
 from sparrowd.errors import SparrowError
 
-from . import bench, daemon, delta
+from . import bench, daemon, delta, top
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.register(sub)
     delta.register(sub)
     bench.register(sub)
+    top.register(sub)
     return p
 
 

@@ -143,6 +143,7 @@ class Daemon:
             "bytes_down_wan": b[("down", "other")],
             "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
             "error": self.swarm.error if self.swarm else None,
+            "peers": len(self.membership.state.peers) if self.membership else 0,
         }
 
     def _on_lease(self, reply: dict) -> None:

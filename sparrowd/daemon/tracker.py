@@ -35,6 +35,7 @@ RENEW = {
     "bytes_down_wan": Opt(NonNegInt),
     "progress": Opt(List),
     "error": Opt(Str),
+    "peers": Opt(NonNegInt),
 }
 LEAVE = {"node_id": Str, "epoch": NonNegInt}
 
@@ -97,6 +98,7 @@ class TrackerService:
                 m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
                 bytes_up=m["bytes_up"], bytes_down=m["bytes_down"], bytes_up_wan=m["bytes_up_wan"],
                 bytes_down_wan=m["bytes_down_wan"], progress=progress, error=m["error"],
+                peers=m.get("peers"),
             )
         except LeaseGone as e:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))

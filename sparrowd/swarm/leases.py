@@ -89,6 +89,7 @@ class Node:
     bytes_down_wan: int = 0
     progress: tuple[int, int, int] | None = None  # version in flight: (version, chunks held, chunks known)
     error: str | None = None  # what keeps the node from working, as it reported it (a full disk, say)
+    peers: int = 0  # peers in its swarm, as it reported
 
 
 class LeaseStore(Protocol):
@@ -153,6 +154,7 @@ class LeaseTable:
         bytes_down_wan: int | None = None,
         progress: tuple[int, int, int] | None = None,
         error: str | None = None,
+        peers: int | None = None,
     ) -> Node:
         """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
         node = self._live(node_id, epoch, now)
@@ -170,6 +172,8 @@ class LeaseTable:
             changes["bytes_down_wan"] = int(bytes_down_wan)
         changes["progress"] = tuple(progress) if progress is not None else None
         changes["error"] = error[:300] if error else None
+        if peers is not None:
+            changes["peers"] = int(peers)
         for key, value in (("up", bytes_up), ("down", bytes_down)):
             if value is None:
                 continue
@@ -299,4 +303,5 @@ def _node_view(n: Node, now: float, ttl: float) -> dict:
         "bytes_down_wan": n.bytes_down_wan,
         "in_flight": None if n.progress is None else dict(zip(("version", "chunks_held", "chunks_known"), n.progress)),
         "error": n.error,
+        "peers": n.peers,
     }
