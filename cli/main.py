@@ -8,7 +8,7 @@ import sys
 from sparrowd import __version__
 from sparrowd.errors import SparrowError
 
-from . import bench, daemon, delta, top
+from . import bench, daemon, delta, install, top
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     delta.register(sub)
     bench.register(sub)
     top.register(sub)
+    install.register(sub)
     return p
 
 

@@ -1,0 +1,81 @@
+"""``sparrowd install`` / ``uninstall`` into a temporary prefix, and the unit it writes verified by
+``systemd-analyze verify``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tomllib
+
+import pytest
+
+from sparrowd.daemon.settings import load_settings
+from tests.helpers import sparrowd
+
+
+@pytest.fixture
+def token(tmp_path):
+    p = tmp_path / "swarm.token"
+    p.write_text("ab" * 24 + "\n")
+    p.chmod(0o600)
+    return p
+
+
+def test_install_writes_settings_token_and_a_unit_systemd_accepts(tmp_path, token):
+    root = tmp_path / "root"
+    args = ("install", "--tracker", "http://10.0.0.1:7070", "--token-file", token, "--region", "us-east",
+            "--group", "video", "--prefix", root)
+    r = sparrowd(*args)
+    assert r.returncode == 0, r.stderr
+    assert "systemctl daemon-reload && systemctl enable --now sparrowd" in r.stdout
+    tok = root / "etc/sparrowd/swarm.token"
+    assert tok.read_text().strip() == "ab" * 24 and (tok.stat().st_mode & 0o777) == 0o600
+    cfg = tomllib.loads((root / "etc/sparrowd/sparrowd.toml").read_text())
+    assert cfg == {"role": "rollout", "region": "us-east", "tracker": "http://10.0.0.1:7070",
+                   "token_file": "/etc/sparrowd/swarm.token"}
+    s = load_settings({}, env={"SPARROWD_CONFIG": str(root / "etc/sparrowd/sparrowd.toml")})
+    assert (s.role, s.region, s.tracker) == ("rollout", "us-east", "http://10.0.0.1:7070")
+    unit = (root / "etc/systemd/system/sparrowd.service").read_text()
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "StateDirectory=sparrowd",
+                 "RuntimeDirectory=sparrowd", "LimitNOFILE=", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "ProtectHome=", "PrivateTmp=yes", "Group=video", "run --config /etc/sparrowd/sparrowd.toml"):
+        assert line in unit, line
+    exe = unit.split("ExecStart=")[1].split()[0]
+    assert shutil.which(exe), exe
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is needed (.ci/run installs systemd)")
+    v = subprocess.run([analyze, "verify", str(root / "etc/systemd/system/sparrowd.service")],
+                       capture_output=True, text=True)
+    assert v.returncode == 0 and not v.stderr.strip(), v.stderr
+
+    again = sparrowd(*args)  # safe to run again: nothing changes
+    assert again.returncode == 0 and "nothing changed" in again.stdout
+    moved = sparrowd(*args[:-4], "--region", "eu", "--prefix", root)
+    assert moved.returncode == 0 and "sparrowd.toml" in moved.stdout and "swarm.token" not in moved.stdout
+
+    (root / "var/lib/sparrowd/versions").mkdir(parents=True)
+    out = sparrowd("uninstall", "--prefix", root)
+    assert out.returncode == 0 and "sparrowd.service" in out.stdout
+    assert not (root / "etc/sparrowd").exists() and not (root / "etc/systemd/system/sparrowd.service").exists()
+    assert (root / "var/lib/sparrowd/versions").exists()  # the chunk store stays without --purge
+    assert sparrowd("uninstall", "--prefix", root, "--purge").returncode == 0
+    assert not (root / "var/lib/sparrowd").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--role", "rollout"), "a rollout needs the tracker's address"),
+    (("--tracker", "ftp://x"), "is not a tracker URL"),
+    (("--tracker", "http://a:1", "--now"), "--now starts the service on this box: it needs --prefix /"),
+])
+def test_bad_installs_are_one_clear_error_and_write_nothing(tmp_path, token, extra, message):
+    root = tmp_path / "root"
+    r = sparrowd("install", "--token-file", token, "--region", "eu", "--prefix", root, *extra)
+    assert r.returncode != 0 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not root.exists()
+
+
+def test_the_trainer_installs_without_a_tracker(tmp_path, token):
+    r = sparrowd("install", "--role", "trainer", "--token-file", token, "--region", "eu", "--prefix", tmp_path / "r")
+    assert r.returncode == 0, r.stderr
+    assert tomllib.loads((tmp_path / "r/etc/sparrowd/sparrowd.toml").read_text())["role"] == "trainer"
