@@ -8,7 +8,7 @@ import sys
 from sparrowd import __version__
 from sparrowd.errors import SparrowError
 
-from . import bench, daemon, delta, install, top
+from . import bench, daemon, delta, demo, install, top
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"sparrowd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo.register(sub)
     daemon.register(sub)
     delta.register(sub)
     bench.register(sub)

@@ -110,7 +110,7 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
                   dtype="bfloat16", max_model_len=512,
                   worker_extension_cls="sparrowd.integrations.vllm.SparrowWorkerExtension")
         t0 = time.perf_counter()
-        [learned] = llm.collective_rpc("sparrow_connect", args=(str(root / "trainer" / "engine.sock"),),
+        [learned] = llm.collective_rpc("sparrow_connect", args=(str(trainer.data_dir / "engine.sock"),),
                                        kwargs={"token_file": str(token), "version": 0, "engine": "bench"})
         connect = time.perf_counter() - t0
         print(f"sparrowd bench apply: Qwen3 of {total * 2 / (1 << 20):.0f} MiB bf16 ({total / 1e6:.0f}M parameters, "

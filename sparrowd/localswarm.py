@@ -1,0 +1,115 @@
+"""A swarm of real daemons on this machine's loopback, for the demo and the benchmarks.
+
+Each daemon is its own ``sparrowd run`` process with its own data dir under
+``root``; the trainer listens on a free port and hosts the tracker, rollout
+daemons join it. Leaving the ``with`` block stops every process (SIGTERM, then
+SIGKILL) and, unless ``keep``, removes ``root``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LocalSwarm", "LocalDaemon"]
+
+
+@dataclass
+class LocalDaemon:
+    name: str
+    region: str
+    role: str
+    data_dir: Path
+    proc: subprocess.Popen
+
+    @property
+    def engine_socket(self) -> Path:
+        return self.data_dir / "engine.sock"
+
+
+@dataclass
+class LocalSwarm:
+    prefix: str = "sparrowd-"
+    keep: bool = False
+    log_level: str = "warning"
+    root: Path = field(init=False)
+    token_file: Path = field(init=False)
+    url: str = field(init=False)
+    daemons: list[LocalDaemon] = field(default_factory=list, init=False)
+
+    def __enter__(self) -> "LocalSwarm":
+        self.root = Path(tempfile.mkdtemp(prefix=self.prefix))
+        self.token_file = self.root / "swarm.token"
+        self.token_file.write_text(secrets.token_hex(24) + "\n")
+        os.chmod(self.token_file, 0o600)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _start(self, name: str, role: str, region: str, extra: tuple[str, ...]) -> LocalDaemon:
+        data = self.root / name
+        listen = self.url.removeprefix("http://") if role == "trainer" else "127.0.0.1:0"
+        args = [sys.executable, "-m", "sparrowd_cli.main", "run", "--role", role, "--region", region, "--listen",
+                listen, "--data-dir", str(data), "--token-file", str(self.token_file), "--node-id", name,
+                "--log-level", self.log_level, *extra]
+        if role != "trainer":
+            args += ["--tracker", self.url]
+        log = open(self.root / f"{name}.log", "ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        d = LocalDaemon(name, region, role, data, proc)
+        self.daemons.append(d)
+        deadline = time.monotonic() + 30
+        while not (data / "daemon.json").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon {name} did not start; see {self.root / (name + '.log')}")
+            time.sleep(0.05)
+        return d
+
+    def trainer(self, *extra: str, region: str = "eu") -> LocalDaemon:
+        return self._start("trainer", "trainer", region, extra)
+
+    def rollout(self, name: str, region: str, *extra: str) -> LocalDaemon:
+        return self._start(name, "rollout", region, extra)
+
+    def status(self) -> dict:
+        token = self.token_file.read_text().strip()
+        req = urllib.request.Request(f"{self.url}/v1/tracker/status", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def wait_joined(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.status()["nodes"]) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(self.status()['nodes'])} of {n} daemons joined in {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+        for d in self.daemons:
+            try:
+                d.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+        self.daemons.clear()
