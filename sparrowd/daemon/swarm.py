@@ -36,6 +36,7 @@ import aiohttp
 import blake3
 from aiohttp import web
 
+from ..codec.chunk import decode_chunk
 from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
@@ -270,6 +271,9 @@ class Swarm:
     # ------------------------------------------------------------ publishing (trainer)
 
     async def publish_chunk(self, key: Key, index: int, data: bytes) -> dict:
+        """Sign and store one chunk as it arrives. It must decode (a zstd frame of well-formed
+        segments), so garbage is refused here rather than signed and sent to every engine."""
+        await asyncio.to_thread(decode_chunk, data)
         vs = self._version(key)
         ref = ChunkRef(blake3.blake3(data).digest(), len(data))
         known = vs.chunks.get(index)

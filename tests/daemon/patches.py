@@ -1,14 +1,18 @@
-"""Real patch files for swarm tests: a chain of versions of a synthetic bf16 model."""
+"""Real patch files for swarm tests (a chain of versions of a synthetic bf16 model), and how tests
+publish them and check what nodes hold."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 from sparrowd.codec.bits import RawTensor
 from sparrowd.codec.patch import encode_patch
-from sparrowd.codec.patchfile import patch_parts
+from sparrowd.codec.patchfile import parse_patch, patch_parts
+from tests.daemon.harness import status
+from tests.helpers import sparrowd
 
 
 def write_chain(out: Path, versions: int, *, mib: int = 8, chunk_kib: int = 8, seed: int = 0) -> list[Path]:
@@ -34,3 +38,28 @@ def write_chain(out: Path, versions: int, *, mib: int = 8, chunk_kib: int = 8, s
         paths.append(path)
         cur = new
     return paths
+
+
+def publish(cluster, path) -> None:
+    r = sparrowd("publish", path, "--daemon", cluster.tracker, "--token-file", cluster.token_file)
+    assert r.returncode == 0, r.stderr
+
+
+def manifests(paths):
+    out = {}
+    for p in paths:
+        view = parse_patch(p.read_bytes())
+        out[view.manifest.version] = view.manifest
+    return out
+
+
+def held(cluster) -> dict[str, list[int]]:
+    return {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+
+
+def check_store(daemon, manifest) -> None:
+    """Every chunk on the node's disk is complete and hash-valid."""
+    d = daemon.data_dir / "versions" / str(manifest.version) / "chunks"
+    for i, entry in enumerate(manifest.chunks):
+        data = (d / f"{i}.chunk").read_bytes()
+        assert len(data) == entry.size and blake3.blake3(data).digest() == entry.hash, (daemon.name, i)

@@ -10,7 +10,7 @@ import time
 import msgpack
 import pytest
 
-from tests.daemon.conftest import TTL
+from tests.conftest import TTL
 from tests.daemon.harness import Daemon, free_port, get, make_token, status, wait_for
 from tests.helpers import sparrowd
 

@@ -8,44 +8,18 @@ import re
 import threading
 import time
 
-import blake3
 import msgpack
 import pytest
 from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
 from tests.daemon.harness import free_port, get, status, wait_for
-from tests.daemon.patches import write_chain
+from tests.daemon.patches import check_store, held, manifests, publish, write_chain
 from tests.helpers import sparrowd
 
 pytestmark = pytest.mark.slow
 
 REGIONS = ("eu", "us", "ap")
-
-
-def publish(cluster, path) -> None:
-    r = sparrowd("publish", path, "--daemon", cluster.tracker, "--token-file", cluster.token_file)
-    assert r.returncode == 0, r.stderr
-
-
-def manifests(paths):
-    out = {}
-    for p in paths:
-        view = parse_patch(p.read_bytes())
-        out[view.manifest.version] = view.manifest
-    return out
-
-
-def held(cluster) -> dict[str, list[int]]:
-    return {n["node_id"]: n["versions"] for n in status(cluster.tracker, cluster.token)["nodes"]}
-
-
-def check_store(daemon, manifest) -> None:
-    """Every chunk on the node's disk is complete and hash-valid."""
-    d = daemon.data_dir / "versions" / str(manifest.version) / "chunks"
-    for i, entry in enumerate(manifest.chunks):
-        data = (d / f"{i}.chunk").read_bytes()
-        assert len(data) == entry.size and blake3.blake3(data).digest() == entry.hash, (daemon.name, i)
 
 
 def metric(daemon, token, name: str) -> float:

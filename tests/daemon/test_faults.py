@@ -1,0 +1,157 @@
+"""Faults on purpose: the trainer's daemon killed mid-version, a full disk, an engine killed
+mid-apply. Real daemons on loopback; each test says what must survive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import blake3
+import pytest
+
+from sparrowd.codec.patchfile import parse_patch
+from tests.daemon.harness import get, status, wait_for
+from tests.daemon.patches import check_store, held, publish, write_chain
+
+pytestmark = pytest.mark.slow
+
+
+def post_chunks(cluster, view, version: int, indices) -> None:
+    for i in indices:
+        code, body = get(f"{cluster.tracker}/v1/publish/{version}/chunk/{i}", cluster.token, method="POST",
+                         data=bytes(view.chunks[i]))
+        assert code == 200, body
+
+
+def test_the_trainer_killed_mid_version_comes_back_with_its_leases_chain_and_half_seeded_version(cluster, tmp_path):
+    paths = write_chain(tmp_path / "patches", 2, mib=8, chunk_kib=8)
+    trainer = cluster.trainer()
+    nodes = [cluster.rollout(f"n{i}", "eu") for i in range(2)]
+    wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
+    publish(cluster, paths[0])
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in nodes), 30, "version 1 everywhere")
+    view = parse_patch(paths[1].read_bytes())
+    half = len(view.chunks) // 2
+    post_chunks(cluster, view, 2, range(half))
+    chunk_dir = nodes[0].data_dir / "versions" / "2" / "chunks"
+    wait_for(lambda: chunk_dir.exists() and len(list(chunk_dir.glob("*.chunk"))) == half, 20,
+             "the half published so far to reach a node")
+    def epochs() -> dict:  # the rollout nodes' leases (the trainer's own daemon joins anew when it restarts)
+        return {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]
+                if n["role"] != "trainer"}
+
+    before = epochs()
+
+    trainer.kill()  # SIGKILL: no goodbye, no flush beyond what was already on disk
+    trainer.start()
+    assert epochs() == before  # the lease table survived: nobody had to join again
+    assert status(cluster.tracker, cluster.token)["latest_version"] == 1  # and the published chain
+    # The half of version 2 already signed survived too: the rest and the manifest complete it.
+    post_chunks(cluster, view, 2, range(len(view.chunks)))
+    code, body = get(f"{cluster.tracker}/v1/publish/manifest", cluster.token, method="POST", data=view.manifest_bytes)
+    assert code == 200, body
+    wait_for(lambda: all(held(cluster).get(d.name) == [1, 2] for d in nodes), 30, "version 2 everywhere")
+    for d in nodes:
+        check_store(d, view.manifest)
+    assert epochs() == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 KiB tmpfs: the node's data dir fills up part way through a version."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"the full-disk test mounts a tmpfs, which failed here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_is_reported_stores_nothing_torn_and_recovers_when_space_returns(cluster, tmp_path, small_disk):
+    paths = write_chain(tmp_path / "patches", 1, mib=64, chunk_kib=64, seed=3)
+    view = parse_patch(paths[0].read_bytes())
+    assert view.manifest.patch_bytes > 192 << 10  # more than the disk holds
+    cluster.trainer()
+    node = cluster.rollout("full", "eu", extra=("--data-dir", str(small_disk / "node")), wait=False)
+    node.data_dir = small_disk / "node"  # the last --data-dir wins
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    publish(cluster, paths[0])
+    err = wait_for(lambda: next((n.get("error") for n in status(cluster.tracker, cluster.token)["nodes"]
+                                 if n["node_id"] == "full" and n.get("error")), None), 30,
+                   "the node to report its full disk")
+    assert "No space left on device" in err
+    assert "No space left on device" in node.log()
+    # Nothing torn: every chunk file under its final name is whole and hash-valid, no temporary left.
+    chunks = small_disk / "node" / "versions" / "1" / "chunks"
+    names = sorted(p.name for p in chunks.iterdir())
+    assert names and not [n for n in names if n.endswith(".tmp")]
+    for i in [int(n.removesuffix(".chunk")) for n in names]:
+        data = (chunks / f"{i}.chunk").read_bytes()
+        assert blake3.blake3(data).digest() == view.manifest.chunks[i].hash, i
+    assert held(cluster).get("full") == []
+    # Space comes back: the node completes the version and the error clears.
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    wait_for(lambda: held(cluster).get("full") == [1], 60, "the node to complete version 1")
+    check_store(node, view.manifest)
+    wait_for(lambda: all(not n.get("error") for n in status(cluster.tracker, cluster.token)["nodes"]), 15,
+             "the error to clear")
+
+
+ENGINE = """
+import sys, time, numpy as np, torch
+from sparrowd.integrations.engine import EngineClient, sync
+from sparrowd.integrations.torch import PatchApplier
+from tests.models import bf16_model, served_bits, trained_setup
+model, _ = trained_setup(5)
+engine = bf16_model(served_bits(model))
+applier = PatchApplier(engine, version=0)
+client = EngineClient(sys.argv[1], token_file=sys.argv[2], engine="victim")
+real = applier._scatter
+def slow(w, undo):  # stretch the apply so the kill lands in the middle of it
+    print("scattering", flush=True)
+    time.sleep(0.5)
+    real(w, undo)
+applier._scatter = slow
+sync(client, applier, wait=30)
+print("applied", applier.version, flush=True)
+"""
+
+
+def test_an_engine_killed_mid_apply_is_never_reported_between_versions_and_catches_up_after(cluster):
+    from sparrowd import Publisher
+    from sparrowd.integrations.engine import EngineClient, sync
+    from sparrowd.integrations.torch import PatchApplier
+    from tests.models import assert_serves, bf16_model, served_bits, train, trained_setup
+
+    model, opt = trained_setup(5)
+    base = served_bits(model)
+    _, node = cluster.pair()
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
+    pub.start(model, version=0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    wait_for(lambda: held(cluster).get("r1") == [1], 30, "the node to hold version 1")
+
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(node.data_dir / "engine.sock"),
+                             str(cluster.token_file)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "scattering"
+
+    def engine_version():
+        return next(n for n in status(cluster.tracker, cluster.token)["nodes"] if n["node_id"] == "r1")["engine_version"]
+
+    wait_for(lambda: engine_version() == 0, 5, "the tracker to see the engine at version 0 while it applies")
+    assert proc.poll() is None  # still in the middle of the apply
+    proc.kill()
+    proc.wait()
+    # The daemon never heard "applied": the engine was at 0, never between; once gone it reads null.
+    wait_for(lambda: engine_version() is None, 15, "the engine to be gone")
+    # Restarted from its checkpoint (version 0), the engine catches up, bit for bit.
+    engine = bf16_model(base)
+    applier = PatchApplier(engine, version=0)
+    with EngineClient(node.data_dir / "engine.sock", token_file=cluster.token_file) as client:
+        assert sync(client, applier, wait=10) == 1
+    assert_serves(engine, served_bits(model))
+    pub.close()
