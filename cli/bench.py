@@ -18,6 +18,7 @@ def register(sub) -> None:
     register_swarm(bs)
     register_publish(bs)
     register_apply(bs)
+    register_soak(bs)
 
 
 def cmd_codec(args) -> int:
@@ -94,3 +95,25 @@ def cmd_apply(args) -> int:
     from sparrowd.bench.apply import run
 
     return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
+
+
+def register_soak(bs) -> None:
+    s = bs.add_parser("soak", help="many daemons, many versions, nodes killed and restarted at random",
+                      description="Start a trainer and rollout daemons on loopback, publish versions one after "
+                                  "another while killing (SIGKILL) and restarting a random node every few versions; "
+                                  "report p50/p99 time to all nodes per version, memory and open files of the "
+                                  "daemons, and check every node ends bit-exact with every retained version.")
+    s.add_argument("--nodes", type=int, default=32, help="daemons, the trainer included (default 32)")
+    s.add_argument("--regions", type=int, default=3, help="regions (default 3)")
+    s.add_argument("--versions", type=int, default=50, help="versions to publish (default 50)")
+    s.add_argument("--patch-kib", type=int, default=256, help="patch size per version in KiB (default 256)")
+    s.add_argument("--kill-every", type=int, default=5, help="versions between kills (default 5)")
+    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.set_defaults(func=cmd_soak)
+
+
+def cmd_soak(args) -> int:
+    from sparrowd.bench.soak import run
+
+    return run(nodes=args.nodes, regions=args.regions, versions=args.versions, patch_kib=args.patch_kib,
+               kill_every=args.kill_every, json_path=args.json)

@@ -32,6 +32,7 @@ class LocalDaemon:
     role: str
     data_dir: Path
     proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
 
     @property
     def engine_socket(self) -> Path:
@@ -71,17 +72,41 @@ class LocalSwarm:
                 "--log-level", self.log_level, *extra]
         if role != "trainer":
             args += ["--tracker", self.url]
-        log = open(self.root / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        d = LocalDaemon(name, region, role, data, proc)
+        d = LocalDaemon(name, region, role, data, self._spawn(name, args), args)
         self.daemons.append(d)
-        deadline = time.monotonic() + 30
-        while not (data / "daemon.json").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon {name} did not start; see {self.root / (name + '.log')}")
-            time.sleep(0.05)
+        self._wait_started(d)
         return d
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")
+        try:
+            return subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        finally:
+            log.close()
+
+    def _wait_started(self, d: LocalDaemon) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if json.loads((d.data_dir / "daemon.json").read_text()).get("pid") == d.proc.pid:
+                    return
+            except (OSError, ValueError):
+                pass
+            if d.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon {d.name} did not start; see {self.root / (d.name + '.log')}")
+            time.sleep(0.05)
+
+    def kill(self, d: LocalDaemon) -> None:
+        """SIGKILL: no goodbye, as when a rented box vanishes."""
+        d.proc.kill()
+        d.proc.wait()
+
+    def restart(self, d: LocalDaemon) -> None:
+        """The same daemon again, on the same data dir."""
+        if d.proc.poll() is None:
+            self.kill(d)
+        d.proc = self._spawn(d.name, d.args)
+        self._wait_started(d)
 
     def trainer(self, *extra: str, region: str = "eu") -> LocalDaemon:
         return self._start("trainer", "trainer", region, extra)
