@@ -148,16 +148,27 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory"):
         thread.join(5)
 
 
-def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere(cluster, tmp_path):
+def _flipped(view, i, data):
+    data = bytearray(data)
+    data[len(data) // 2] ^= 0x01
+    return bytes(data)
+
+
+@pytest.mark.parametrize("lie", [
+    _flipped,
+    lambda view, i, data: bytes(view.chunks[(i + 1) % len(view.chunks)]),  # another chunk's real bytes
+    lambda view, i, data: data + b"\0" * 4096,  # longer than signed
+    lambda view, i, data: data[: len(data) // 2],  # cut short
+], ids=["flipped-bytes", "another-chunk", "too-long", "truncated"])
+def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere(cluster, tmp_path, lie):
     paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
     (m,) = manifests(paths).values()
+    view = parse_patch(paths[0].read_bytes())
     cluster.trainer()
     publish(cluster, paths[0])
 
     async def flipped(request, i, data):
-        data = bytearray(data)
-        data[len(data) // 2] ^= 0x01
-        return web.Response(body=bytes(data))
+        return web.Response(body=lie(view, i, data))
 
     with hostile_peer(cluster, paths[0], flipped) as asked:
         honest = cluster.rollout("honest", "eu")
