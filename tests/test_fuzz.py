@@ -122,3 +122,38 @@ def test_every_listener_survives_garbage_and_slow_senders(cluster):
     slow.close()
     wait_for(lambda: len(cluster.nodes()) == 2, 10, "both daemons to still be in the swarm")
     assert trainer.proc.poll() is None and node.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_flood_from_one_peer_gets_429s_and_does_not_starve_the_others(cluster, tmp_path):
+    """200 long polls at once from one peer (with the token): beyond 32 in flight it is refused,
+    and meanwhile a version still reaches another node as usual."""
+    import threading
+    import time
+
+    from tests.daemon.harness import get, wait_for
+    from tests.daemon.patches import check_store, held, publish, write_chain
+
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    trainer, node = cluster.pair()
+    codes: list[int] = []
+    body = msgpack.packb({"node_id": "flood", "region": "eu", "after": 10**9, "wait": 15, "versions": []})
+
+    def long_poll():
+        codes.append(get(f"{node.url}/v1/swarm/exchange", cluster.token, method="POST", data=body,
+                         headers={"Content-Type": "application/msgpack", "X-Sparrowd-Node": "flood"},
+                         timeout=30)[0])
+
+    threads = [threading.Thread(target=long_poll, daemon=True) for _ in range(200)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: codes.count(429) >= 150, 20, "the flood to be refused")
+    t0 = time.monotonic()
+    publish(cluster, paths[0])
+    wait_for(lambda: held(cluster).get("r1") == [1], 20, "the flooded node to complete a version")
+    assert time.monotonic() - t0 < 15
+    check_store(node, parse_patch(paths[0].read_bytes()).manifest)
+    assert get(f"{node.url}/v1/node", cluster.token)[0] == 200  # others are served meanwhile
+    for t in threads:
+        t.join(20)
+    assert len(codes) == 200 and codes.count(429) >= 150 and set(codes) <= {200, 429}, sorted(set(codes))

@@ -14,6 +14,7 @@ nothing about the swarm, not even which paths exist.
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import hashlib
 import hmac
@@ -54,7 +55,7 @@ from .membership import (
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .settings import Settings, read_token
 from .store import ChunkStore
-from .swarm import MAX_CHUNK, Swarm
+from .swarm import MAX_CHUNK, NODE_HEADER, Swarm
 from .tracker import TrackerService
 
 __all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
@@ -63,6 +64,8 @@ log = logging.getLogger("sparrowd.daemon")
 
 RUNTIME_FILE = "daemon.json"
 MAX_BODY = 1 << 20
+MAX_INFLIGHT_PER_PEER = 32  # a node needs one long poll, a few have-pushes and up to 8 chunk requests
+MAX_INFLIGHT_PER_ADDRESS = 256  # several daemons may share an address (NAT, one box)
 SWEEP_EVERY = 1.0
 _UNAUTHORIZED_LOG_EVERY = 10.0
 
@@ -83,6 +86,13 @@ def engine_socket_path(s: Settings, env=os.environ) -> Path:
     if env.get("RUNTIME_DIRECTORY"):
         return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "engine.sock"
     return s.data_dir / "engine.sock"
+
+
+def _route(request: web.Request) -> str:
+    """The route's template for metrics labels (never the raw path: that is the client's choice,
+    and every distinct label is memory kept for the process's life)."""
+    route = request.match_info.route
+    return route.resource.canonical if route.resource is not None else "other"
 
 
 def _wildcard(host: str) -> bool:
@@ -123,6 +133,7 @@ class Daemon:
         self.auth_digest = b""  # SHA-256 of "Bearer <token>": what every request is compared with
         self.engines: EngineServer | None = None
         self._last_unauthorized_log: dict[str, float] = {}
+        self._inflight: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------ state other parts read
 
@@ -337,16 +348,32 @@ class Daemon:
             peer = request.remote or "?"
             now = time.monotonic()
             if now - self._last_unauthorized_log.get(peer, -1e9) >= _UNAUTHORIZED_LOG_EVERY:
+                if len(self._last_unauthorized_log) > 4096:  # many addresses: forget, never grow without bound
+                    self._last_unauthorized_log.clear()
                 self._last_unauthorized_log[peer] = now
                 event(log, logging.WARNING, "refused a request without the swarm token", remote=peer,
                       method=request.method, path=request.path[:100])
             return web.json_response({"error": "unauthorized"}, status=401)
+        # Requests in flight per peer (its address and node id) and per address: a flood from one
+        # peer gets 429s and leaves the others their share of the event loop.
+        addr = request.remote or "?"
+        peer = (addr, request.headers.get(NODE_HEADER, "")[:64])
+        if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or self._inflight[addr] >= MAX_INFLIGHT_PER_ADDRESS:
+            self.metrics.requests[(_route(request), 429)] += 1
+            return web.json_response({"error": "too many requests in flight from this peer"}, status=429)
+        self._inflight[peer] += 1
+        self._inflight[addr] += 1
         try:
             response = await handler(request)
         except web.HTTPException as e:
-            self.metrics.requests[(request.path if e.status != 404 else "other", e.status)] += 1
+            self.metrics.requests[(_route(request), e.status)] += 1
             raise
-        self.metrics.requests[(request.path, response.status)] += 1
+        finally:
+            for k in (peer, addr):
+                self._inflight[k] -= 1
+                if not self._inflight[k]:
+                    del self._inflight[k]
+        self.metrics.requests[(_route(request), response.status)] += 1
         return response
 
     def _tracker_call(self, name: str):

@@ -39,6 +39,7 @@ __all__ = ["EngineServer"]
 log = logging.getLogger("sparrowd.engine")
 
 AHEAD = 2  # objects decoded ahead per engine
+MAX_CONNECTIONS = 16  # engines (ranks) on one box; more is a misbehaving client
 MAX_WAIT = 30.0
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
@@ -116,10 +117,28 @@ class EngineServer:
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        open_conns = 0
+
+        def closed(_):
+            nonlocal open_conns
+            open_conns -= 1
+
         while True:
             conn, _ = await loop.sock_accept(self._sock)
             conn.setblocking(False)
-            self._spawn(self._serve(conn), "engine-conn")
+            if open_conns >= MAX_CONNECTIONS:
+                self._spawn(self._refuse(conn), "engine-refuse")
+                continue
+            open_conns += 1
+            self._spawn(self._serve(conn), "engine-conn").add_done_callback(closed)
+
+    async def _refuse(self, conn: socket.socket) -> None:
+        try:
+            await self._send(conn, {"op": "error", "error": f"more than {MAX_CONNECTIONS} engine connections"})
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     async def _watch(self) -> None:
         """Decode ahead as versions complete."""
