@@ -27,14 +27,16 @@ def make_token(path: Path) -> Path:
     return path
 
 
-def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+def wait_for(pred, timeout: float, what: str, every: float = 0.05, detail=None):
+    """Poll ``pred`` until it is truthy; on timeout, ``detail()`` (if given) says what was seen."""
     deadline = time.monotonic() + timeout
     while True:
         got = pred()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            seen = f"; seen: {detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
         time.sleep(every)
 
 

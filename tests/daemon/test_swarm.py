@@ -36,7 +36,11 @@ def test_three_versions_reach_six_nodes_in_three_regions_and_a_late_joiner_catch
     for p in paths:
         publish(cluster, p)
     names = {d.name for d in rollouts}
-    wait_for(lambda: all(held(cluster).get(n) == [1, 2, 3] for n in names), 60, "every node to hold 1..3")
+    wait_for(lambda: all(held(cluster).get(n) == [1, 2, 3] for n in names), 60, "every node to hold 1..3",
+             detail=lambda: (held(cluster), {d.name: [line for line in d.log().splitlines()
+                                                      if " WARNING " in line or " ERROR " in line][-3:]
+                                             for d in [trainer, *rollouts]},
+                             {n["node_id"]: n.get("in_flight") for n in status(cluster.tracker, cluster.token)["nodes"]}))
     for d in rollouts:
         for m in ms.values():
             check_store(d, m)
