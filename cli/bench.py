@@ -62,25 +62,27 @@ def cmd_swarm(args) -> int:
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
 
 
-def _register_sized(bs, name: str, help: str, description: str, size_mib: int, func) -> None:
+def _register_sized(bs, name: str, help: str, description: str, size_mib: int) -> None:
+    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<name>.run``."""
     s = bs.add_parser(name, help=help, description=description)
     s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
     s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    s.set_defaults(func=func)
+    s.set_defaults(func=lambda args: _run_sized(name, args))
+
+
+def _run_sized(name: str, args) -> int:
+    import importlib
+
+    run = importlib.import_module(f"sparrowd.bench.{name}").run
+    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
 
 
 def register_publish(bs) -> None:
     _register_sized(bs, "publish", "the Publisher on a synthetic bf16 model, against a bare compare",
                     "Start a trainer daemon on loopback and publish a synthetic bf16 model with about 1% of "
                     "elements changed per step; report publish time against a pass that only compares the same "
-                    "tensors, and the time to the first chunk.", 1024, cmd_publish)
-
-
-def cmd_publish(args) -> int:
-    from sparrowd.bench.publish import run
-
-    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
+                    "tensors, and the time to the first chunk.", 1024)
 
 
 def register_apply(bs) -> None:
@@ -88,13 +90,7 @@ def register_apply(bs) -> None:
                     "Start a trainer daemon on loopback and a vLLM engine (CPU) on a random Qwen3; publish steps "
                     "that move about 1% of elements and report the pause of each update through the engine "
                     "socket against vLLM's load_weights of the whole checkpoint, in the same engine. Needs vLLM: "
-                    "run it from the engine environment.", 512, cmd_apply)
-
-
-def cmd_apply(args) -> int:
-    from sparrowd.bench.apply import run
-
-    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
+                    "run it from the engine environment.", 512)
 
 
 def register_soak(bs) -> None:

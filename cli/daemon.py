@@ -113,10 +113,7 @@ def register(sub) -> None:
     st = sub.add_parser("status", help="who is in the swarm: one row per node",
                         description="Print the tracker's status snapshot: one row per live node and the latest "
                                     "version. --json prints the snapshot itself (docs/STATUS.md).")
-    st.add_argument("--tracker", metavar="URL", default=os.environ.get("SPARROWD_TRACKER"),
-                    help="the tracker, http://HOST:PORT (default $SPARROWD_TRACKER)")
-    st.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
-                    help="file holding the swarm token (default $SPARROWD_TOKEN_FILE)")
+    add_tracker_args(st)
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.set_defaults(func=cmd_status)
 
@@ -224,6 +221,14 @@ def cmd_leave(args) -> int:
 
 
 # ---------------------------------------------------------------- status
+
+
+def add_tracker_args(p) -> None:
+    """--tracker and --token-file, for the commands that read the tracker's status."""
+    p.add_argument("--tracker", metavar="URL", default=os.environ.get("SPARROWD_TRACKER"),
+                   help="the trainer's daemon, http://HOST:PORT (default $SPARROWD_TRACKER)")
+    p.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
+                   help="file holding the swarm token (default $SPARROWD_TOKEN_FILE)")
 
 
 def fetch_status(tracker: str, token_file: str) -> dict:

@@ -20,10 +20,9 @@ def register(sub) -> None:
                     "the sort (lag, region, rate), r cycles the region shown, q quits. Lagging engines are yellow, "
                     "stale nodes and nodes reporting an error red. While the tracker is unreachable the last "
                     "snapshot stays on screen with a notice.")
-    t.add_argument("--tracker", metavar="URL", default=os.environ.get("SPARROWD_TRACKER"),
-                   help="the trainer's daemon, http://HOST:PORT (default $SPARROWD_TRACKER)")
-    t.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
-                   help="file holding the swarm token (default $SPARROWD_TOKEN_FILE)")
+    from .daemon import add_tracker_args
+
+    add_tracker_args(t)
     t.add_argument("--once", action="store_true", help="print the view once and exit (for scripts and logs)")
     t.add_argument("--sort", choices=("lag", "region", "rate"), default="lag", help="initial sort (default lag)")
     t.add_argument("--region", metavar="NAME", help="show only this region")
