@@ -13,7 +13,11 @@ bucket shared by every connection on that ordered pair of regions (the link).
 Run as ``python -m sparrowd.bench.wan CONFIG.json``, where the config lists
 ``proxies`` (``listen`` and ``target`` as ``[host, port]``, and ``region``),
 ``rtt`` (seconds between regions) and ``link_rate`` (bytes per second per
-ordered region pair; 0 for none). It runs until killed.
+ordered region pair; 0 for none), and optionally ``cut_file``: a file holding
+a JSON list of regions cut off from the others. While a region is listed, no
+connection crosses into or out of it (new ones are closed at once, open ones
+are dropped): its traffic is lost, as when a cloud region's links fail. It
+runs until killed.
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ class Wan:
     def __init__(self, rtt: float, link_rate: float):
         self.rtt, self.link_rate = rtt, link_rate
         self.links: dict[tuple[int, int], TokenBucket] = {}
+        self.cut: set[int] = set()
+        self.crossing: dict[asyncio.Task, tuple[int, int]] = {}  # open cross-region connections
+
+    def _severed(self, src: int, dst: int) -> bool:
+        return src != dst and (src in self.cut or dst in self.cut)
+
+    async def watch_cuts(self, path: str) -> None:
+        while True:
+            try:
+                cut = {int(r) for r in json.loads(open(path).read() or "[]")}
+            except (OSError, ValueError):
+                cut = set()
+            if cut != self.cut:
+                self.cut = cut
+                for task, (src, dst) in list(self.crossing.items()):
+                    if self._severed(src, dst):
+                        task.cancel()
+            await asyncio.sleep(0.1)
 
     def link(self, src: int, dst: int) -> TokenBucket:
         b = self.links.get((src, dst))
@@ -82,6 +104,9 @@ class Wan:
     async def serve(self, listen: tuple[str, int], target: tuple[str, int], region: int):
         async def handle(reader, writer):
             src = region_of(writer.get_extra_info("peername")[0])
+            if src is not None and self._severed(src, region):
+                writer.close()
+                return
             try:
                 up_reader, up_writer = await asyncio.open_connection(*target)
             except OSError:
@@ -91,8 +116,17 @@ class Wan:
                 delay, there, back = 0.0, None, None
             else:
                 delay, there, back = self.rtt / 2, self.link(src, region), self.link(region, src)
-            await asyncio.gather(self.pipe(reader, up_writer, delay, there),
-                                 self.pipe(up_reader, writer, delay, back))
+            task = asyncio.current_task()
+            if src is not None and src != region:
+                self.crossing[task] = (src, region)
+            try:
+                await asyncio.gather(self.pipe(reader, up_writer, delay, there),
+                                     self.pipe(up_reader, writer, delay, back))
+            except asyncio.CancelledError:  # cut: drop both sides
+                for w in (writer, up_writer):
+                    w.transport.abort()
+            finally:
+                self.crossing.pop(task, None)
 
         return await asyncio.start_server(handle, *listen)
 
@@ -100,8 +134,9 @@ class Wan:
 async def _main(config: dict) -> None:
     wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0))
     servers = [await wan.serve(tuple(p["listen"]), tuple(p["target"]), int(p["region"])) for p in config["proxies"]]
+    extra = [wan.watch_cuts(config["cut_file"])] if config.get("cut_file") else []
     print("ready", flush=True)
-    await asyncio.gather(*(s.serve_forever() for s in servers))
+    await asyncio.gather(*(s.serve_forever() for s in servers), *extra)
 
 
 if __name__ == "__main__":

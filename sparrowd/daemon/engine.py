@@ -76,7 +76,8 @@ class EngineServer:
             s.bind(str(self.path))
         except OSError as e:
             s.close()
-            raise SparrowError(f"engine socket {self.path}: {e.strerror or e}") from None
+            raise SparrowError(f"engine socket {self.path}: {e.strerror or e} (give --engine-socket a shorter "
+                               f"path, or 'off')") from None
         os.chmod(self.path, 0o660)
         s.listen(16)
         s.setblocking(False)

@@ -155,3 +155,60 @@ def test_an_engine_killed_mid_apply_is_never_reported_between_versions_and_catch
         assert sync(client, applier, wait=10) == 1
     assert_serves(engine, served_bits(model))
     pub.close()
+
+
+def test_a_region_cut_off_past_its_leases_falls_out_comes_back_and_catches_up(cluster, tmp_path):
+    """Every daemon behind the WAN emulator's proxies (regions by loopback block); region 1's
+    traffic is dropped for longer than the lease TTL: its nodes leave every peer list, the other
+    region goes on (a version is published meanwhile); healed, they join again and catch up."""
+    import json
+
+    from tests.daemon.harness import free_port
+
+    def addr(region: int, kind: int, j: int) -> str:
+        return f"127.{10 + region}.{kind}.{j + 1}"
+
+    paths = write_chain(tmp_path / "patches", 2, mib=8, chunk_kib=8)
+    ms = {v: parse_patch(p.read_bytes()).manifest for v, p in enumerate(paths, start=1)}
+    cut_file = tmp_path / "cut.json"
+    cut_file.write_text("[]")
+    port = free_port()
+    layout = {"trainer": (0, 99)} | {f"a{j}": (0, j) for j in range(2)} | {f"b{j}": (1, j) for j in range(2)}
+    ports = {name: port if name == "trainer" else free_port() for name in layout}
+    proxies = [{"listen": [addr(r, 1, j), ports[n]], "target": [addr(r, 0, j), ports[n]], "region": r}
+               for n, (r, j) in layout.items()]
+    (tmp_path / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": 0, "link_rate": 0,
+                                                   "cut_file": str(cut_file)}))
+    wan = subprocess.Popen([sys.executable, "-m", "sparrowd.bench.wan", str(tmp_path / "wan.json")],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert wan.stdout.readline().strip() == b"ready"
+        r0, j0 = layout["trainer"]
+        cluster.trainer(extra=("--listen", f"{addr(r0, 0, j0)}:{port}", "--advertise", f"{addr(r0, 1, j0)}:{port}"))
+        cluster.tracker = f"http://{addr(r0, 1, j0)}:{port}"  # the nodes reach the tracker through its proxy
+        nodes = {n: cluster.rollout(n, f"region{r}", extra=("--listen", f"{addr(r, 0, j)}:{ports[n]}", "--advertise",
+                                                             f"{addr(r, 1, j)}:{ports[n]}"))
+                 for n, (r, j) in layout.items() if n != "trainer"}
+        cluster.tracker = f"http://{addr(r0, 0, j0)}:{port}"  # the test's own calls go direct
+        wait_for(lambda: len(cluster.nodes()) == 5, 20, "five nodes")
+        publish(cluster, paths[0])
+        wait_for(lambda: all(held(cluster).get(n) == [1] for n in nodes), 30, "version 1 everywhere")
+        epochs = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+
+        cut_file.write_text("[1]")  # region 1 loses every link to region 0, the trainer's included
+        wait_for(lambda: cluster.nodes() == {"trainer", "a0", "a1"}, 15, "region 1 to fall out of the swarm")
+        publish(cluster, paths[1])
+        wait_for(lambda: all(held(cluster).get(n) == [1, 2] for n in ("a0", "a1")), 30, "version 2 in region 0")
+        assert not (nodes["b0"].data_dir / "versions" / "2").exists()  # nothing crossed the cut
+
+        cut_file.write_text("[]")
+        wait_for(lambda: all(held(cluster).get(n) == [1, 2] for n in nodes), 30,
+                 "region 1 to come back and catch up", detail=lambda: held(cluster))
+        back = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}
+        assert back["b0"] > epochs["b0"] and back["b1"] > epochs["b1"]  # they joined again, as new leases
+        for d in nodes.values():
+            for m in ms.values():
+                check_store(d, m)
+    finally:
+        wan.kill()
+        wan.wait()
