@@ -8,6 +8,7 @@ import re
 import threading
 import time
 
+import blake3
 import msgpack
 import pytest
 from aiohttp import web
@@ -98,10 +99,11 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
 
 
 @contextlib.contextmanager
-def hostile_peer(cluster, patch, serve_chunk, node_id="mallory"):
+def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
     """A node with the swarm token, in region eu: it joins and renews like a daemon, relays the
     trainer's real signed statements, claims every chunk, and answers chunk requests with
-    ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body). Yields the indices asked of it."""
+    ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body); ``forged`` adds versions
+    of its own making (exchange entries). Yields the indices asked of it."""
     port = free_port()
     mp = {"Content-Type": "application/msgpack"}
     view = parse_patch(patch.read_bytes())
@@ -119,7 +121,8 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory"):
 
     async def exchange(request):
         reply = {"gen": 1, "choked": False, "versions": [
-            {"version": view.manifest.version, "statements": statements, "have": everything, "fetching": b""}]}
+            {"version": view.manifest.version, "statements": statements, "have": everything, "fetching": b""},
+            *forged]}
         return web.Response(body=msgpack.packb(reply), content_type="application/msgpack")
 
     async def chunk(request):
@@ -185,16 +188,50 @@ def test_a_peer_serving_corrupt_chunks_is_banned_and_the_chunk_fetched_elsewhere
         assert len(asked) == n_asked  # banned: asked nothing more
 
 
-def test_a_peer_that_stalls_mid_chunk_loses_its_requests_to_others(cluster, tmp_path):
+def test_a_peer_announcing_a_version_the_trainer_never_signed_is_banned(cluster, tmp_path):
+    """A token holder without the trainer's key signs its own announcement of version 99: the
+    honest node refuses the statement, bans the peer, stores nothing of it, and still completes
+    the real version from the trainer."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sparrowd.swarm.signing import ANNOUNCE, Signer
+    from sparrowd.swarm.versions import ChunkRef, announce_body
+
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    cluster.trainer()
+    publish(cluster, paths[0])
+    fake = b"not a real chunk"
+    forged = Signer(Ed25519PrivateKey.generate()).sign(ANNOUNCE, 99, announce_body(
+        0, [ChunkRef(blake3.blake3(fake).digest(), len(fake))]))
+    entry = {"version": 99, "statements": [forged.to_bytes()], "have": b"\x80", "fetching": b""}
+
+    async def serve(request, i, data):
+        return web.Response(body=fake)
+
+    with hostile_peer(cluster, paths[0], serve, forged=[entry]):
+        honest = cluster.rollout("honest", "eu")
+        wait_for(lambda: held(cluster).get("honest") == [1], 20, "the honest node to complete")
+        check_store(honest, m)
+        wait_for(lambda: "peer banned for the session peer=mallory" in honest.log(), 10, "the ban")
+        assert "bad signature" in honest.log()
+        assert not (honest.data_dir / "versions" / "99").exists()
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["silent", "a-byte-a-second"])
+def test_a_peer_that_stalls_mid_chunk_loses_its_requests_to_others(cluster, tmp_path, trickle):
     paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
     (m,) = manifests(paths).values()
     cluster.trainer()
     publish(cluster, paths[0])
 
-    async def stall(request, i, data):  # send headers and a few bytes, then nothing
+    async def stall(request, i, data):  # headers and a few bytes, then nothing or a byte a second
         resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
         await resp.prepare(request)
         await resp.write(data[:10])
+        for b in data[10:] if trickle else ():
+            await asyncio.sleep(1.0)
+            await resp.write(bytes([b]))
         await asyncio.sleep(3600)
         return resp
 
