@@ -273,11 +273,15 @@ class EngineServer:
             return
         try:
             fd, size = await self._decode(key)
-        except SparrowError as e:
+            fd = os.dup(fd)  # ours for the send: prefetching may drop the cached one meanwhile
+        except (SparrowError, OSError) as e:
             await self._send(conn, {"op": "error", "error": f"{key}: {e}"})
             return
-        await self._send(conn, {"op": "decoded", "version": key.version, "anchor": key.anchor,
-                                "base_version": vs.base_version, "bytes": size}, fd=fd)
+        try:
+            await self._send(conn, {"op": "decoded", "version": key.version, "anchor": key.anchor,
+                                    "base_version": vs.base_version, "bytes": size}, fd=fd)
+        finally:
+            os.close(fd)
 
     def _applied(self, me: Engine, msg: dict) -> dict:
         v, key = msg["version"], Key(msg["version"], bool(msg.get("anchor")))
@@ -309,11 +313,16 @@ class EngineServer:
             self._forget(key)
 
     def _forget(self, key: Key) -> None:
+        """Close a decoded memfd (now, or when its decode ends); engines that got it keep their own."""
+        def close(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                os.close(t.result()[0])
+
         t = self._decoded.pop(key)
-        if t.done() and not t.cancelled() and t.exception() is None:
-            os.close(t.result()[0])
+        if t.done():
+            close(t)
         else:
-            t.add_done_callback(lambda t: t.cancelled() or t.exception() or os.close(t.result()[0]))
+            t.add_done_callback(close)
 
     async def _decode(self, key: Key) -> tuple[int, int]:
         t = self._decoded.get(key)
