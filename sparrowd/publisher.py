@@ -77,7 +77,7 @@ _TORCH_DTYPES = {  # torch dtype name -> (safetensors name, same-width integer d
 @dataclass
 class PublishStats:
     version: int
-    base_version: int
+    base_version: int | None  # None for an anchor
     tensors: int = 0
     tensors_changed: int = 0
     elements: int = 0

@@ -91,9 +91,8 @@ class EngineClient:
             self._sock.sendall(frame(msg))
             head, fds = self._recv_with_fds(4)
             body = self._exactly(length(head))
-        except (OSError, socket.timeout) as e:
-            raise SparrowError(f"engine socket {self.path}: {e.strerror or e}" if isinstance(e, OSError) and
-                               e.strerror else f"engine socket {self.path}: {type(e).__name__}") from None
+        except OSError as e:  # timeouts included
+            raise SparrowError(f"engine socket {self.path}: {e.strerror or type(e).__name__}") from None
         reply = parse(body, request=False)
         if reply["op"] == "error":
             for fd in fds:
