@@ -8,7 +8,9 @@
 ``publish`` keeps the last published copy of each tensor, in the dtype the
 engine serves (bf16 by default; fp32 master weights are cast first, as the
 engine will see them), on the tensor's own device. It compares bit patterns
-there, moves only the changed indices and values to the host, and encodes
+there, moves only the changed indices and values to the host (fingerprints
+of device tensors come from a host mirror kept up to date O(changed); with
+``compare="torch"`` CPU tensors take that path too), and encodes
 tensor by tensor in a worker thread while the next tensor is compared; each
 chunk goes to the local daemon as soon as it is encoded, so the swarm starts
 moving while extraction is still running. Nothing of a version counts as
@@ -107,6 +109,7 @@ class _Tensor:
     shape: tuple[int, ...]
     bits: object  # torch tensor, integer view, on the tensor's device
     fp: bytes  # fingerprint of its bytes
+    mirror: np.ndarray | None = None  # host copy, for tensors compared by torch (fingerprinted here)
 
 
 def _torch():
@@ -143,17 +146,21 @@ class _Pending:
     version: int
     manifest: str  # BLAKE3 of the manifest's bytes, hex
     updates: list
+    mirrored: list  # host mirrors already moved to this version: undone if the daemon did not take it
 
 
 class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 anchor_every: int = DEFAULT_ANCHOR_EVERY, timeout: float = 60.0):
+                 anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0):
         torch = _torch()
         if token_file is None:
             raise InputError("Publisher needs token_file, the swarm token's file")
         if anchor_every < 0:
             raise InputError("anchor_every must be 0 (no periodic anchors) or more")
+        if compare not in ("auto", "torch"):
+            raise InputError("compare must be 'auto' (the fused C pass on the CPU, torch on devices) or 'torch'")
+        self.compare = compare
         self.daemon = daemon.rstrip("/")
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
@@ -208,6 +215,20 @@ class Publisher:
         bits = t.contiguous().view(getattr(torch, as_int)) if t.dtype != torch.bool else t.contiguous().to(torch.uint8)
         return _Tensor(st, tuple(t.shape), bits.reshape(-1), b"")
 
+    def _by_torch(self, bits) -> bool:
+        return self.compare == "torch" or bits.device.type != "cpu"
+
+    def _keep(self, t) -> _Tensor:
+        """A kept copy of ``t`` as served, fingerprinted; tensors compared by torch also get a host
+        mirror (one copy now, then O(changed) per version), so no later version copies them whole."""
+        s = self._served(t, own=True)
+        if self._by_torch(s.bits):
+            s.mirror = self._host(s.bits).copy()
+            s.fp = fingerprint(s.mirror)
+        else:
+            s.fp = fingerprint(self._host(s.bits))
+        return s
+
     @staticmethod
     def _host(bits) -> np.ndarray:
         a = bits.cpu().numpy()
@@ -229,11 +250,7 @@ class Publisher:
         state = self._daemon_state()
         check_start(state, version)
         latest = state["latest"]
-        kept = {}
-        for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
-            s = self._served(t, own=True)
-            s.fp = fingerprint(self._host(s.bits))
-            kept[name] = s
+        kept = {name: self._keep(t) for name, t in sorted(self._state(model).items())}  # the order ranks gather in
         self._last, self.version, self._pending = kept, version, None
         self.anchor_version = state["anchor"]
         self._unrecorded = latest is None  # the daemon knows nothing of this base until something is published
@@ -254,8 +271,7 @@ class Publisher:
             raise InputError(f"anchor {version} is older than the last published version {self.version}")
         kept = {}
         for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
-            s = self._served(t, own=True)
-            s.fp = fingerprint(self._host(s.bits))
+            s = self._keep(t)
             if version == self.version and (name not in self._last or s.fp != self._last[name].fp):
                 raise InputError(f"tensor {name!r} is not what version {version} published: publish the model "
                                  f"as a new version")
@@ -282,10 +298,16 @@ class Publisher:
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
 
-        def encode(name, old_fp: bytes, layout: RawTensor, idx, ov, nv, new_fp) -> None:
+        mirrored: list = []  # (kept tensor, positions, old values): host mirrors moved ahead, undone on failure
+
+        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list) -> None:
             t0 = time.perf_counter()
-            # The values were gathered on the device; the encoder only needs the layout of both sides.
-            chunks = enc.add_extract(name, layout, layout, idx, old_fp, new_fp, ov, nv)
+            if update[3] is None:  # compared by torch: the new fingerprint comes from the host mirror
+                kept.mirror[idx] = nv
+                mirrored.append((kept, idx, ov))
+                update[3] = fingerprint(kept.mirror)
+            # The values were gathered already; the encoder only needs the layout of both sides.
+            chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv)
             stats.encode_seconds += time.perf_counter() - t0
             stream.send(chunks)
 
@@ -305,7 +327,7 @@ class Publisher:
         # two threads (the pass releases the GIL) and come back in name order.
         cpu = {name: self._compare.submit(self._timed, diff_fingerprint, self._host(self._last[name].bits),
                                           self._host(new.bits), hash_old=False)
-               for name, new in served.items() if new.bits.device.type == "cpu"}
+               for name, new in served.items() if not self._by_torch(new.bits)}
         for name in names:
             old, new = self._last[name], served[name]
             stats.tensors += 1
@@ -317,35 +339,47 @@ class Publisher:
                 stats.compare_seconds += seconds
                 if idx_h.size == 0:
                     continue  # the kept copy stays as it is
-                updates.append((old, idx_h, nv, new_fp))
+                update = [old, idx_h, nv, new_fp]
             else:
                 idx = torch.nonzero(new.bits != old.bits).reshape(-1)
-                torch.cuda.synchronize(new.bits.device)
+                if new.bits.device.type == "cuda":
+                    torch.cuda.synchronize(new.bits.device)
                 stats.compare_seconds += time.perf_counter() - t0
                 if idx.numel() == 0:
                     continue
                 t0 = time.perf_counter()
                 new_vals = new.bits[idx]
+                # Only the changed positions and values cross to the host (O(changed)); the new
+                # fingerprint is taken from the host mirror in the worker.
                 idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
                 ov, nv = self._host(old.bits[idx]), self._host(new_vals)
-                host_new = self._host(new.bits)  # for the fingerprint: a copy from the GPU (see README)
                 stats.to_host_seconds += time.perf_counter() - t0
-                new_fp = fingerprint(host_new)
-                updates.append((old, idx, new_vals, new_fp))
+                host_new = old.mirror
+                update = [old, idx, new_vals, None]
+            updates.append(update)
             stats.tensors_changed += 1
             stats.elements_changed += int(idx_h.size)
             layout = RawTensor(new.dtype, new.shape, host_new)
-            sent.append(self._pool.submit(encode, name, old.fp, layout, idx_h, ov, nv, new_fp))
-        for f in sent:
-            f.result()  # errors from the worker (daemon down, refused) surface here
-        manifest, rest = enc.finish()
-        stream.send(rest)
-        body = manifest.to_bytes()
+            sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update))
+        try:
+            for f in sent:
+                f.result()  # errors from the worker (daemon down, refused) surface here
+            manifest, rest = enc.finish()
+            stream.send(rest)
+            body = manifest.to_bytes()
+        except BaseException:
+            for f in sent:
+                f.cancel()  # what has not started never will
+            for f in sent:
+                if not f.cancelled():
+                    f.exception()  # wait for the one running: it may still move a mirror
+            self._undo(mirrored)
+            raise
         try:
             self._post("/v1/publish/manifest", body)
         except SparrowError:
             # Taken or not? The next call asks the daemon, and adopts this version if it is there.
-            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates)
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, mirrored)
             raise
         self._advance(version, updates)
         stats.total_seconds = time.perf_counter() - t_start
@@ -376,6 +410,11 @@ class Publisher:
         for name in sorted(state):
             self._gathered(state[name].detach())
 
+    @staticmethod
+    def _undo(mirrored: list) -> None:
+        for kept, idx, old_values in reversed(mirrored):
+            kept.mirror[idx] = old_values
+
     def _advance(self, version: int, updates) -> None:
         """Published: bring the kept copies up to this version, O(changed elements), no full copy."""
         for kept, idx, values, new_fp in updates:
@@ -391,6 +430,8 @@ class Publisher:
         state = self._daemon_state()
         latest = state["latest"]
         if latest == self.version or (latest is None and self._unrecorded):
+            if self._pending is not None:  # the daemon never took it: the mirrors go back too
+                self._undo(self._pending.mirrored)
             self._pending = None
             return
         p = self._pending
@@ -417,7 +458,7 @@ class Publisher:
         for name in sorted(tensors):
             t = tensors[name]
             t0 = time.perf_counter()
-            host = self._host(t.bits)
+            host = t.mirror if t.mirror is not None else self._host(t.bits)  # no device copy when mirrored
             stats.to_host_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             chunks = enc.add(name, None, RawTensor(t.dtype, t.shape, host))

@@ -33,11 +33,14 @@ def stored_patch(node, version: int, *, anchor: bool = False) -> tuple[Manifest,
     return manifest, [(d / "chunks" / f"{i}.chunk").read_bytes() for i in range(len(manifest.chunks))]
 
 
-def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster):
+@pytest.mark.parametrize("compare", ["auto", "torch"])
+def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster, compare):
+    """``auto`` compares with the fused C pass on the CPU; ``torch`` is the path GPU tensors take
+    (torch compare, O(changed) to the host, fingerprints from the host mirror)."""
     model, opt = trained_setup(0)
     _, node = cluster.pair()
 
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, compare=compare)
     with pytest.raises(InputError, match="start"):
         pub.publish(model, version=1)
     base = served_bits(model)
@@ -127,6 +130,7 @@ class DropManifestReply:
         outer = self
         self.dropped = 0
         self.armed = False  # set: the next manifest's reply is dropped
+        self.fail_chunk = False  # set: the next chunk is refused (the daemon never sees it)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -134,6 +138,12 @@ class DropManifestReply:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if self.command == "POST" else None
+                if outer.fail_chunk and "/chunk/" in self.path:
+                    outer.fail_chunk = False
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 req = urllib.request.Request(upstream + self.path, data=body, method=self.command,
                                              headers={"Authorization": self.headers["Authorization"]})
                 try:
@@ -319,3 +329,31 @@ def test_fsdp2_ranks_publish_gathered_tensors(cluster, tmp_path):
         assert sorted(state) == sorted(want.files)
         for k in want.files:
             assert np.array_equal(state[k].bits, want[k].reshape(-1).view("<u2")), (v, k)
+
+
+def test_a_version_that_fails_half_way_leaves_no_trace_in_the_host_mirrors(cluster):
+    """The torch path moves each kept tensor's host mirror as it encodes; a chunk refused half way
+    must put every mirror back, or the next version's fingerprints would describe weights that
+    were never published (the node's rebuild below would fail its result check)."""
+    model, opt = trained_setup(4)
+    _, node = cluster.pair()
+    base = served_bits(model)
+    proxy = DropManifestReply(cluster.tracker)
+    pub = Publisher(daemon=proxy.url, token_file=cluster.token_file, compare="torch", timeout=5)
+    pub.start(model, version=0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    train(model, opt, steps=2)
+    proxy.fail_chunk = True
+    with pytest.raises(SparrowError, match="HTTP 503"):
+        pub.publish(model, version=2)
+    assert pub.version == 1
+    train(model, opt)
+    stats = pub.publish(model, version=3)
+    assert (stats.version, stats.base_version) == (3, 1)
+    wait_for(lambda: held_by(cluster).get("r1") == [1, 3], 30, "the node to hold versions 1 and 3")
+    state = rebuild(node, base, [1, 3])  # apply_patch checks every result fingerprint
+    for k, t in served_bits(model).items():
+        assert np.array_equal(state[k].bits, t.bits), k
+    pub.close()
+    proxy.close()
