@@ -264,16 +264,22 @@ def _decode_segment(h: dict, blobs: list[memoryview]) -> Segment:
     return Segment(name, h["dtype"], kind, values, start, stop, data, indices)
 
 
-def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
-    """Decode one chunk; checks its hash first when ``expect_hash`` is given."""
-    if expect_hash is not None and chunk_hash(data) != expect_hash:
-        raise IntegrityError(f"chunk {expect_hash.hex()[:16]}: hash mismatch (corrupt or wrong chunk)")
+def check_chunk_frame(data) -> int:
+    """The cheap part of decoding: a zstd frame declaring a sane content size (returned)."""
     try:
         size = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
         raise FormatError(f"chunk: not a zstd frame ({e})") from None
     if size < 0 or size > MAX_CHUNK_RAW:
         raise FormatError("chunk: missing or oversized content size")
+    return size
+
+
+def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
+    """Decode one chunk; checks its hash first when ``expect_hash`` is given."""
+    if expect_hash is not None and chunk_hash(data) != expect_hash:
+        raise IntegrityError(f"chunk {expect_hash.hex()[:16]}: hash mismatch (corrupt or wrong chunk)")
+    check_chunk_frame(data)
     try:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_CHUNK_RAW)
     except zstandard.ZstdError as e:
