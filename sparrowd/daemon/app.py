@@ -65,7 +65,7 @@ log = logging.getLogger("sparrowd.daemon")
 RUNTIME_FILE = "daemon.json"
 MAX_BODY = 1 << 20
 MAX_INFLIGHT_PER_PEER = 32  # a node needs one long poll, a few have-pushes and up to 8 chunk requests
-MAX_INFLIGHT_PER_ADDRESS = 256  # several daemons may share an address (NAT, one box)
+MAX_INFLIGHT_PER_ADDRESS = 1024  # many daemons may share an address (NAT, a proxy, one box)
 SWEEP_EVERY = 1.0
 _UNAUTHORIZED_LOG_EVERY = 10.0
 
