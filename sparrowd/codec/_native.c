@@ -117,11 +117,92 @@ DEFINE_SCAN(uint16_t, scan16, 0x7FFF7FFF7FFF7FFFULL, 4)
 DEFINE_SCAN(uint32_t, scan32, 0x7FFFFFFF7FFFFFFFULL, 5)
 DEFINE_SCAN(uint64_t, scan64, 0x7FFFFFFFFFFFFFFFULL, 6)
 
+typedef Py_ssize_t (*scan_fn)(const void *, const void *, Py_ssize_t, Py_ssize_t, int64_t *, void *, void *,
+                              Py_ssize_t, Py_ssize_t *);
+#define AS_SCAN(f) ((scan_fn)(void *)(f))
+static scan_fn portable[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS_SCAN(scan64)};
+static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS_SCAN(scan64)};
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+/*
+ * The same two passes with AVX2, chosen at import when the CPU has it. Pass 1
+ * compares 64 bytes of each side per step with one equality compare per 32
+ * bytes; movemask gives one bit per byte, so the step's 64-bit mask of
+ * unequal bytes is already a per-element mask (all of an element's bytes set
+ * together). Steps with a non-zero mask are listed branch-free; pass 2 walks
+ * each listed mask with tzcnt. Numpy's own compare is vectorised the same
+ * way, so this scan keeps pace with the read-and-compare baseline.
+ */
+#define BLOCK_STEPS 2048 /* 128 KiB of each side per block */
+#define DEFINE_SCAN_AVX2(T, NAME, CMPEQ)                                                                    \
+    __attribute__((target("avx2,bmi"))) static Py_ssize_t NAME(const T *o, const T *n, Py_ssize_t total,     \
+                                                              Py_ssize_t e, int64_t *idx, T *ov, T *nv,      \
+                                                              Py_ssize_t cap, Py_ssize_t *count) {           \
+        const Py_ssize_t per_step = 64 / (Py_ssize_t)sizeof(T);                                              \
+        const uint64_t lane = sizeof(T) == 8 ? 0xFFULL : ((1ULL << sizeof(T)) - 1);                          \
+        uint64_t masks[BLOCK_STEPS];                                                                         \
+        uint32_t steps[BLOCK_STEPS];                                                                         \
+        Py_ssize_t c = *count;                                                                               \
+        const Py_ssize_t body = e + ((total - e) / per_step) * per_step;                                     \
+        while (e < body) {                                                                                   \
+            Py_ssize_t k = (body - e) / per_step;                                                            \
+            if (k > BLOCK_STEPS) k = BLOCK_STEPS;                                                            \
+            if (cap - c < k * per_step) goto out;                                                            \
+            const char *po = (const char *)(o + e), *pn = (const char *)(n + e);                             \
+            Py_ssize_t nt = 0;                                                                               \
+            for (Py_ssize_t s = 0; s < k; s++) {                                                             \
+                const __m256i a0 = _mm256_loadu_si256((const __m256i *)(po + 64 * s));                      \
+                const __m256i a1 = _mm256_loadu_si256((const __m256i *)(po + 64 * s + 32));                 \
+                const __m256i b0 = _mm256_loadu_si256((const __m256i *)(pn + 64 * s));                      \
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(pn + 64 * s + 32));                 \
+                const uint64_t eq = (uint32_t)_mm256_movemask_epi8(CMPEQ(a0, b0)) |                          \
+                                    (uint64_t)(uint32_t)_mm256_movemask_epi8(CMPEQ(a1, b1)) << 32;           \
+                masks[nt] = ~eq;                                                                             \
+                steps[nt] = (uint32_t)s;                                                                     \
+                nt += eq != ~0ULL;                                                                           \
+            }                                                                                                \
+            for (Py_ssize_t t = 0; t < nt; t++) {                                                            \
+                const Py_ssize_t base = e + (Py_ssize_t)steps[t] * per_step;                                 \
+                uint64_t m = masks[t];                                                                       \
+                do {                                                                                         \
+                    const int bit = __builtin_ctzll(m);                                                      \
+                    const Py_ssize_t at = base + bit / (int)sizeof(T);                                       \
+                    idx[c] = at, ov[c] = o[at], nv[c] = n[at], c++;                                          \
+                    m &= ~(lane << bit);                                                                     \
+                } while (m);                                                                                 \
+            }                                                                                                \
+            e += k * per_step;                                                                               \
+        }                                                                                                    \
+        ONE_BY_ONE(total);                                                                                   \
+    out:                                                                                                     \
+        *count = c;                                                                                          \
+        return e;                                                                                            \
+    }
+
+DEFINE_SCAN_AVX2(uint8_t, scan8_avx2, _mm256_cmpeq_epi8)
+DEFINE_SCAN_AVX2(uint16_t, scan16_avx2, _mm256_cmpeq_epi16)
+DEFINE_SCAN_AVX2(uint32_t, scan32_avx2, _mm256_cmpeq_epi32)
+DEFINE_SCAN_AVX2(uint64_t, scan64_avx2, _mm256_cmpeq_epi64)
+
+static int pick_simd(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi")) return 0;
+    chosen[0] = AS_SCAN(scan8_avx2), chosen[1] = AS_SCAN(scan16_avx2);
+    chosen[2] = AS_SCAN(scan32_avx2), chosen[3] = AS_SCAN(scan64_avx2);
+    return 1;
+}
+#else
+static int pick_simd(void) { return 0; }
+#endif
+
 static PyObject *diff_into(PyObject *self, PyObject *args) {
     Py_buffer ob, nb, ib, vb, wb;
     int isz;
     Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "y*y*innw*w*w*", &ob, &nb, &isz, &start, &end, &ib, &vb, &wb)) return NULL;
+    int plain = 0;
+    if (!PyArg_ParseTuple(args, "y*y*innw*w*w*|p", &ob, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain))
+        return NULL;
     PyObject *result = NULL;
     if (isz != 1 && isz != 2 && isz != 4 && isz != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8");
@@ -146,12 +227,8 @@ static PyObject *diff_into(PyObject *self, PyObject *args) {
     Py_ssize_t count = 0, stop = start;
     int64_t *idx = (int64_t *)ib.buf;
     Py_BEGIN_ALLOW_THREADS
-    switch (isz) {
-    case 1: stop = scan8(ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count); break;
-    case 2: stop = scan16(ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count); break;
-    case 4: stop = scan32(ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count); break;
-    default: stop = scan64(ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count); break;
-    }
+    const int which = isz == 1 ? 0 : isz == 2 ? 1 : isz == 4 ? 2 : 3;
+    stop = (plain ? portable : chosen)[which](ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nn", count, stop);
 done:
@@ -163,12 +240,269 @@ done:
     return result;
 }
 
+/* MSB-first bit packing: `held` (< 32 between calls) pending bits in `acc`. */
+struct bit_writer {
+    uint64_t acc;
+    int held;
+    uint8_t *out;
+};
+
+static inline void put_bits(struct bit_writer *w, uint64_t v, int nbits) { /* 1 <= nbits <= 32 */
+    /* Branch-free: the next four bytes are stored every time (the buffer has
+     * four bytes of slack) and kept only once 32 bits are complete, because
+     * whether they are depends on the data and would mispredict. */
+    w->acc = (w->acc << nbits) | v;
+    w->held += nbits;
+    const int full = w->held >= 32;
+    w->held -= full << 5;
+    const uint32_t x = __builtin_bswap32((uint32_t)(w->acc >> w->held));
+    memcpy(w->out, &x, 4);
+    w->out += full << 2;
+}
+
+/* The last partial byte, zero-padded. */
+static inline void flush_bits(struct bit_writer *w) {
+    while (w->held >= 8) w->held -= 8, *w->out++ = (uint8_t)(w->acc >> w->held);
+    if (w->held) *w->out++ = (uint8_t)(w->acc << (8 - w->held)), w->held = 0;
+}
+
+/*
+ * rice_index(indices, start, kmin, kmax) -> (k, unary, rem)
+ *
+ * The Rice code of a sparse segment's positions (docs/FORMAT.md): gaps
+ * g[i] = p[i] - p[i-1] - 1 with p[-1] = start - 1, each as g >> k zero bits
+ * and a one bit (`unary`), and its low k bits (`rem`), both MSB-first. k is
+ * the cheapest in [kmin, kmax] (the smallest on a tie), costed exactly, the
+ * same rule as bits.rice_k; the caller picks the range from the mean gap.
+ * Positions must be int64, increasing, and at or after `start`.
+ */
+static PyObject *rice_index(PyObject *self, PyObject *args) {
+    Py_buffer ib;
+    Py_ssize_t start;
+    int kmin, kmax;
+    if (!PyArg_ParseTuple(args, "y*nii", &ib, &start, &kmin, &kmax)) return NULL;
+    PyObject *result = NULL, *unary = NULL, *rem = NULL;
+    const Py_ssize_t n = ib.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *p = (const int64_t *)ib.buf;
+    if (ib.len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)ib.buf % sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "indices must be an aligned int64 buffer");
+        goto done;
+    }
+    if (kmin < 0 || kmax < kmin || kmax > 40 || kmax - kmin > 7) {
+        PyErr_SetString(PyExc_ValueError, "Rice parameters must lie in [0, 40], at most 8 of them");
+        goto done;
+    }
+    /* Exact cost of each candidate k: n * (k + 1) + sum(g >> k); the same pass checks the order. */
+    uint64_t sums[8] = {0};
+    const int nk = kmax - kmin + 1;
+    int k = kmin, ordered = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (n) {
+        ordered = p[0] >= (int64_t)start;
+        for (int j = 0; j < nk; j++) sums[j] = (uint64_t)(p[0] - start) >> (kmin + j);
+        for (int j = 0; j < nk; j += 2) { /* two candidates per pass: a loop the compiler vectorises */
+            const int k0 = kmin + j, k1 = j + 1 < nk ? k0 + 1 : 63;
+            uint64_t s0 = 0, s1 = 0, bad = 0;
+            for (Py_ssize_t i = 1; i < n; i++) {
+                const uint64_t g = (uint64_t)(p[i] - p[i - 1] - 1);
+                bad |= g;
+                s0 += g >> k0;
+                s1 += g >> k1;
+            }
+            ordered &= (int64_t)bad >= 0; /* a gap below 0 (out of order) sets the top bit */
+            sums[j] += s0;
+            if (j + 1 < nk) sums[j + 1] += s1;
+        }
+    }
+    uint64_t best = 0;
+    for (int j = 0; j < nk; j++) {
+        const uint64_t cost = (uint64_t)n * (uint64_t)(kmin + j + 1) + sums[j];
+        if (j == 0 || cost < best) best = cost, k = kmin + j;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ordered) {
+        PyErr_SetString(PyExc_ValueError, "indices must increase and start at or after `start`");
+        goto done;
+    }
+    const uint64_t ubits = sums[k - kmin] + (uint64_t)n;
+    const Py_ssize_t ulen = (Py_ssize_t)((ubits + 7) / 8), rlen = (Py_ssize_t)(((uint64_t)n * (uint64_t)k + 7) / 8);
+    unary = PyBytes_FromStringAndSize(NULL, ulen + 4); /* + the writers' slack */
+    rem = PyBytes_FromStringAndSize(NULL, rlen + 4);
+    if (unary == NULL || rem == NULL) goto done;
+    {
+        struct bit_writer uw = {0, 0, (uint8_t *)PyBytes_AS_STRING(unary)};
+        struct bit_writer rw = {0, 0, (uint8_t *)PyBytes_AS_STRING(rem)};
+        Py_BEGIN_ALLOW_THREADS
+        const uint64_t low = k ? (~0ULL >> (64 - k)) : 0;
+        int64_t prev = (int64_t)start - 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint64_t g = (uint64_t)(p[i] - prev - 1);
+            prev = p[i];
+            uint64_t q = g >> k; /* q zeros, then a one */
+            for (; q >= 32; q -= 32) put_bits(&uw, 0, 32);
+            put_bits(&uw, 1, (int)q + 1);
+            if (k > 32) put_bits(&rw, g >> 32 & low >> 32, k - 32); /* gaps of billions */
+            if (k) put_bits(&rw, g & 0xFFFFFFFFu & low, k > 32 ? 32 : k);
+        }
+        flush_bits(&uw);
+        flush_bits(&rw);
+        Py_END_ALLOW_THREADS
+    }
+    if (_PyBytes_Resize(&unary, ulen) < 0 || _PyBytes_Resize(&rem, rlen) < 0) goto done;
+    result = Py_BuildValue("iOO", k, unary, rem);
+done:
+    Py_XDECREF(unary);
+    Py_XDECREF(rem);
+    PyBuffer_Release(&ib);
+    return result;
+}
+
+/*
+ * ulp_encode(old, new, itemsize, out): the zigzag-coded ulp distance from
+ * each old to each new bit pattern (bits.ulp_encode), in one pass: the order
+ * key of a sign-magnitude float flips every bit of a negative and only the
+ * sign bit of a positive, the distance is the difference of keys modulo
+ * 2**bits read as signed, and zigzag maps it to an unsigned code.
+ *
+ * ulp_streams(codes, itemsize) -> (signs, narrow, escapes): a ulp segment's
+ * value streams (docs/FORMAT.md): with zm = code - 1, the bits zm & 1 packed
+ * MSB-first, one byte min(zm >> 1, 255) per element, and for each byte at 255
+ * the little-endian integer (zm >> 1) - 255 (the caller cuts it into planes).
+ */
+#define DEFINE_ULP(T, NAME, STREAMS)                                                                        \
+    static void NAME(const T *o, const T *n, T *z, Py_ssize_t count) {                                       \
+        const int top = 8 * (int)sizeof(T) - 1;                                                              \
+        const T sign = (T)((T)1 << top);                                                                     \
+        for (Py_ssize_t i = 0; i < count; i++) {                                                             \
+            const T ko = o[i] ^ (T)((o[i] >> top) ? (T)~(T)0 : sign);                                        \
+            const T kn = n[i] ^ (T)((n[i] >> top) ? (T)~(T)0 : sign);                                        \
+            const T d = (T)(kn - ko);                                                                        \
+            z[i] = (T)((T)(d << 1) ^ (T)((d >> top) ? (T)~(T)0 : 0));                                        \
+        }                                                                                                    \
+    }                                                                                                        \
+    __attribute__((noinline)) static Py_ssize_t STREAMS(const T *z, Py_ssize_t count, uint8_t *signs,           \
+                                                        uint8_t *narrow, T *esc) {                             \
+        /* Three simple loops the compiler vectorises; escapes are rare, so their loop only runs when needed. */ \
+        Py_ssize_t ne = 0;                                                                                   \
+        for (Py_ssize_t i = 0; i < count; i++) {                                                             \
+            const T mag = (T)((T)(z[i] - 1) >> 1);                                                           \
+            narrow[i] = mag < 255 ? (uint8_t)mag : 255;                                                      \
+            ne += mag >= 255;                                                                                \
+        }                                                                                                    \
+        for (Py_ssize_t b = 0; b < count / 8; b++) {                                                         \
+            unsigned bits = 0;                                                                               \
+            for (int j = 0; j < 8; j++) bits |= (unsigned)((T)(z[8 * b + j] - 1) & 1) << (7 - j);           \
+            signs[b] = (uint8_t)bits;                                                                        \
+        }                                                                                                    \
+        if (count & 7) {                                                                                     \
+            unsigned bits = 0;                                                                               \
+            for (Py_ssize_t i = count & ~(Py_ssize_t)7; i < count; i++)                                      \
+                bits |= (unsigned)((T)(z[i] - 1) & 1) << (7 - (i & 7));                                      \
+            signs[count >> 3] = (uint8_t)bits;                                                               \
+        }                                                                                                    \
+        if (ne) {                                                                                            \
+            ne = 0;                                                                                          \
+            for (Py_ssize_t i = 0; i < count; i++) {                                                         \
+                const T mag = (T)((T)(z[i] - 1) >> 1);                                                       \
+                if (mag >= 255) esc[ne++] = (T)(mag - 255);                                                  \
+            }                                                                                                \
+        }                                                                                                    \
+        return ne;                                                                                           \
+    }
+
+DEFINE_ULP(uint8_t, ulp8, streams8)
+DEFINE_ULP(uint16_t, ulp16, streams16)
+DEFINE_ULP(uint32_t, ulp32, streams32)
+DEFINE_ULP(uint64_t, ulp64, streams64)
+
+static int check_width(int isz) {
+    if (isz == 1 || isz == 2 || isz == 4 || isz == 8) return 1;
+    PyErr_SetString(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8");
+    return 0;
+}
+
+static PyObject *ulp_encode(PyObject *self, PyObject *args) {
+    Py_buffer ob, nb, zb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &ob, &nb, &isz, &zb)) return NULL;
+    PyObject *result = NULL;
+    if (!check_width(isz)) goto done;
+    if (ob.len != nb.len || ob.len != zb.len || ob.len % isz ||
+        ((uintptr_t)ob.buf | (uintptr_t)nb.buf | (uintptr_t)zb.buf) % isz) {
+        PyErr_SetString(PyExc_ValueError, "old, new and out must be equally long aligned arrays of whole elements");
+        goto done;
+    }
+    const Py_ssize_t count = ob.len / isz;
+    Py_BEGIN_ALLOW_THREADS
+    switch (isz) {
+    case 1: ulp8(ob.buf, nb.buf, zb.buf, count); break;
+    case 2: ulp16(ob.buf, nb.buf, zb.buf, count); break;
+    case 4: ulp32(ob.buf, nb.buf, zb.buf, count); break;
+    default: ulp64(ob.buf, nb.buf, zb.buf, count); break;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&zb);
+    return result;
+}
+
+static PyObject *ulp_streams(PyObject *self, PyObject *args) {
+    Py_buffer zb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*i", &zb, &isz)) return NULL;
+    PyObject *result = NULL, *signs = NULL, *narrow = NULL, *esc = NULL;
+    if (!check_width(isz)) goto done;
+    if (zb.len % isz || (uintptr_t)zb.buf % isz) {
+        PyErr_SetString(PyExc_ValueError, "codes must be an aligned array of whole elements");
+        goto done;
+    }
+    const Py_ssize_t count = zb.len / isz;
+    signs = PyBytes_FromStringAndSize(NULL, (count + 7) / 8);
+    narrow = PyBytes_FromStringAndSize(NULL, count);
+    esc = PyBytes_FromStringAndSize(NULL, count * isz);
+    if (signs == NULL || narrow == NULL || esc == NULL) goto done;
+    Py_ssize_t ne = 0;
+    uint8_t *sp = (uint8_t *)PyBytes_AS_STRING(signs), *np_ = (uint8_t *)PyBytes_AS_STRING(narrow);
+    void *ep = PyBytes_AS_STRING(esc);
+    Py_BEGIN_ALLOW_THREADS
+    switch (isz) {
+    case 1: ne = streams8(zb.buf, count, sp, np_, ep); break;
+    case 2: ne = streams16(zb.buf, count, sp, np_, ep); break;
+    case 4: ne = streams32(zb.buf, count, sp, np_, ep); break;
+    default: ne = streams64(zb.buf, count, sp, np_, ep); break;
+    }
+    Py_END_ALLOW_THREADS
+    if (_PyBytes_Resize(&esc, ne * isz) < 0) goto done;
+    result = PyTuple_Pack(3, signs, narrow, esc);
+done:
+    Py_XDECREF(signs);
+    Py_XDECREF(narrow);
+    Py_XDECREF(esc);
+    PyBuffer_Release(&zb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
-     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out) -> (count, stop)"},
+     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False) -> (count, stop)"},
+    {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
+    {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
+    {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Fused bit-pattern diff.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    /* SIMD: the name of the scan diff_into uses unless asked for the portable one. */
+    if (PyModule_AddStringConstant(m, "SIMD", pick_simd() ? "avx2" : "portable") < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

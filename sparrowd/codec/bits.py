@@ -21,11 +21,17 @@ Transforms, all vectorised, all exact and invertible:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import FormatError
+
+try:
+    from . import _native
+except ImportError:  # no compiler at install time: the numpy paths give the same bytes
+    _native = None
 
 __all__ = [
     "DType",
@@ -38,6 +44,7 @@ __all__ = [
     "order_unkey",
     "ulp_encode",
     "ulp_apply",
+    "ulp_streams",
     "zigzag",
     "unzigzag",
     "rotl1",
@@ -46,6 +53,7 @@ __all__ = [
     "from_planes",
     "rice_k",
     "rice_encode",
+    "rice_index",
     "rice_decode",
 ]
 
@@ -132,11 +140,39 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return ((z >> t(1)) ^ (t(0) - (z & t(1)))).view(sint_type(z.dtype.itemsize))
 
 
-def ulp_encode(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+def ulp_encode(old: np.ndarray, new: np.ndarray, *, native: bool = True) -> np.ndarray:
     """Zigzag-coded ulp distances from ``old`` to ``new`` bit patterns (same width)."""
+    if native and _native is not None and old.size:
+        out = np.empty(old.size, old.dtype)
+        _native.ulp_encode(np.ascontiguousarray(old), np.ascontiguousarray(new, old.dtype), old.dtype.itemsize, out)
+        return out
     with np.errstate(over="ignore"):
         d = (order_key(new) - order_key(old)).view(sint_type(old.dtype.itemsize))
     return zigzag(d)
+
+
+ESCAPE = 255  # a ulp magnitude byte at this value means "see the escape stream"
+
+
+def ulp_streams(z: np.ndarray, *, native: bool = True) -> list[np.ndarray]:
+    """The ``sign``, ``mag`` and ``esc`` streams of zigzag ulp codes (docs/FORMAT.md).
+
+    With ``zm = z - 1`` (codes are never 0: every element changed), ``sign``
+    packs the bits ``zm & 1`` MSB-first, ``mag`` holds ``min(zm >> 1, 255)``
+    per element, and ``esc`` the byte planes of ``(zm >> 1) - 255`` where ``mag`` is 255.
+    """
+    w = z.dtype.itemsize
+    if native and _native is not None:
+        signs, narrow, esc = _native.ulp_streams(np.ascontiguousarray(z), w)
+        return [np.frombuffer(signs, np.uint8), np.frombuffer(narrow, np.uint8),
+                to_planes(np.frombuffer(esc, uint_type(w)))]
+    t = z.dtype.type
+    with np.errstate(over="ignore"):
+        zm = z - t(1)  # zigzag z = 2|d| - (d < 0): zm = 2(|d| - 1) + up
+    mag = zm >> t(1)
+    narrow = np.minimum(mag, ESCAPE).astype(np.uint8)
+    esc = mag[mag >= ESCAPE] - t(ESCAPE)
+    return [np.packbits((zm & t(1)).astype(np.uint8)), narrow, to_planes(esc)]
 
 
 def ulp_apply(old: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -228,22 +264,47 @@ class RawTensor:
 MAX_RICE_K = 40
 
 
-def rice_k(g: np.ndarray) -> int:
-    """The Rice parameter that makes ``g`` (unsigned) shortest.
+def _rice_candidates(n: int, total: int) -> range:
+    """The Rice parameters worth costing for ``n`` gaps summing to ``total``.
 
     The optimum for a geometric source is near ``log2(mean * ln 2)``; the three
-    candidates around it are costed exactly and the cheapest wins.
+    candidates around it are costed exactly and the cheapest wins. The mean
+    comes from exact integers so that every path picks the same ``k``.
     """
+    mean = total / n
+    k0 = int(math.log2(mean * 0.6931)) if mean >= 2 else 0
+    return range(min(MAX_RICE_K, max(0, k0 - 1)), min(MAX_RICE_K, k0 + 1) + 1)
+
+
+def rice_k(g: np.ndarray) -> int:
+    """The Rice parameter that makes ``g`` (unsigned) shortest."""
     if g.size == 0:
         return 0
-    mean = float(g.mean())
-    k0 = int(np.log2(mean * 0.6931)) if mean >= 2 else 0
     best_k, best = 0, None
-    for k in range(max(0, k0 - 1), min(MAX_RICE_K, k0 + 1) + 1):
+    for k in _rice_candidates(g.size, int(g.sum(dtype=np.uint64))):
         bits = g.size * (k + 1) + int((g >> np.uint64(k)).sum())
         if best is None or bits < best:
             best_k, best = k, bits
     return best_k
+
+
+def rice_index(indices: np.ndarray, start: int, *, native: bool = True) -> tuple[int, np.ndarray, np.ndarray]:
+    """Rice parameter and the ``unary`` and ``rem`` streams of sorted positions from ``start``.
+
+    The gaps are ``p[i] - p[i-1] - 1`` with ``p[-1] = start - 1``. The C
+    extension does it in two passes over the positions; without it (or with
+    ``native=False``) numpy gives the same bytes.
+    """
+    n = int(indices.size)
+    if n == 0:
+        return 0, np.empty(0, np.uint8), np.empty(0, np.uint8)
+    if native and _native is not None:
+        ks = _rice_candidates(n, int(indices[-1]) - start + 1 - n)
+        k, unary, rem = _native.rice_index(np.ascontiguousarray(indices, np.int64), start, ks.start, ks.stop - 1)
+        return k, np.frombuffer(unary, np.uint8), np.frombuffer(rem, np.uint8)
+    gaps = (np.diff(indices, prepend=np.int64(start - 1)) - 1).astype(np.uint64)
+    k = rice_k(gaps)
+    return (k, *rice_encode(gaps, k))
 
 
 _BE = {1: ">u1", 2: ">u2", 3: ">u4", 4: ">u4", 5: ">u8", 6: ">u8", 7: ">u8", 8: ">u8"}

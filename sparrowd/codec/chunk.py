@@ -43,15 +43,16 @@ import zstandard
 from ..errors import FormatError, IntegrityError
 from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
+    ESCAPE,
     dtype_info,
     from_planes,
     rice_decode,
-    rice_encode,
-    rice_k,
+    rice_index,
     rotl1,
     rotr1,
     to_planes,
     uint_type,
+    ulp_streams,
 )
 
 __all__ = [
@@ -70,7 +71,6 @@ __all__ = [
 CHUNK_MAGIC = b"SPC1"
 ABSOLUTE, ULP = "absolute", "ulp"
 SPARSE, DENSE = "sparse", "dense"
-ESCAPE = 255
 # Largest decompressed chunk accepted: far above any sane target, small enough
 # that a hostile frame cannot make a reader allocate without bound.
 MAX_CHUNK_RAW = 256 << 20
@@ -132,13 +132,7 @@ def segment_streams(kind: str, values: str, itemsize: int) -> tuple[str, ...]:
 
 def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     if seg.values == ULP:
-        t = seg.data.dtype.type
-        with np.errstate(over="ignore"):
-            zm = seg.data - t(1)  # zigzag z = 2|d| - (d < 0): zm = 2(|d| - 1) + up
-        mag = zm >> t(1)
-        narrow = np.minimum(mag, ESCAPE).astype(np.uint8)
-        esc = mag[mag >= ESCAPE] - t(ESCAPE)
-        return [np.packbits((zm & t(1)).astype(np.uint8)), narrow, to_planes(esc)]
+        return ulp_streams(seg.data)
     bits = rotl1(seg.data) if info.is_float else seg.data
     return list(to_planes(bits))
 
@@ -150,9 +144,8 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
     blobs: list[np.ndarray] = []
     k = 0
     if seg.kind == SPARSE:
-        gaps = (np.diff(seg.indices, prepend=np.int64(seg.start - 1)) - 1).astype(np.uint64)
-        k = rice_k(gaps)
-        blobs += rice_encode(gaps, k)
+        k, unary, rem = rice_index(seg.indices, seg.start)
+        blobs += [unary, rem]
     elif seg.count != seg.stop - seg.start:
         raise ValueError(f"dense segment {seg.name}: {seg.count} values for range of {seg.stop - seg.start}")
     blobs += _encode_values(seg, info)

@@ -92,3 +92,45 @@ def test_diff_fingerprint_can_skip_the_old_side():
     old, new = _pair(np.uint16, 100_003, 0.01, 3)
     idx, ov, nv, fo, fn = diff_fingerprint(old, new, hash_old=False)
     assert fo is None and fn == fingerprint(new) and np.array_equal(idx, np.flatnonzero(old != new))
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def test_the_simd_scan_is_chosen_where_the_cpu_has_it():
+    from sparrowd.codec import _native
+
+    assert _native.SIMD == ("avx2" if _cpu_has("avx2") and _cpu_has("bmi1") else "portable")
+
+
+def _scan(old, new, lo, portable: bool):
+    from sparrowd.codec import _native
+
+    n = old.size - lo
+    out = np.empty(n + 64, np.int64), np.empty(n + 64, old.dtype), np.empty(n + 64, old.dtype)
+    count, stop = _native.diff_into(old, new, old.dtype.itemsize, lo, old.size, *out, portable)
+    assert stop == old.size
+    return tuple(x[:count] for x in out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    w=st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
+    n=st.integers(0, 20_000),
+    density=st.sampled_from([0.0, 1e-3, 0.01, 0.3, 1.0]),
+    lo_frac=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_simd_and_portable_scans_agree(w, n, density, lo_frac, seed):
+    old, new = _pair(w, n, density, seed)
+    lo = int(lo_frac * n)
+    expect = np.flatnonzero(old[lo:] != new[lo:]) + lo
+    for portable in (False, True):
+        idx, ov, nv = _scan(old, new, lo, portable)
+        assert np.array_equal(idx, expect)
+        assert np.array_equal(ov, old[expect]) and np.array_equal(nv, new[expect])
