@@ -8,15 +8,18 @@
 ``publish`` keeps the last published copy of each tensor, in the dtype the
 engine serves (bf16 by default; fp32 master weights are cast first, as the
 engine will see them), on the tensor's own device. It compares bit patterns
-there, moves only the changed indices and values to the host (fingerprints
+there (on the CPU, one fused C pass compares, gathers the changes,
+fingerprints the new tensor and brings the kept copy up to date while each
+block is in cache), moves only the changed indices and values to the host (fingerprints
 of device tensors come from a host mirror kept up to date O(changed); with
 ``compare="torch"`` CPU tensors take that path too), and encodes
 tensor by tensor in a worker thread while the next tensor is compared; each
 chunk goes to the local daemon as soon as it is encoded, so the swarm starts
 moving while extraction is still running. Nothing of a version counts as
 published until the daemon has taken its manifest: if the daemon is down or
-refuses, ``publish`` raises and the next call diffs against the last version
-that was published, so a version's base is always the last published one.
+refuses, ``publish`` raises, puts every kept copy back, and the next call diffs
+against the last version that was published, so a version's base is always
+the last published one.
 Every call first asks the daemon where its chain ends: a version the daemon
 took although its reply was lost is adopted (its manifest's hash matches);
 any other disagreement is an error, never a patch on the wrong base. A
@@ -146,7 +149,7 @@ class _Pending:
     version: int
     manifest: str  # BLAKE3 of the manifest's bytes, hex
     updates: list
-    mirrored: list  # host mirrors already moved to this version: undone if the daemon did not take it
+    moved: list  # kept copies and host mirrors already moved to this version: undone if the daemon did not take it
 
 
 class Publisher:
@@ -298,13 +301,15 @@ class Publisher:
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
 
-        mirrored: list = []  # (kept tensor, positions, old values): host mirrors moved ahead, undone on failure
+        # (host array, positions, old values): kept copies and host mirrors already moved to this
+        # version, put back if the version is not published.
+        moved: list = []
 
         def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list) -> None:
             t0 = time.perf_counter()
             if update[3] is None:  # compared by torch: the new fingerprint comes from the host mirror
                 kept.mirror[idx] = nv
-                mirrored.append((kept, idx, ov))
+                moved.append((kept.mirror, idx, ov))
                 update[3] = fingerprint(kept.mirror)
             # The values were gathered already; the encoder only needs the layout of both sides.
             chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv)
@@ -315,7 +320,7 @@ class Publisher:
         if set(state) != set(self._last):
             raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor: "
                              "publish_anchor)")
-        updates = []  # (kept tensor, changed indices, new values, new fingerprint), applied once published
+        updates = []  # (kept tensor, changed indices, new values or None if in place already, new fingerprint)
         names = sorted(state)
         served = {}
         for name in names:
@@ -323,63 +328,69 @@ class Publisher:
             if (old.dtype, old.shape) != (new.dtype, new.shape):
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor: publish_anchor)")
             served[name] = new
-        # On the CPU the fused C pass compares, gathers and fingerprints in one read; tensors go to
-        # two threads (the pass releases the GIL) and come back in name order.
+        # On the CPU the fused C pass compares, gathers, fingerprints and brings the kept copy up to
+        # date in one read; tensors go to two threads (the pass releases the GIL) and come back in
+        # name order.
         cpu = {name: self._compare.submit(self._timed, diff_fingerprint, self._host(self._last[name].bits),
-                                          self._host(new.bits), hash_old=False)
+                                          self._host(new.bits), hash_old=False, update_old=True)
                for name, new in served.items() if not self._by_torch(new.bits)}
-        for name in names:
-            old, new = self._last[name], served[name]
-            stats.tensors += 1
-            stats.elements += new.bits.numel()
-            t0 = time.perf_counter()
-            if name in cpu:
-                seconds, (idx_h, ov, nv, _, new_fp) = cpu.pop(name).result()
-                host_new = self._host(new.bits)
-                stats.compare_seconds += seconds
-                if idx_h.size == 0:
-                    continue  # the kept copy stays as it is
-                update = [old, idx_h, nv, new_fp]
-            else:
-                idx = torch.nonzero(new.bits != old.bits).reshape(-1)
-                if new.bits.device.type == "cuda":
-                    torch.cuda.synchronize(new.bits.device)
-                stats.compare_seconds += time.perf_counter() - t0
-                if idx.numel() == 0:
-                    continue
-                t0 = time.perf_counter()
-                new_vals = new.bits[idx]
-                # Only the changed positions and values cross to the host (O(changed)); the new
-                # fingerprint is taken from the host mirror in the worker.
-                idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
-                ov, nv = self._host(old.bits[idx]), self._host(new_vals)
-                stats.to_host_seconds += time.perf_counter() - t0
-                host_new = old.mirror
-                update = [old, idx, new_vals, None]
-            updates.append(update)
-            stats.tensors_changed += 1
-            stats.elements_changed += int(idx_h.size)
-            layout = RawTensor(new.dtype, new.shape, host_new)
-            sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update))
         try:
+            for name in names:
+                old, new = self._last[name], served[name]
+                stats.tensors += 1
+                stats.elements += new.bits.numel()
+                t0 = time.perf_counter()
+                if name in cpu:
+                    seconds, (idx_h, ov, nv, _, new_fp) = cpu.pop(name).result()
+                    stats.compare_seconds += seconds
+                    if idx_h.size == 0:
+                        continue  # the kept copy stays as it is
+                    moved.append((self._host(old.bits), idx_h, ov))
+                    host_new = self._host(new.bits)
+                    update = [old, idx_h, None, new_fp]
+                else:
+                    idx = torch.nonzero(new.bits != old.bits).reshape(-1)
+                    if new.bits.device.type == "cuda":
+                        torch.cuda.synchronize(new.bits.device)
+                    stats.compare_seconds += time.perf_counter() - t0
+                    if idx.numel() == 0:
+                        continue
+                    t0 = time.perf_counter()
+                    new_vals = new.bits[idx]
+                    # Only the changed positions and values cross to the host (O(changed)); the new
+                    # fingerprint is taken from the host mirror in the worker.
+                    idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
+                    ov, nv = self._host(old.bits[idx]), self._host(new_vals)
+                    stats.to_host_seconds += time.perf_counter() - t0
+                    host_new = old.mirror
+                    update = [old, idx, new_vals, None]
+                updates.append(update)
+                stats.tensors_changed += 1
+                stats.elements_changed += int(idx_h.size)
+                layout = RawTensor(new.dtype, new.shape, host_new)
+                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update))
             for f in sent:
                 f.result()  # errors from the worker (daemon down, refused) surface here
             manifest, rest = enc.finish()
             stream.send(rest)
             body = manifest.to_bytes()
         except BaseException:
-            for f in sent:
+            for f in [*sent, *cpu.values()]:
                 f.cancel()  # what has not started never will
             for f in sent:
                 if not f.cancelled():
                     f.exception()  # wait for the one running: it may still move a mirror
-            self._undo(mirrored)
+            for name, f in cpu.items():  # a compare that ran has moved its kept copy
+                if not f.cancelled() and f.exception() is None:
+                    _, (idx_h, ov, *_rest) = f.result()
+                    moved.append((self._host(self._last[name].bits), idx_h, ov))
+            self._undo(moved)
             raise
         try:
             self._post("/v1/publish/manifest", body)
         except SparrowError:
             # Taken or not? The next call asks the daemon, and adopts this version if it is there.
-            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, mirrored)
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved)
             raise
         self._advance(version, updates)
         stats.total_seconds = time.perf_counter() - t_start
@@ -411,16 +422,14 @@ class Publisher:
             self._gathered(state[name].detach())
 
     @staticmethod
-    def _undo(mirrored: list) -> None:
-        for kept, idx, old_values in reversed(mirrored):
-            kept.mirror[idx] = old_values
+    def _undo(moved: list) -> None:
+        for host, idx, old_values in reversed(moved):
+            host[idx] = old_values
 
     def _advance(self, version: int, updates) -> None:
         """Published: bring the kept copies up to this version, O(changed elements), no full copy."""
         for kept, idx, values, new_fp in updates:
-            if isinstance(values, np.ndarray):
-                self._host(kept.bits)[idx] = values  # a numpy view writing into the kept torch tensor
-            else:
+            if values is not None:  # None: the CPU compare moved the kept copy in place already
                 kept.bits[idx] = values
             kept.fp = new_fp
         self.version, self._pending, self._unrecorded = version, None, False
@@ -431,7 +440,7 @@ class Publisher:
         latest = state["latest"]
         if latest == self.version or (latest is None and self._unrecorded):
             if self._pending is not None:  # the daemon never took it: the mirrors go back too
-                self._undo(self._pending.mirrored)
+                self._undo(self._pending.moved)
             self._pending = None
             return
         p = self._pending

@@ -1,7 +1,10 @@
 /*
- * sparrowd.codec._native: the one loop numpy cannot fuse.
+ * sparrowd.codec._native: the loops numpy cannot fuse. Every function has a
+ * numpy twin that gives the same result (the fallback where no compiler was
+ * found at install time); the tests hold the two to each other.
  *
- * diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out) -> (count, stop)
+ * diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False)
+ *     -> (count, stop)
  *
  * Compares the raw bit patterns of two equally long byte buffers holding
  * elements of `itemsize` bytes (1, 2, 4 or 8), elements [start, end), and
@@ -10,12 +13,17 @@
  * needs a compare pass, a mask, a nonzero pass and two gathers. It stops
  * when the outputs have no room for the next block and returns how many it
  * wrote and the element it stopped at, so the caller can go on with larger
- * buffers; `stop` equals
- * `end` when the scan is complete.
+ * buffers; `stop` equals `end` when the scan is complete. With `update`, the
+ * differing elements of `old` are then overwritten with the new bits (a kept
+ * copy brought up to date while its lines are still in cache).
  *
- * The scan reads 32 bytes of each side per step and only looks inside a step
- * whose XOR is non-zero, so at RL densities (about 1% of elements) it runs at
- * memory speed. The GIL is released during the scan.
+ * The scan only looks inside a step of 32 or 64 bytes whose compare found a
+ * difference, so at RL densities (about 1% of elements) it runs at memory
+ * speed. An AVX2 scan is chosen at import where the CPU has it (`SIMD` names
+ * the one in use); `portable` forces the plain C one. The GIL is released
+ * while any of these loops run.
+ *
+ * rice_index, ulp_encode and ulp_streams (below) are the hot loops of encoding.
  *
  * No numpy headers: everything goes through the buffer protocol.
  */
@@ -197,13 +205,14 @@ static int pick_simd(void) { return 0; }
 #endif
 
 static PyObject *diff_into(PyObject *self, PyObject *args) {
-    Py_buffer ob, nb, ib, vb, wb;
-    int isz;
+    Py_buffer ob = {0}, nb, ib, vb, wb;
+    PyObject *old;
+    int isz, plain = 0, update = 0;
     Py_ssize_t start, end;
-    int plain = 0;
-    if (!PyArg_ParseTuple(args, "y*y*innw*w*w*|p", &ob, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain))
+    if (!PyArg_ParseTuple(args, "Oy*innw*w*w*|pp", &old, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain, &update))
         return NULL;
     PyObject *result = NULL;
+    if (PyObject_GetBuffer(old, &ob, update ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) goto done;
     if (isz != 1 && isz != 2 && isz != 4 && isz != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8");
         goto done;
@@ -229,10 +238,15 @@ static PyObject *diff_into(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const int which = isz == 1 ? 0 : isz == 2 ? 1 : isz == 4 ? 2 : 3;
     stop = (plain ? portable : chosen)[which](ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count);
+    if (update) { /* old becomes new where they differ, while the range is still in cache */
+        char *o = ob.buf;
+        const char *v = wb.buf;
+        for (Py_ssize_t j = 0; j < count; j++) memcpy(o + idx[j] * isz, v + j * isz, (size_t)isz);
+    }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nn", count, stop);
 done:
-    PyBuffer_Release(&ob);
+    if (ob.obj != NULL) PyBuffer_Release(&ob);
     PyBuffer_Release(&nb);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&vb);
@@ -487,7 +501,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
-     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False) -> (count, stop)"},
+     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False)"
+     " -> (count, stop)"},
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},

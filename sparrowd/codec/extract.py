@@ -62,45 +62,54 @@ def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, li
 
 
 def _diff_native(
-    old: np.ndarray, new: np.ndarray, hashers: tuple | None = None
+    old: np.ndarray, new: np.ndarray, hashers: tuple | None = None, update: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One fused pass. With ``hashers`` (two xxh3-128 objects) each block is
-    also fed to the fingerprints while it is still in cache, so the tensor is
-    read from memory once. Outputs start at 1/32 of the input (3% density)
-    and double when the scan runs out of room."""
+    """One fused pass. With ``hashers`` (two xxh3-128 objects, the first may be
+    None) each block is also fed to the fingerprints while it is still in
+    cache, so the tensor is read from memory once; with ``update``, ``old``
+    takes the new bits where they differ, block by block, also in cache.
+    Outputs start at 1/32 of the input (3% density) and double when the scan
+    runs out of room."""
     isz, n = old.dtype.itemsize, old.size
     cap = min(n + 32, max(1 << 15, n // 32))
     ib, ob, nb = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
     count = 0
-    step = FUSED_BLOCK // isz if hashers else n
+    step = FUSED_BLOCK // isz if hashers or update else n
     for s in range(0, n, step):
         e = min(s + step, n)
+        if hashers and hashers[0] is not None:  # before an update can touch this block
+            hashers[0].update(old[s:e])
         pos = s
         while pos < e:
-            got, pos = _native.diff_into(old, new, isz, pos, e, ib[count:], ob[count:], nb[count:])
+            got, pos = _native.diff_into(old, new, isz, pos, e, ib[count:], ob[count:], nb[count:], False, update)
             count += got
             if pos < e:
                 cap *= 2
                 ib, ob, nb = (np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in (ib, ob, nb))
         if hashers:
-            if hashers[0] is not None:
-                hashers[0].update(old[s:e])
             hashers[1].update(new[s:e])
     return ib[:count], ob[:count], nb[:count]
 
 
 def diff_fingerprint(
-    old: np.ndarray, new: np.ndarray, *, hash_old: bool = True
+    old: np.ndarray, new: np.ndarray, *, hash_old: bool = True, update_old: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes | None, bytes]:
     """:func:`diff_values` over whole arrays, plus both fingerprints, reading each array once.
-    ``hash_old=False`` skips the old side's fingerprint (the caller kept it) and returns None for it."""
+    ``hash_old=False`` skips the old side's fingerprint (the caller kept it) and returns None for it.
+    ``update_old=True`` also brings ``old`` (writable) up to ``new`` where they differ: the caller's
+    kept copy, updated in the same pass; the returned old values put it back."""
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         raise ValueError("diff needs two 1-D arrays of the same unsigned dtype and length")
+    if update_old and not (old.flags.writeable and old.flags.c_contiguous):
+        raise ValueError("update_old needs a writable contiguous old array")
     if _native is None or old.size == 0:
+        fo = fingerprint(old) if hash_old else None
         idx, ov, nv = diff_values(old, new)
-        return idx, ov, nv, fingerprint(old) if hash_old else None, fingerprint(new)
+        if update_old:
+            old[idx] = nv
+        return idx, ov, nv, fo, fingerprint(new)
     hashers = (xxhash.xxh3_128() if hash_old else None, xxhash.xxh3_128())
-    idx, ov, nv = _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hashers)
+    idx, ov, nv = _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hashers, update_old)
     return idx, ov, nv, hashers[0].digest() if hash_old else None, hashers[1].digest()
 
 

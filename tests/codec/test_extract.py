@@ -134,3 +134,22 @@ def test_the_simd_and_portable_scans_agree(w, n, density, lo_frac, seed):
         idx, ov, nv = _scan(old, new, lo, portable)
         assert np.array_equal(idx, expect)
         assert np.array_equal(ov, old[expect]) and np.array_equal(nv, new[expect])
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("w", [np.uint16, np.uint32])
+def test_diff_fingerprint_can_bring_the_old_side_up_to_date(native, w, monkeypatch):
+    # The Publisher's kept copy is updated in the diff's own pass; the returned old values undo it.
+    if not native:
+        monkeypatch.setattr(extract, "_native", None)
+    old, new = _pair(w, (3 << 20) + 11, 0.01, 5)  # several fused blocks and a partial one
+    kept = old.copy()
+    idx, ov, nv, fo, fn = diff_fingerprint(kept, new, hash_old=False, update_old=True)
+    assert np.array_equal(kept, new) and np.array_equal(idx, np.flatnonzero(old != new))
+    assert fo is None and fn == fingerprint(new)
+    kept[idx] = ov
+    assert np.array_equal(kept, old)
+    with pytest.raises(ValueError, match="writable"):
+        ro = old.copy()
+        ro.flags.writeable = False
+        diff_fingerprint(ro, new, update_old=True)

@@ -331,15 +331,17 @@ def test_fsdp2_ranks_publish_gathered_tensors(cluster, tmp_path):
             assert np.array_equal(state[k].bits, want[k].reshape(-1).view("<u2")), (v, k)
 
 
-def test_a_version_that_fails_half_way_leaves_no_trace_in_the_host_mirrors(cluster):
-    """The torch path moves each kept tensor's host mirror as it encodes; a chunk refused half way
-    must put every mirror back, or the next version's fingerprints would describe weights that
-    were never published (the node's rebuild below would fail its result check)."""
+@pytest.mark.parametrize("compare", ["auto", "torch"])
+def test_a_version_that_fails_half_way_leaves_no_trace_in_the_kept_copies(cluster, compare):
+    """Both paths move kept state ahead while the version is built: the CPU compare updates the
+    kept copies in its pass, the torch path moves each host mirror as it encodes. A chunk refused
+    half way must put all of it back, or the next version would be diffed against weights that
+    were never published (the node's rebuild below would fail its base or result check)."""
     model, opt = trained_setup(4)
     _, node = cluster.pair()
     base = served_bits(model)
     proxy = DropManifestReply(cluster.tracker)
-    pub = Publisher(daemon=proxy.url, token_file=cluster.token_file, compare="torch", timeout=5)
+    pub = Publisher(daemon=proxy.url, token_file=cluster.token_file, compare=compare, timeout=5)
     pub.start(model, version=0)
     train(model, opt)
     pub.publish(model, version=1)
