@@ -60,7 +60,7 @@ WARMUP_LR = 1e-3
 TENSOR_MIB = 16
 SYNTH_STD = 0.02
 SYNTH_FRACTION = 0.01
-REPEATS = 3
+REPEATS = 5
 ZSTD_LEVEL = 3
 
 # Targets the codec was designed for.
@@ -263,13 +263,18 @@ def _synthetic_pair(torch, size_mib: int, rng) -> tuple[dict[str, RawTensor], di
     return old, new, moved
 
 
-def _best_of(fn, repeats: int = REPEATS) -> tuple[float, object]:
-    best, out = math.inf, None
+def _best_of(*fns, repeats: int = REPEATS) -> list[tuple[float, object]]:
+    """Best time of each function over ``repeats`` rounds, the functions taking turns in each
+    round, so that a slow spell of the machine (a shared VM) falls on all of them alike."""
+    best = [(math.inf, None)] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            out = fn()
+            t = time.perf_counter() - t0
+            if t < best[i][0]:
+                best[i] = (t, out)
+    return best
 
 
 def _throughput(torch, size_mib: int, rng) -> dict:
@@ -282,13 +287,11 @@ def _throughput(torch, size_mib: int, rng) -> dict:
     def encoder(threads: int):
         return lambda: encode_patch(old, new, version=1, base_version=0, values="ulp", threads=threads)
 
-    t_read, seen = _best_of(read_compare)
-    t_enc2, (manifest, chunks) = _best_of(encoder(2))
-    t_enc1, _ = _best_of(encoder(1))
+    (t_read, seen), (t_enc2, (manifest, chunks)), (t_enc1, _) = _best_of(read_compare, encoder(2), encoder(1))
     if seen != moved or manifest.elements_changed != moved:
         raise BitExactError(f"synthetic pair: moved {moved} elements, compare saw {seen}, "
                             f"the patch carries {manifest.elements_changed}")
-    t_dec, _ = _best_of(lambda: [decode_chunk(c.data) for c in chunks])
+    ((t_dec, _),) = _best_of(lambda: [decode_chunk(c.data) for c in chunks])
     t_apply = []  # the first call pays for faulting in fresh memory for the result; later ones reuse it
     for _ in range(REPEATS):
         t0 = time.perf_counter()
@@ -363,7 +366,7 @@ def _print_throughput(tp: dict) -> None:
           f"of {TENSOR_MIB} MiB, {tp['density']:.2%} of elements moved +-1 ulp")
     print(f"   patch: {tp['chunks']} chunks, {tp['patch_bytes'] / (1 << 20):.2f} MiB, "
           f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp)")
-    print(f"   best of {REPEATS}; GB/s = 1e9 bytes of one side per second. apply_patch copies the base into a fresh")
+    print(f"   best of {REPEATS} rounds, taking turns; GB/s = 1e9 bytes of one side per second. apply_patch copies the base into a fresh")
     print("   result and fingerprints base and result; its first call also faults in that memory\n")
     rows = [
         ("read+compare (numpy, baseline)", "read_compare"),

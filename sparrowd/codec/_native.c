@@ -340,25 +340,37 @@ static PyObject *rice_index(PyObject *self, PyObject *args) {
     }
     const uint64_t ubits = sums[k - kmin] + (uint64_t)n;
     const Py_ssize_t ulen = (Py_ssize_t)((ubits + 7) / 8), rlen = (Py_ssize_t)(((uint64_t)n * (uint64_t)k + 7) / 8);
-    unary = PyBytes_FromStringAndSize(NULL, ulen + 4); /* + the writers' slack */
-    rem = PyBytes_FromStringAndSize(NULL, rlen + 4);
+    const Py_ssize_t uwords = ulen / 8 + 1; /* the unary stream is built in whole 64-bit words */
+    unary = PyBytes_FromStringAndSize(NULL, uwords * 8);
+    rem = PyBytes_FromStringAndSize(NULL, rlen + 4); /* + the writer's slack */
     if (unary == NULL || rem == NULL) goto done;
     {
-        struct bit_writer uw = {0, 0, (uint8_t *)PyBytes_AS_STRING(unary)};
+        uint8_t *u = (uint8_t *)PyBytes_AS_STRING(unary);
         struct bit_writer rw = {0, 0, (uint8_t *)PyBytes_AS_STRING(rem)};
         Py_BEGIN_ALLOW_THREADS
+        /* Unary: each value's one bit lands at a position that only grows; the word holding it
+         * is kept in a register and stored (big-endian) when the position leaves it. Words
+         * skipped by a long run of zeros stay as the memset left them. */
+        memset(u, 0, (size_t)uwords * 8);
+        uint64_t at = 0, word = 0, held_word = 0;
         const uint64_t low = k ? (~0ULL >> (64 - k)) : 0;
         int64_t prev = (int64_t)start - 1;
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint64_t g = (uint64_t)(p[i] - prev - 1);
             prev = p[i];
-            uint64_t q = g >> k; /* q zeros, then a one */
-            for (; q >= 32; q -= 32) put_bits(&uw, 0, 32);
-            put_bits(&uw, 1, (int)q + 1);
+            at += g >> k; /* g >> k zeros, then the one */
+            if ((at >> 6) != held_word) {
+                const uint64_t be = __builtin_bswap64(word);
+                memcpy(u + 8 * held_word, &be, 8);
+                held_word = at >> 6, word = 0;
+            }
+            word |= 0x8000000000000000ULL >> (at & 63);
+            at++;
             if (k > 32) put_bits(&rw, g >> 32 & low >> 32, k - 32); /* gaps of billions */
             if (k) put_bits(&rw, g & 0xFFFFFFFFu & low, k > 32 ? 32 : k);
         }
-        flush_bits(&uw);
+        const uint64_t be = __builtin_bswap64(word);
+        memcpy(u + 8 * held_word, &be, 8);
         flush_bits(&rw);
         Py_END_ALLOW_THREADS
     }
