@@ -59,6 +59,8 @@ __all__ = [
     "Segment",
     "Chunk",
     "encode_chunk",
+    "encode_segment",
+    "EncodedSegment",
     "decode_chunk",
     "chunk_hash",
     "MAX_CHUNK_RAW",
@@ -163,22 +165,38 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
     return header, blobs
 
 
-def encode_chunk(segments: list[Segment], cctx: zstandard.ZstdCompressor) -> Chunk:
-    headers, body = [], []
-    for i, seg in enumerate(segments):
-        h, blobs = _encode_segment(seg)
-        headers.append(h)
+@dataclass(frozen=True, eq=False)
+class EncodedSegment:
+    """A segment with its header and blobs, ready to be laid out in a chunk."""
+
+    segment: Segment
+    header: dict
+    blobs: list
+
+
+def encode_segment(seg: Segment) -> EncodedSegment:
+    """The expensive part of making a chunk, done per segment (an encoder does it as segments
+    arrive, so that closing a chunk only lays out and compresses)."""
+    header, blobs = _encode_segment(seg)
+    return EncodedSegment(seg, header, blobs)
+
+
+def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdCompressor) -> Chunk:
+    encoded = [s if isinstance(s, EncodedSegment) else encode_segment(s) for s in segments]
+    body = []
+    for i, e in enumerate(encoded):
+        seg = e.segment
         streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
-        body += [(_RANK[st], i, b) for st, b in zip(streams, blobs)]
+        body += [(_RANK[st], i, b) for st, b in zip(streams, e.blobs)]
     body.sort(key=lambda x: (x[0], x[1]))
-    head = pack({"segments": headers})
+    head = pack({"segments": [e.header for e in encoded]})
     raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, *(b for _, _, b in body)])
     data = cctx.compress(raw)
     return Chunk(
         hash=chunk_hash(data),
         data=data,
         raw_size=len(raw),
-        segments=tuple((s.name, s.start, s.stop, s.count) for s in segments),
+        segments=tuple((e.segment.name, e.segment.start, e.segment.stop, e.segment.count) for e in encoded),
     )
 
 

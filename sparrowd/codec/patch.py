@@ -24,7 +24,18 @@ import zstandard
 
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
 from .bits import RawTensor, dtype_info, uint_type, ulp_apply, ulp_encode
-from .chunk import ABSOLUTE, DENSE, SPARSE, ULP, Chunk, Segment, decode_chunk, encode_chunk
+from .chunk import (
+    ABSOLUTE,
+    DENSE,
+    SPARSE,
+    ULP,
+    Chunk,
+    EncodedSegment,
+    Segment,
+    decode_chunk,
+    encode_chunk,
+    encode_segment,
+)
 from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
 from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
 
@@ -70,7 +81,7 @@ class PatchEncoder:
         self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
-        self._pending: list[Segment] = []
+        self._pending: list[EncodedSegment] = []  # encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
         self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
         self._finished = False
@@ -153,11 +164,11 @@ class PatchEncoder:
                 continue
             fit = max(1, int(room / per))
             if fit >= seg.count:
-                self._pending.append(seg)
+                self._pending.append(encode_segment(seg))
                 self._pending_est += seg.count * per
                 return out
             head, seg = _split(seg, fit)
-            self._pending.append(head)
+            self._pending.append(encode_segment(head))
             self._pending_est += head.count * per
             out.append(self._flush())
 
