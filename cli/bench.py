@@ -62,27 +62,36 @@ def cmd_swarm(args) -> int:
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
 
 
-def _register_sized(bs, name: str, help: str, description: str, size_mib: int) -> None:
-    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<name>.run``."""
+def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):
+    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<name>.run``;
+    ``extra`` names further options passed on as keywords."""
     s = bs.add_parser(name, help=help, description=description)
     s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
     s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    s.set_defaults(func=lambda args: _run_sized(name, args))
+    s.set_defaults(func=lambda args: _run_sized(name, args, extra))
+    return s
 
 
-def _run_sized(name: str, args) -> int:
+def _run_sized(name: str, args, extra=()) -> int:
     import importlib
 
     run = importlib.import_module(f"sparrowd.bench.{name}").run
-    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json)
+    return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json, **{k: getattr(args, k) for k in extra})
 
 
 def register_publish(bs) -> None:
-    _register_sized(bs, "publish", "the Publisher on a synthetic bf16 model, against a bare compare",
-                    "Start a trainer daemon on loopback and publish a synthetic bf16 model with about 1% of "
-                    "elements changed per step; report publish time against a pass that only compares the same "
-                    "tensors, and the time to the first chunk.", 1024)
+    s = _register_sized(
+        bs, "publish", "the Publisher on a synthetic bf16 model, against bare passes",
+        "Start a trainer daemon on loopback and publish a synthetic bf16 model with about 1% of elements changed "
+        "per step. On the CPU, report publish time against a numpy pass that only compares the same tensors "
+        "(target: at most 1.5x); on a GPU (or with --compare torch), the bandwidth of compare-and-extract against "
+        "the device's copy bandwidth (target: at least half). Also the time to the first chunk.",
+        1024, extra=("device", "compare"))
+    s.add_argument("--device", default="cpu", help="where the model lives: cpu (default), cuda, cuda:1, ...")
+    s.add_argument("--compare", choices=("auto", "torch"), default="auto",
+                   help="the Publisher's compare: auto (fused C pass on the CPU, torch on devices; default) or "
+                        "torch (the device path, on the CPU too)")
 
 
 def register_apply(bs) -> None:

@@ -64,6 +64,7 @@ log = logging.getLogger("sparrowd.daemon")
 
 RUNTIME_FILE = "daemon.json"
 MAX_BODY = 1 << 20
+SHUTDOWN_GRACE = 3.0  # seconds in-flight requests get to finish when the daemon stops
 MAX_INFLIGHT_PER_PEER = 32  # a node needs one long poll, a few have-pushes and up to 8 chunk requests
 MAX_INFLIGHT_PER_ADDRESS = 1024  # many daemons may share an address (NAT, a proxy, one box)
 SWEEP_EVERY = 1.0
@@ -243,7 +244,9 @@ class Daemon:
                 web.post("/v1/publish/manifest", self._publish_manifest),
                 web.get("/v1/publish/state", self._publish_state),
             ])
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Long polls are answered at once when stopping; what still runs after SHUTDOWN_GRACE
+        # (a chunk upload to a slow peer) is cut, so a stop never waits on the network for long.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE)
         await self._runner.setup()
         host, port = s.listen
         site = web.TCPSite(self._runner, host, port, reuse_address=True)

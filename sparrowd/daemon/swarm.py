@@ -124,6 +124,7 @@ class Swarm:
         self.gen = 0
         self._changed = asyncio.Event()
         self._waiters = asyncio.Condition()
+        self._closing = False  # set by stop: long polls answer at once
         self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
         self.available_since: dict[tuple[Key, int], float] = {}
         self.picker = Picker(daemon.node_id, daemon.settings.region)
@@ -167,6 +168,10 @@ class Swarm:
             self._tasks.append(asyncio.create_task(self._scheduler(), name="scheduler"))
 
     async def stop(self) -> None:
+        # Peers' long polls end now, answered, instead of holding the shutdown for their wait.
+        async with self._waiters:
+            self._closing = True
+            self._waiters.notify_all()
         tasks = self._tasks + [p.task for p in self.peers.values() if p.task]
         tasks += [t for ts in self.inflight.values() for t in ts.values()]
         for t in tasks:
@@ -178,10 +183,10 @@ class Swarm:
     async def changed(self, after: int, wait: float) -> None:
         """Return once ``gen`` moves past ``after`` (something was stored, signed or decided), or
         after ``wait`` seconds."""
-        if after >= self.gen and wait > 0:
+        if after >= self.gen and wait > 0 and not self._closing:
             async with self._waiters:
                 try:
-                    await asyncio.wait_for(self._waiters.wait_for(lambda: self.gen > after), wait)
+                    await asyncio.wait_for(self._waiters.wait_for(lambda: self.gen > after or self._closing), wait)
                 except asyncio.TimeoutError:
                     pass
 

@@ -256,3 +256,21 @@ def test_publishing_is_refused_from_other_machines():
     for remote in ("10.0.0.5", "192.168.1.2", "2001:db8::1"):
         refused = App._local_only(request(remote))
         assert refused.status == 403 and b"own machine" in refused.body
+
+
+def test_a_daemon_stops_promptly_while_peers_hold_long_polls_on_it(cluster):
+    """Rollout nodes keep a long-polling exchange open with each peer at all times. A stopping
+    daemon answers those at once and cuts what is left after a short grace, so SIGTERM never
+    waits on its peers (here: several seconds per poll, renewed on the same connections)."""
+    trainer = cluster.trainer()
+    nodes = [cluster.rollout(f"r{i}", "us") for i in range(1, 3)]
+    wait_for(lambda: cluster.nodes() == {"trainer", "r1", "r2"}, 10, "the nodes to join")
+    for r in nodes:
+        wait_for(lambda r=r: 'sparrowd_peers{region_class="other"} 1.0' in get(f"{r.url}/metrics", cluster.token)[1]
+                 .decode(), 10, f"{r.name} to poll the trainer")
+    time.sleep(1.0)  # the polls are in their wait now
+    t0 = time.monotonic()
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait() == 0
+    assert time.monotonic() - t0 < 2.5, trainer.log()
+    assert "daemon stopped" in trainer.log()

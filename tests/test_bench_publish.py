@@ -1,0 +1,41 @@
+"""``sparrowd bench publish`` runs both of its paths end to end, on a small model, and its
+figures are what its own counters say (the torch path is the GPU's code, run on the CPU)."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sparrowd.bench.publish import run  # noqa: E402
+from sparrowd.errors import InputError  # noqa: E402
+
+
+@pytest.mark.parametrize("compare", ["auto", "torch"])
+def test_bench_publish_reports_its_target_against_a_baseline(tmp_path, capsys, compare):
+    out = tmp_path / "publish.json"
+    assert run(size_mib=128, steps=2, compare=compare, json_path=str(out)) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["model_bytes"] == 128 << 20 and len(figures["steps"]) == 2
+    for row in figures["steps"]:
+        assert row["elements_changed"] > 0.009 * (64 << 20) and row["chunks"] >= 1
+        assert 0 < row["first_chunk_seconds"] <= row["total_seconds"]
+    if compare == "auto":
+        assert figures["copy_seconds"] is None
+        for row in figures["steps"]:
+            assert row["publish_over_compare"] == pytest.approx(row["total_seconds"] / row["compare_only_seconds"])
+        assert "publish / compare-only (worst step)" in printed
+    else:
+        for row in figures["steps"]:
+            extract = row["compare_seconds"] + row["to_host_seconds"]
+            assert row["extract_gb_per_s"] == pytest.approx((128 << 20) / extract / 1e9)
+            assert row["extract_over_copy"] == pytest.approx(row["extract_gb_per_s"] / row["copy_gb_per_s"])
+        assert "compare-and-extract / copy bandwidth (worst step)" in printed
+    assert ("PASS" in printed) != ("MISS" in printed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_bench_publish_refuses_a_device_torch_does_not_see():
+    with pytest.raises(InputError, match="no CUDA device"):
+        run(size_mib=64, steps=1, device="cuda")
