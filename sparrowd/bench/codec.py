@@ -13,7 +13,7 @@ What it measures, all in one run so every figure stands beside its baseline:
    values, zstd level 3; ``gap``: the same with gap-coded indices; and the
    binary-entropy bound of the indices alone (``sum n_t * H(changed_t / n_t)``).
 3. **Throughput.** A synthetic pair of ``size_mib`` MiB of bf16 per side in
-   16 MiB tensors, 1% of the elements moved by one ulp. Best of three for a
+   16 MiB tensors, 1% of the elements moved by one ulp. Best of seven rounds (the passes take turns in each round, so a slow spell of a shared machine falls on all alike) for a
    numpy read-and-compare pass over the same arrays (the floor any diff has to
    pay), ``encode_patch`` with 2 threads and with 1, decoding every chunk, and
    ``apply_patch`` (whose first call is shown too: it faults in the memory of
@@ -60,7 +60,7 @@ WARMUP_LR = 1e-3
 TENSOR_MIB = 16
 SYNTH_STD = 0.02
 SYNTH_FRACTION = 0.01
-REPEATS = 5
+REPEATS = 7
 ZSTD_LEVEL = 3
 
 # Targets the codec was designed for.

@@ -32,6 +32,41 @@
 #include <stdint.h>
 #include <string.h>
 
+#define XXH_STATIC_LINKING_ONLY
+#include "xxhash.h" /* vendored: vendor/xxhash (BSD-2-Clause) */
+#ifdef SPARROWD_XXH_DISPATCH
+#include "xxh_x86dispatch.h" /* the widest XXH3 kernel this CPU runs, chosen at run time */
+#define HASH_UPDATE XXH3_128bits_update_dispatch
+#else
+#define HASH_UPDATE XXH3_128bits_update
+#endif
+
+/*
+ * What a scan does with each block once it is compared, while the block is
+ * still in cache: feed both sides to their fingerprints (either may be
+ * NULL), and with `update` write the new bits of the block's changes into
+ * `old`. `done` (elements) and `written` (changes) say how far it got, so a
+ * scan that stops early for room has settled exactly what it scanned.
+ */
+struct settle {
+    XXH3_state_t *ho, *hn;
+    int update;
+    Py_ssize_t done, written;
+};
+
+static void settle_to(struct settle *x, const char *o, const char *n, size_t isz, Py_ssize_t upto,
+                      const int64_t *idx, const char *nv, Py_ssize_t c) {
+    if (upto > x->done) {
+        if (x->ho) HASH_UPDATE(x->ho, o + x->done * isz, (size_t)(upto - x->done) * isz);
+        if (x->hn) HASH_UPDATE(x->hn, n + x->done * isz, (size_t)(upto - x->done) * isz);
+        x->done = upto;
+    }
+    if (x->update)
+        for (Py_ssize_t j = x->written; j < c; j++) memcpy((char *)o + idx[j] * isz, nv + j * isz, isz);
+    x->written = c;
+}
+#define SETTLE(T) settle_to(x, (const char *)o, (const char *)n, sizeof(T), e, idx, (const char *)nv, c)
+
 /*
  * Lane masks: the top bit of each lane of a 64-bit word is set iff that lane
  * of `x` is non-zero (the SWAR test: adding 0x7F.. carries into the top bit
@@ -66,7 +101,7 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
 
 #define DEFINE_SCAN(T, NAME, LOW, SHIFT)                                                                     \
     static Py_ssize_t NAME(const T *o, const T *n, Py_ssize_t total, Py_ssize_t e, int64_t *idx, T *ov,     \
-                           T *nv, Py_ssize_t cap, Py_ssize_t *count) {                                       \
+                           T *nv, Py_ssize_t cap, Py_ssize_t *count, struct settle *x) {                     \
         const Py_ssize_t per_word = 8 / (Py_ssize_t)sizeof(T), per_group = 4 * per_word;                     \
         uint32_t touched[BLOCK_GROUPS], words[4 * BLOCK_GROUPS];                                             \
         uint64_t masks[4 * BLOCK_GROUPS];                                                                    \
@@ -113,9 +148,11 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
                 }                                                                                            \
             }                                                                                                \
             e += groups * per_group;                                                                         \
+            SETTLE(T);                                                                                       \
         }                                                                                                    \
         ONE_BY_ONE(total);                                                                                   \
     out:                                                                                                     \
+        SETTLE(T);                                                                                           \
         *count = c;                                                                                          \
         return e;                                                                                            \
     }
@@ -126,7 +163,7 @@ DEFINE_SCAN(uint32_t, scan32, 0x7FFFFFFF7FFFFFFFULL, 5)
 DEFINE_SCAN(uint64_t, scan64, 0x7FFFFFFFFFFFFFFFULL, 6)
 
 typedef Py_ssize_t (*scan_fn)(const void *, const void *, Py_ssize_t, Py_ssize_t, int64_t *, void *, void *,
-                              Py_ssize_t, Py_ssize_t *);
+                              Py_ssize_t, Py_ssize_t *, struct settle *);
 #define AS_SCAN(f) ((scan_fn)(void *)(f))
 static scan_fn portable[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS_SCAN(scan64)};
 static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS_SCAN(scan64)};
@@ -146,7 +183,8 @@ static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS
 #define DEFINE_SCAN_AVX2(T, NAME, CMPEQ)                                                                    \
     __attribute__((target("avx2,bmi"))) static Py_ssize_t NAME(const T *o, const T *n, Py_ssize_t total,     \
                                                               Py_ssize_t e, int64_t *idx, T *ov, T *nv,      \
-                                                              Py_ssize_t cap, Py_ssize_t *count) {           \
+                                                              Py_ssize_t cap, Py_ssize_t *count,             \
+                                                              struct settle *x) {                            \
         const Py_ssize_t per_step = 64 / (Py_ssize_t)sizeof(T);                                              \
         const uint64_t lane = sizeof(T) == 8 ? 0xFFULL : ((1ULL << sizeof(T)) - 1);                          \
         uint64_t masks[BLOCK_STEPS];                                                                         \
@@ -181,9 +219,11 @@ static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS
                 } while (m);                                                                                 \
             }                                                                                                \
             e += k * per_step;                                                                               \
+            SETTLE(T);                                                                                       \
         }                                                                                                    \
         ONE_BY_ONE(total);                                                                                   \
     out:                                                                                                     \
+        SETTLE(T);                                                                                           \
         *count = c;                                                                                          \
         return e;                                                                                            \
     }
@@ -204,14 +244,45 @@ static int pick_simd(void) {
 static int pick_simd(void) { return 0; }
 #endif
 
+#define HASHER "sparrowd.xxh3_128"
+
+static void hasher_free(PyObject *cap) { XXH3_freeState(PyCapsule_GetPointer(cap, HASHER)); }
+
+/* hasher() -> a fresh XXH3-128 state (seed 0) for diff_into; digest(h) -> its 16 canonical bytes. */
+static PyObject *hasher(PyObject *self, PyObject *unused) {
+    XXH3_state_t *st = XXH3_createState();
+    if (st == NULL) return PyErr_NoMemory();
+    XXH3_128bits_reset(st);
+    PyObject *cap = PyCapsule_New(st, HASHER, hasher_free);
+    if (cap == NULL) XXH3_freeState(st);
+    return cap;
+}
+
+static XXH3_state_t *hasher_state(PyObject *o) {
+    if (o == Py_None) return NULL;
+    return PyCapsule_GetPointer(o, HASHER); /* NULL with an exception set when o is not a hasher */
+}
+
+static PyObject *digest(PyObject *self, PyObject *o) {
+    XXH3_state_t *st = PyCapsule_GetPointer(o, HASHER);
+    if (st == NULL) return NULL;
+    XXH128_canonical_t out;
+    XXH128_canonicalFromHash(&out, XXH3_128bits_digest(st));
+    return PyBytes_FromStringAndSize((const char *)out.digest, sizeof out.digest);
+}
+
 static PyObject *diff_into(PyObject *self, PyObject *args) {
     Py_buffer ob = {0}, nb, ib, vb, wb;
-    PyObject *old;
+    PyObject *old, *ho = Py_None, *hn = Py_None;
     int isz, plain = 0, update = 0;
     Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "Oy*innw*w*w*|pp", &old, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain, &update))
+    if (!PyArg_ParseTuple(args, "Oy*innw*w*w*|ppOO", &old, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain, &update,
+                          &ho, &hn))
         return NULL;
     PyObject *result = NULL;
+    struct settle x = {NULL, NULL, update, start, 0};
+    if ((ho != Py_None && (x.ho = hasher_state(ho)) == NULL) || (hn != Py_None && (x.hn = hasher_state(hn)) == NULL))
+        goto done;
     if (PyObject_GetBuffer(old, &ob, update ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) goto done;
     if (isz != 1 && isz != 2 && isz != 4 && isz != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8");
@@ -237,12 +308,7 @@ static PyObject *diff_into(PyObject *self, PyObject *args) {
     int64_t *idx = (int64_t *)ib.buf;
     Py_BEGIN_ALLOW_THREADS
     const int which = isz == 1 ? 0 : isz == 2 ? 1 : isz == 4 ? 2 : 3;
-    stop = (plain ? portable : chosen)[which](ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count);
-    if (update) { /* old becomes new where they differ, while the range is still in cache */
-        char *o = ob.buf;
-        const char *v = wb.buf;
-        for (Py_ssize_t j = 0; j < count; j++) memcpy(o + idx[j] * isz, v + j * isz, (size_t)isz);
-    }
+    stop = (plain ? portable : chosen)[which](ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count, &x);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nn", count, stop);
 done:
@@ -515,6 +581,8 @@ static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
      "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False)"
      " -> (count, stop)"},
+    {"hasher", hasher, METH_NOARGS, "hasher() -> a fresh XXH3-128 state for diff_into's fingerprints"},
+    {"digest", digest, METH_O, "digest(hasher) -> the 16 canonical bytes of its XXH3-128"},
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},

@@ -1,17 +1,21 @@
 """Finding changed elements, and fingerprints of tensors.
 
 With the optional C extension (``_native``, built at install time where a
-compiler exists) the compare and the gather are one pass over memory at
-memory speed. Without it, ``diff_bits`` walks the old and new bit patterns of a tensor in blocks of a
+compiler exists) one pass over each side does it all: compare (AVX2 where the
+CPU has it), gather the changed positions with their old and new bits, and,
+block by block while the block is in cache, feed both fingerprints and
+(for the Publisher) write the new bits into the kept copy. Without it,
+``diff_values`` walks the old and new bit patterns of a tensor in blocks of a
 few hundred kilobytes (so the mask stays in cache). Each block is compared as
 64-bit words (four bf16 elements per comparison), and only the few words that
 differ are resolved to element positions with a second, tiny comparison. The
 blocks of a large tensor are spread over a thread pool when one is given:
 numpy releases the GIL in these kernels, so two cores nearly halve the time.
 
-Fingerprints (xxh3-128 of the tensor's bytes) catch a wrong base or a bad
-apply; they are not for security: chunks are named by BLAKE3 and manifests are
-signed elsewhere.
+Fingerprints (XXH3-128 of the tensor's bytes: python-xxhash here, the
+extension's vendored copy of the same library inside the fused pass) catch a
+wrong base or a bad apply; they are not for security: chunks are named by
+BLAKE3 and manifests are signed elsewhere.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ except ImportError:  # no compiler at install time: the numpy path gives the sam
 __all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint", "BLOCK_WORDS", "PART_ELEMENTS"]
 
 BLOCK_WORDS = 1 << 18  # 2 MiB of each side per block
-FUSED_BLOCK = 1 << 20  # bytes of each side compared, then hashed, while in cache
 PART_ELEMENTS = 1 << 24  # a unit of work for a thread pool
 
 
@@ -62,33 +65,28 @@ def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, li
 
 
 def _diff_native(
-    old: np.ndarray, new: np.ndarray, hashers: tuple | None = None, update: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One fused pass. With ``hashers`` (two xxh3-128 objects, the first may be
-    None) each block is also fed to the fingerprints while it is still in
-    cache, so the tensor is read from memory once; with ``update``, ``old``
-    takes the new bits where they differ, block by block, also in cache.
-    Outputs start at 1/32 of the input (3% density) and double when the scan
-    runs out of room."""
+    old: np.ndarray, new: np.ndarray, hash_old: bool = False, hash_new: bool = False, update: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes | None, bytes | None]:
+    """One fused pass: compare, gather, and for each block while it is in cache
+    the fingerprints asked for (the old side's before any update) and, with
+    ``update``, the new bits written into ``old``. Outputs start with room for
+    1/32 of the input (3% density) and double when the scan runs out."""
     isz, n = old.dtype.itemsize, old.size
     cap = min(n + 32, max(1 << 15, n // 32))
     ib, ob, nb = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
-    count = 0
-    step = FUSED_BLOCK // isz if hashers or update else n
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        if hashers and hashers[0] is not None:  # before an update can touch this block
-            hashers[0].update(old[s:e])
-        pos = s
-        while pos < e:
-            got, pos = _native.diff_into(old, new, isz, pos, e, ib[count:], ob[count:], nb[count:], False, update)
-            count += got
-            if pos < e:
-                cap *= 2
-                ib, ob, nb = (np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in (ib, ob, nb))
-        if hashers:
-            hashers[1].update(new[s:e])
-    return ib[:count], ob[:count], nb[:count]
+    ho = _native.hasher() if hash_old else None
+    hn = _native.hasher() if hash_new else None
+    count = pos = 0
+    while True:
+        got, pos = _native.diff_into(old, new, isz, pos, n, ib[count:], ob[count:], nb[count:], False, update, ho, hn)
+        count += got
+        if pos == n:
+            break
+        cap *= 2
+        ib, ob, nb = (np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in (ib, ob, nb))
+    fo = _native.digest(ho) if hash_old else None
+    fn = _native.digest(hn) if hash_new else None
+    return ib[:count], ob[:count], nb[:count], fo, fn
 
 
 def diff_fingerprint(
@@ -108,9 +106,7 @@ def diff_fingerprint(
         if update_old:
             old[idx] = nv
         return idx, ov, nv, fo, fingerprint(new)
-    hashers = (xxhash.xxh3_128() if hash_old else None, xxhash.xxh3_128())
-    idx, ov, nv = _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hashers, update_old)
-    return idx, ov, nv, hashers[0].digest() if hash_old else None, hashers[1].digest()
+    return _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hash_old, True, update_old)
 
 
 def diff_values(
@@ -129,7 +125,7 @@ def diff_values(
     hi = old.size if hi is None else hi
     old, new = np.ascontiguousarray(old[lo:hi]), np.ascontiguousarray(new[lo:hi])
     if native and _native is not None and old.size:
-        idx, ov, nv = _diff_native(old, new)
+        idx, ov, nv, _, _ = _diff_native(old, new)
         if lo:
             idx += lo
         return idx, ov, nv

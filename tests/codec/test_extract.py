@@ -86,6 +86,10 @@ def test_native_refuses_bad_arguments():
         _native.diff_into(a, a, 2, 10, 65, *out)
     with pytest.raises(ValueError, match="out of bounds"):
         _native.diff_into(a, a, 2, 10, 5, *out)
+    with pytest.raises(ValueError, match="PyCapsule"):
+        _native.diff_into(a, a, 2, 0, 64, *out, False, False, "not a hasher")
+    with pytest.raises(BufferError):
+        _native.diff_into(a.tobytes(), a, 2, 0, 64, *out, False, True)  # update needs a writable old side
 
 
 def test_diff_fingerprint_can_skip_the_old_side():
@@ -109,13 +113,25 @@ def test_the_simd_scan_is_chosen_where_the_cpu_has_it():
 
 
 def _scan(old, new, lo, portable: bool):
+    """diff_into from ``lo`` to the end with small outputs (so it stops for room and is restarted),
+    both fingerprints and the update of ``old``, as the Publisher runs it."""
     from sparrowd.codec import _native
 
     n = old.size - lo
-    out = np.empty(n + 64, np.int64), np.empty(n + 64, old.dtype), np.empty(n + 64, old.dtype)
-    count, stop = _native.diff_into(old, new, old.dtype.itemsize, lo, old.size, *out, portable)
-    assert stop == old.size
-    return tuple(x[:count] for x in out)
+    cap = 64
+    out = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+    ho, hn = _native.hasher(), _native.hasher()
+    count = pos = 0
+    while True:
+        got, pos = _native.diff_into(old, new, old.dtype.itemsize, max(pos, lo), old.size, out[0][count:],
+                                     out[1][count:], out[2][count:], portable, True, ho, hn)
+        count += got
+        if pos == old.size:
+            break
+        cap *= 2
+        out = tuple(np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in out)
+    assert count <= n
+    return tuple(x[:count] for x in out), _native.digest(ho), _native.digest(hn)
 
 
 @settings(max_examples=150, deadline=None)
@@ -131,9 +147,14 @@ def test_the_simd_and_portable_scans_agree(w, n, density, lo_frac, seed):
     lo = int(lo_frac * n)
     expect = np.flatnonzero(old[lo:] != new[lo:]) + lo
     for portable in (False, True):
-        idx, ov, nv = _scan(old, new, lo, portable)
+        kept = old.copy()
+        (idx, ov, nv), fo, fn = _scan(kept, new, lo, portable)
         assert np.array_equal(idx, expect)
         assert np.array_equal(ov, old[expect]) and np.array_equal(nv, new[expect])
+        # The fingerprints cover exactly the scanned range, the old side's taken before the update.
+        assert fo == xxhash.xxh3_128(old[lo:].tobytes()).digest()
+        assert fn == xxhash.xxh3_128(new[lo:].tobytes()).digest()
+        assert np.array_equal(kept[lo:], new[lo:]) and np.array_equal(kept[:lo], old[:lo])
 
 
 @pytest.mark.parametrize("native", PATHS)
