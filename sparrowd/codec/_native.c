@@ -99,6 +99,14 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
         }                                                                                                    \
     }
 
+/* The ragged tail one at a time, then what every scan does on leaving: settle what it scanned. */
+#define SCAN_END(T)                                                                                          \
+    ONE_BY_ONE(total);                                                                                       \
+    out:                                                                                                     \
+    SETTLE(T);                                                                                               \
+    *count = c;                                                                                              \
+    return e
+
 #define DEFINE_SCAN(T, NAME, LOW, SHIFT)                                                                     \
     static Py_ssize_t NAME(const T *o, const T *n, Py_ssize_t total, Py_ssize_t e, int64_t *idx, T *ov,     \
                            T *nv, Py_ssize_t cap, Py_ssize_t *count, struct settle *x) {                     \
@@ -150,11 +158,7 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
             e += groups * per_group;                                                                         \
             SETTLE(T);                                                                                       \
         }                                                                                                    \
-        ONE_BY_ONE(total);                                                                                   \
-    out:                                                                                                     \
-        SETTLE(T);                                                                                           \
-        *count = c;                                                                                          \
-        return e;                                                                                            \
+        SCAN_END(T);                                                                                         \
     }
 
 DEFINE_SCAN(uint8_t, scan8, 0x7F7F7F7F7F7F7F7FULL, 3)
@@ -221,11 +225,7 @@ static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS
             e += k * per_step;                                                                               \
             SETTLE(T);                                                                                       \
         }                                                                                                    \
-        ONE_BY_ONE(total);                                                                                   \
-    out:                                                                                                     \
-        SETTLE(T);                                                                                           \
-        *count = c;                                                                                          \
-        return e;                                                                                            \
+        SCAN_END(T);                                                                                         \
     }
 
 DEFINE_SCAN_AVX2(uint8_t, scan8_avx2, _mm256_cmpeq_epi8)

@@ -43,14 +43,19 @@ def test_diff_values_matches_a_plain_comparison(native, w, n):
         assert np.array_equal(ov, old[sel]) and np.array_equal(nv, new[sel])
 
 
+def _pairs(max_n: int, densities: list[float]):
+    """Hypothesis: element width, length, density, where the scan starts, and a seed."""
+    return given(
+        w=st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
+        n=st.integers(0, max_n),
+        density=st.sampled_from(densities),
+        lo_frac=st.floats(0, 1),
+        seed=st.integers(0, 2**32 - 1),
+    )
+
+
 @settings(max_examples=150, deadline=None)
-@given(
-    w=st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
-    n=st.integers(0, 70_000),
-    density=st.sampled_from([0.0, 1e-4, 0.01, 0.3, 1.0]),
-    lo_frac=st.floats(0, 1),
-    seed=st.integers(0, 2**32 - 1),
-)
+@_pairs(70_000, [0.0, 1e-4, 0.01, 0.3, 1.0])
 def test_native_and_numpy_agree(w, n, density, lo_frac, seed):
     # Dense changes make the native scan run out of room and grow its outputs;
     # odd offsets exercise the element-by-element head before the first group.
@@ -135,13 +140,7 @@ def _scan(old, new, lo, portable: bool):
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    w=st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
-    n=st.integers(0, 20_000),
-    density=st.sampled_from([0.0, 1e-3, 0.01, 0.3, 1.0]),
-    lo_frac=st.floats(0, 1),
-    seed=st.integers(0, 2**32 - 1),
-)
+@_pairs(20_000, [0.0, 1e-3, 0.01, 0.3, 1.0])
 def test_the_simd_and_portable_scans_agree(w, n, density, lo_frac, seed):
     old, new = _pair(w, n, density, seed)
     lo = int(lo_frac * n)
