@@ -3,8 +3,8 @@
  * numpy twin that gives the same result (the fallback where no compiler was
  * found at install time); the tests hold the two to each other.
  *
- * diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False)
- *     -> (count, stop)
+ * diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False,
+ *           hash_old=None, hash_new=None) -> (count, stop)
  *
  * Compares the raw bit patterns of two equally long byte buffers holding
  * elements of `itemsize` bytes (1, 2, 4 or 8), elements [start, end), and
@@ -13,9 +13,11 @@
  * needs a compare pass, a mask, a nonzero pass and two gathers. It stops
  * when the outputs have no room for the next block and returns how many it
  * wrote and the element it stopped at, so the caller can go on with larger
- * buffers; `stop` equals `end` when the scan is complete. With `update`, the
- * differing elements of `old` are then overwritten with the new bits (a kept
- * copy brought up to date while its lines are still in cache).
+ * buffers; `stop` equals `end` when the scan is complete. Block by block,
+ * while each is still in cache, it feeds the scanned range of each side to
+ * the XXH3-128 state given for it (`hasher()`, read with `digest()`), and
+ * with `update` overwrites the differing elements of `old` with the new bits
+ * (a kept copy brought up to date), the fingerprint of `old` taken first.
  *
  * The scan only looks inside a step of 32 or 64 bytes whose compare found a
  * difference, so at RL densities (about 1% of elements) it runs at memory
@@ -579,8 +581,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
-     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False)"
-     " -> (count, stop)"},
+     "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False, "
+     "hash_old=None, hash_new=None) -> (count, stop)"},
     {"hasher", hasher, METH_NOARGS, "hasher() -> a fresh XXH3-128 state for diff_into's fingerprints"},
     {"digest", digest, METH_O, "digest(hasher) -> the 16 canonical bytes of its XXH3-128"},
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
