@@ -89,8 +89,8 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
  *   2. for each listed group, each word's lane mask gives its first changed
  *      element, written out unconditionally, the count growing only for words
  *      that differ; the rare word with two or more changes loops for the rest.
- * Before a block is written out the output must have room for all of it,
- * which keeps every restart point on a block boundary.
+ * A block is cut to what the output has room for (every element of it
+ * changed), which keeps every restart point on a block boundary.
  */
 /* Elements [e, limit) one at a time (the ragged ends); stops when the output is full. */
 #define ONE_BY_ONE(limit)                                                                                    \
@@ -124,7 +124,8 @@ static inline uint64_t lanes_nonzero(uint64_t x, uint64_t low) { return (((x & l
         while (e < body) {                                                                                   \
             Py_ssize_t groups = (body - e) / per_group;                                                      \
             if (groups > BLOCK_GROUPS) groups = BLOCK_GROUPS;                                                \
-            if (cap - c < groups * per_group) goto out;                                                      \
+            if (groups > (cap - c) / per_group) groups = (cap - c) / per_group; /* as much as fits */         \
+            if (groups == 0) goto out;                                                                       \
             Py_ssize_t nt = 0;                                                                               \
             for (Py_ssize_t g = 0; g < groups; g++) {                                                        \
                 uint64_t a[4], b[4];                                                                         \
@@ -200,7 +201,8 @@ static scan_fn chosen[4] = {AS_SCAN(scan8), AS_SCAN(scan16), AS_SCAN(scan32), AS
         while (e < body) {                                                                                   \
             Py_ssize_t k = (body - e) / per_step;                                                            \
             if (k > BLOCK_STEPS) k = BLOCK_STEPS;                                                            \
-            if (cap - c < k * per_step) goto out;                                                            \
+            if (k > (cap - c) / per_step) k = (cap - c) / per_step; /* as much as fits */                    \
+            if (k == 0) goto out;                                                                            \
             const char *po = (const char *)(o + e), *pn = (const char *)(n + e);                             \
             Py_ssize_t nt = 0;                                                                               \
             for (Py_ssize_t s = 0; s < k; s++) {                                                             \
