@@ -60,7 +60,7 @@ from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
 from .daemon.calls import check_start, http_call, published_state
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
-from .errors import InputError, SparrowError
+from .errors import InputError
 from .swarm.chain import Key
 
 __all__ = ["Publisher", "PublishStats"]
@@ -388,8 +388,9 @@ class Publisher:
             raise
         try:
             self._post("/v1/publish/manifest", body)
-        except SparrowError:
-            # Taken or not? The next call asks the daemon, and adopts this version if it is there.
+        except BaseException:  # an error, or an interrupt mid-request
+            # Taken or not? The next call asks the daemon, and adopts this version if it is there
+            # (or puts the kept copies back if it is not).
             self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved)
             raise
         self._advance(version, updates)
