@@ -39,3 +39,8 @@ def test_bench_publish_reports_its_target_against_a_baseline(tmp_path, capsys, c
 def test_bench_publish_refuses_a_device_torch_does_not_see():
     with pytest.raises(InputError, match="no CUDA device"):
         run(size_mib=64, steps=1, device="cuda")
+
+
+def test_bench_publish_refuses_a_device_name_torch_does_not_know():
+    with pytest.raises(InputError, match="device 'nonsense'"):
+        run(size_mib=64, steps=1, device="nonsense")

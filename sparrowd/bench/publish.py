@@ -57,7 +57,10 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
     from ..publisher import Publisher
     from .trainer import trainer_daemon
 
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InputError(f"device {device!r}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device {device!r}: this torch sees no CUDA device")
     fused = dev.type == "cpu" and compare == "auto"
