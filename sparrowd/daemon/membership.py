@@ -250,8 +250,9 @@ class Membership:
         if self.state.epoch is None:
             return False
         try:
-            await asyncio.wait_for(self.client.leave({"node_id": self.me["node_id"], "epoch": self.state.epoch}), timeout)
-        except (asyncio.TimeoutError, SparrowError) as e:
+            async with asyncio.timeout(timeout):
+                await self.client.leave({"node_id": self.me["node_id"], "epoch": self.state.epoch})
+        except (TimeoutError, SparrowError) as e:
             event(log, logging.WARNING, "could not leave cleanly; the lease will expire", reason=str(e))
             return False
         event(log, logging.INFO, "left the swarm", node_id=self.me["node_id"], epoch=self.state.epoch)

@@ -184,11 +184,13 @@ class Swarm:
         """Return once ``gen`` moves past ``after`` (something was stored, signed or decided), or
         after ``wait`` seconds."""
         if after >= self.gen and wait > 0 and not self._closing:
-            async with self._waiters:
-                try:
-                    await asyncio.wait_for(self._waiters.wait_for(lambda: self.gen > after or self._closing), wait)
-                except asyncio.TimeoutError:
-                    pass
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # lands as the wait ends, and the loops that call this would then never stop.
+            try:
+                async with asyncio.timeout(wait), self._waiters:
+                    await self._waiters.wait_for(lambda: self.gen > after or self._closing)
+            except TimeoutError:
+                pass
 
     def _touch(self) -> None:
         self.gen += 1
@@ -611,8 +613,9 @@ class Swarm:
     async def _scheduler(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._changed.wait(), 0.25)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.25):  # not wait_for: see changed()
+                    await self._changed.wait()
+            except TimeoutError:
                 pass
             self._changed.clear()
             self._schedule()
