@@ -16,12 +16,12 @@ fetched again), so a restarted node never fetches what it already holds.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import blake3
 
+from ..checkpoint import atomic_file
 from ..errors import IntegrityError, SparrowError
 from ..swarm.chain import Key
 from ..swarm.signing import Signed, Verifier
@@ -34,14 +34,10 @@ log = logging.getLogger("sparrowd.store")
 
 
 def _write(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # A temporary name of its own per write: two fetches of one chunk (endgame) may store it at once,
+    # and with a shared name one could rename the other's half-written file into place.
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 class ChunkStore:

@@ -69,6 +69,13 @@ UPLOAD_SLOTS = 8  # peers unchoked at once (one of them the optimistic unchoke)
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
+STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
+
+
+def store_pause(failures: int) -> float:
+    """Seconds fetching pauses after ``failures`` chunks in a row could not be stored: 1, 2, 4, 8, 10, 10..."""
+    return min(STORE_PAUSE_MAX, 2.0 ** max(0, min(failures, 32) - 1))
+
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List}
 _VERSION_REQ = {"version": NonNegInt, "anchor": Opt(Bool), "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
@@ -140,6 +147,10 @@ class Swarm:
         # can be relayed, a half-sent one cannot.
         self._uploads = asyncio.Semaphore(SEED_CONCURRENT if signer else RELAY_CONCURRENT)
         self.error: str | None = None
+        # After a chunk could not be stored (a full disk), fetching pauses, longer each time in a row,
+        # rather than downloading chunks only to drop them.
+        self.store_failures = 0
+        self.store_paused_until = 0.0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -622,6 +633,8 @@ class Swarm:
 
     def _schedule(self) -> None:
         now = time.monotonic()
+        if now < self.store_paused_until:
+            return
         my_region = self.daemon.settings.region
         region_nodes = [self.daemon.node_id] + [p.node_id for p in self.peers.values()
                                                  if p.region == my_region and p.role != "trainer"]
@@ -681,9 +694,14 @@ class Swarm:
                 await asyncio.to_thread(self.store.put_chunk, vs, index, data)
             except OSError as e:  # a full or failing disk: say so, keep serving what is stored
                 self.error = f"storing chunks in {self.store.root}: {e.strerror or e}"
-                event(log, logging.ERROR, "cannot store a chunk", object=str(vs.key), index=index, reason=self.error)
+                self.store_failures += 1
+                pause = store_pause(self.store_failures)
+                self.store_paused_until = time.monotonic() + pause
+                event(log, logging.ERROR, "cannot store a chunk; fetching pauses", object=str(vs.key), index=index,
+                      reason=self.error, seconds=pause)
                 return
             vs.have.add(index)
+            self.store_failures = 0
             ps.strikes = 0
             self.error = None
             event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import blake3
 import pytest
@@ -84,10 +85,16 @@ def test_a_full_disk_is_reported_stores_nothing_torn_and_recovers_when_space_ret
                    "the node to report its full disk")
     assert "No space left on device" in err
     assert "No space left on device" in node.log()
-    # Nothing torn: every chunk file under its final name is whole and hash-valid, no temporary left.
+    # Fetching pauses rather than downloading chunks only to drop them: 1 s, then 2 s, ...
+    time.sleep(3.0)
+    failures = node.log().count("cannot store a chunk")
+    assert 1 <= failures <= 10, failures
+    # Nothing torn: every chunk file under its final name is whole and hash-valid, and no temporary
+    # outlives its write (one may exist for a moment while a retry stores).
     chunks = small_disk / "node" / "versions" / "1" / "chunks"
-    names = sorted(p.name for p in chunks.iterdir())
-    assert names and not [n for n in names if n.endswith(".tmp")]
+    wait_for(lambda: not [p for p in chunks.iterdir() if p.name.endswith(".tmp")], 15, "no temporary file")
+    names = sorted(p.name for p in chunks.iterdir() if not p.name.endswith(".tmp"))
+    assert names
     for i in [int(n.removesuffix(".chunk")) for n in names]:
         data = (chunks / f"{i}.chunk").read_bytes()
         assert blake3.blake3(data).digest() == view.manifest.chunks[i].hash, i
@@ -212,3 +219,11 @@ def test_a_region_cut_off_past_its_leases_falls_out_comes_back_and_catches_up(cl
     finally:
         wan.kill()
         wan.wait()
+
+
+def test_fetching_pauses_longer_after_each_chunk_that_could_not_be_stored():
+    from sparrowd.daemon.swarm import STORE_PAUSE_MAX, store_pause
+    pauses = [store_pause(n) for n in range(1, 8)]
+    assert pauses[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert pauses == sorted(pauses) and max(pauses) == STORE_PAUSE_MAX
+    assert store_pause(10**6) == STORE_PAUSE_MAX  # no overflow after a long outage
