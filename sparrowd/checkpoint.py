@@ -202,13 +202,17 @@ def _umask() -> int:
 
 
 @contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it over ``path`` on success."""
+def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it over ``path`` on success.
+
+    Each call gets a fresh name (so two writers of one path never share a temporary) made with
+    ``O_EXCL``. ``private`` keeps the file 0600 from its creation on, for secrets."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a written file should look like any other
+    if not private:
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a written file should look like any other
     try:
         yield tmp_path
         os.replace(tmp_path, path)

@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ..checkpoint import atomic_file
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bytes, NonNegInt, Str, fields, pack, unpack
 
@@ -120,13 +121,10 @@ def load_or_create_key(path: Path) -> Signer:
         return Signer(key)
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with atomic_file(path, private=True) as tmp, open(tmp, "wb") as f:  # 0600 from creation on
         f.write(pem)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
     return Signer(key)
 
 
@@ -141,7 +139,6 @@ def pin_public_key(path: Path, offered: bytes) -> Verifier:
                 f"delete {path} only if the trainer's key was replaced on purpose")
         return Verifier(pinned)
     v = Verifier(offered)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(offered.hex() + "\n")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(offered.hex() + "\n")
     return v

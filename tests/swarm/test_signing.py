@@ -40,8 +40,12 @@ def test_malformed_statements_are_format_errors():
 
 def test_the_key_file_is_private_and_stable(tmp_path):
     path = tmp_path / "trainer.key"
+    leftover = tmp_path / ".trainer.key.tmp"  # from a crash, world-readable: never reused for the secret
+    leftover.write_text("old")
+    leftover.chmod(0o644)
     a = load_or_create_key(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert leftover.read_text() == "old"
     assert load_or_create_key(path).public == a.public
     path.write_text("garbage")
     with pytest.raises(Exception, match="cannot be read"):
