@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+from pathlib import Path
+
+
+def json_file(value: str) -> str:
+    """``--json FILE``: refused before a long run when its folder cannot take the file."""
+    folder = Path(value).parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value}: folder {folder} is not writable")
+    if Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: is a folder")
+    return value
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print its figures",
@@ -13,7 +29,7 @@ def register(sub) -> None:
     c.add_argument("--steps", type=int, default=4, help="training steps for the real deltas (default 4)")
     c.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     c.add_argument("--size-mib", type=int, default=512, help="bf16 bytes of each side of the throughput pair (default 512)")
-    c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
     register_publish(bs)
@@ -49,7 +65,7 @@ def register_swarm(bs) -> None:
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="the daemons' log level (default warning; debug logs every chunk stored)")
-    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.set_defaults(func=cmd_swarm)
 
 
@@ -68,7 +84,7 @@ def _register_sized(bs, name: str, help: str, description: str, size_mib: int, e
     s = bs.add_parser(name, help=help, description=description)
     s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
-    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.set_defaults(func=lambda args: _run_sized(name, args, extra))
     return s
 
@@ -113,7 +129,7 @@ def register_soak(bs) -> None:
     s.add_argument("--versions", type=int, default=50, help="versions to publish (default 50)")
     s.add_argument("--patch-kib", type=int, default=256, help="patch size per version in KiB (default 256)")
     s.add_argument("--kill-every", type=int, default=5, help="versions between kills (default 5)")
-    s.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.set_defaults(func=cmd_soak)
 
 

@@ -208,7 +208,10 @@ def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
     Each call gets a fresh name (so two writers of one path never share a temporary) made with
     ``O_EXCL``. ``private`` keeps the file 0600 from its creation on, for secrets."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # name the file asked for, not the temporary
+        raise OSError(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     tmp_path = Path(tmp)
     if not private:

@@ -44,3 +44,15 @@ def test_bench_publish_refuses_a_device_torch_does_not_see():
 def test_bench_publish_refuses_a_device_name_torch_does_not_know():
     with pytest.raises(InputError, match="device 'nonsense'"):
         run(size_mib=64, steps=1, device="nonsense")
+
+
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    import subprocess
+    import sys
+    for bench in ("codec", "publish", "swarm", "apply", "soak"):
+        r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", bench, "--json",
+                            str(tmp_path / "nowhere" / "f.json")], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "nowhere does not exist" in r.stderr.strip().splitlines()[-1], (bench, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "codec", "--json", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is a folder" in r.stderr, r.stderr

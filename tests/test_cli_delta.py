@@ -124,6 +124,9 @@ def test_bad_inputs_give_one_line_and_leave_nothing(files):
     save_file(missing, str(d / "missing.safetensors"))
     assert "missing from the base" in bad(sparrowd("delta", "apply", d / "missing.safetensors", p, "-o", d / "o6.safetensors"))
     assert "no such file" in bad(sparrowd("delta", "diff", d / "nope", v1, "-o", d / "o7.sprw"))
+    # An output folder that is not there: the error names the output, not a temporary file.
+    err = bad(sparrowd("delta", "diff", v0, v1, "-o", d / "nowhere" / "o9.sprw"))
+    assert str(d / "nowhere" / "o9.sprw") in err and ".tmp" not in err, err
     r = sparrowd("delta", "diff", v0, v1, "-o", d / "o8.sprw", "--chunk-size", "lots")
     assert r.returncode == 2 and "not a size" in r.stderr
     after = listing(d)

@@ -12,12 +12,13 @@ the same engine, and checks that both leave the very same parameters.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from . import write_json
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -161,5 +162,5 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
         else:
             print(f"   (the engine without the extension did not run: {r.stderr.strip().splitlines()[-1:]})")
     if json_path:
-        Path(json_path).write_text(json.dumps(rows, indent=2))
+        write_json(json_path, rows)
     return 0

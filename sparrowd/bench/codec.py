@@ -26,7 +26,6 @@ A MISS is reported, not raised; a bit-exactness failure raises.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -36,6 +35,7 @@ import time
 import numpy as np
 import zstandard
 
+from sparrowd.bench import write_json
 from sparrowd.codec import RawTensor, apply_patch, decode_chunk, encode_patch
 
 __all__ = ["run"]
@@ -451,7 +451,5 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
 
     if json_path:
         doc = {"machine": machine, "real": real, "throughput": tp, "targets": targets, "seconds": elapsed}
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(json_path, doc)
     return 0

@@ -20,10 +20,10 @@ Two targets, each against a baseline measured in the same run:
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
+
+from . import write_json
 
 TENSOR_MIB = 64
 CPU_TARGET = 1.5  # publish / bare compare, fused CPU path
@@ -134,6 +134,6 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
         print(f"\n   compare-and-extract / copy bandwidth (worst step) {worst:.2f}  >= {DEVICE_TARGET}  "
               f"{'PASS' if worst >= DEVICE_TARGET else 'MISS'}")
     if json_path:
-        Path(json_path).write_text(json.dumps({"device": str(dev), "compare": compare, "copy_seconds": t_copy,
-                                               "model_bytes": model_bytes, "steps": rows}, indent=2))
+        write_json(json_path, {"device": str(dev), "compare": compare, "copy_seconds": t_copy,
+                               "model_bytes": model_bytes, "steps": rows})
     return 0

@@ -13,7 +13,6 @@ every node alive at the end holds every retained version, bit-exact.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -26,6 +25,7 @@ from ..codec.bits import RawTensor
 from ..codec.patch import encode_patch
 from ..daemon.calls import http_call
 from ..localswarm import LocalSwarm
+from . import write_json
 
 TTL = "1.5"  # short leases: the tracker hears of each new version within half a second
 
@@ -143,5 +143,5 @@ def run(*, nodes: int = 32, regions: int = 3, versions: int = 50, patch_kib: int
               f"MiB; open files median {s['fds_median']:.0f}, max {s['fds_max']}")
     print(f"   {time.monotonic() - t_all:.0f} s in all")
     if json_path:
-        Path(json_path).write_text(json.dumps({"versions": rows, "samples": samples, "killed": killed}, indent=2))
+        write_json(json_path, {"versions": rows, "samples": samples, "killed": killed})
     return 0

@@ -44,6 +44,7 @@ from ..codec.bits import RawTensor
 from ..codec.patch import encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
 from ..units import format_bytes, parse_size
+from . import write_json
 
 MB = 1 << 20
 
@@ -296,6 +297,6 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         ok = value <= limit if at_most else value >= limit
         print(f"   {name:<40} {value:6.2f}  {'<=' if at_most else '>='} {limit:<4} {'PASS' if ok else 'MISS'}")
     if json_path:
-        Path(json_path).write_text(json.dumps({"versions": results, "star": star_row, "nodes": nodes,
-                                               "regions": regions, "rates": rates, "rtt": rtt}, indent=2))
+        write_json(json_path, {"versions": results, "star": star_row, "nodes": nodes,
+                               "regions": regions, "rates": rates, "rtt": rtt})
     return 0
