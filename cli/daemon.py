@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import check_start, http_call, published_state
+from sparrowd.daemon.calls import check_start, http_call, published_state, tracker_status
 from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.chain import Key
@@ -237,10 +237,7 @@ def fetch_status(tracker: str, token_file: str) -> dict:
     if not token_file:
         raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
     token, _ = read_token(Path(token_file).expanduser())
-    snap = http_call(f"{tracker.rstrip('/')}/v1/tracker/status", token)
-    if not isinstance(snap, dict) or not isinstance(snap.get("nodes"), list):
-        raise SparrowError(f"{tracker}: the reply is not a status snapshot")
-    return snap
+    return tracker_status(tracker, token)
 
 
 def cmd_status(args) -> int:

@@ -21,7 +21,7 @@ _LEN = struct.Struct(">I")
 
 REQUESTS = {
     "hello": {"op": Str, "engine": Str, "rank": NonNegInt, "version": NonNegInt, "token": Str},
-    "ready": {"op": Str, "wait": Opt(Int)},
+    "ready": {"op": Str, "wait": Opt(Int), "until": Opt(NonNegInt)},
     "fetch": {"op": Str, "version": NonNegInt, "anchor": Opt(Bool)},
     "applied": {"op": Str, "version": NonNegInt, "anchor": Opt(Bool), "fingerprint": Opt(Str)},
 }

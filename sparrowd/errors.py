@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "BaseMismatchError",
     "InputError",
+    "VersionUnavailableError",
 ]
 
 
@@ -35,3 +36,7 @@ class BaseMismatchError(IntegrityError):
 
 class InputError(SparrowError):
     """Arguments or inputs that cannot be used as given (missing tensors, bad options)."""
+
+
+class VersionUnavailableError(SparrowError):
+    """A version asked for that the daemon could not give in time; nothing was changed."""

@@ -58,7 +58,7 @@ from .codec.bits import RawTensor
 from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
-from .daemon.calls import check_start, http_call, published_state
+from .daemon.calls import check_start, http_call, published_state, tracker_status
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError
 from .swarm.chain import Key
@@ -451,6 +451,11 @@ class Publisher:
         raise InputError(f"the trainer's daemon has version {latest} as its latest, this publisher has "
                          f"{self.version}: the chain was changed by someone else, or the daemon lost its data dir; "
                          f"start again from the daemon's latest version")
+
+    def status(self) -> dict:
+        """The swarm's status snapshot from the trainer's daemon, which hosts the tracker
+        (docs/STATUS.md): every node, the versions it holds and its engine's version."""
+        return tracker_status(self.daemon, self._token, timeout=self.timeout)
 
     def _daemon_state(self) -> dict:
         return published_state(self.daemon, self._token, timeout=self.timeout)

@@ -77,7 +77,7 @@ def _plain_engine_generation(checkpoint: str) -> float:
 
 def _wait_ready(worker, version: int) -> None:
     deadline = time.monotonic() + 60
-    while version not in worker._sparrow_client.ready(5)[1]:
+    while version not in worker._sparrow.client.ready(5)[1]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"version {version} never became ready")
     time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone

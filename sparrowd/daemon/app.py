@@ -144,6 +144,11 @@ class Daemon:
     def count_bytes(self, direction: str, n: int, wan: bool) -> None:
         self.metrics.bytes[(direction, "other" if wan else "same")] += n
 
+    def report_changed(self) -> None:
+        """What renewals report changed; the tracker hears it at once rather than at the next renewal."""
+        if self.membership is not None:
+            self.membership.nudge()
+
     def report(self) -> dict:
         b = self.metrics.bytes
         return {

@@ -13,12 +13,17 @@ import urllib.request
 
 from ..errors import SparrowError
 
-__all__ = ["http_call", "published_state", "check_start"]
+__all__ = ["http_call", "tracker_status", "published_state", "check_start"]
 
 
-def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0, data=None) -> dict:
-    """One JSON call to a daemon, with the swarm token; errors become one-line SparrowErrors."""
-    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"},
+def http_call(url: str, token: str | None, *, method: str = "GET", timeout: float = 5.0, data=None,
+              body: dict | None = None) -> dict:
+    """One JSON call to a daemon, with the swarm token (or, without one, to another JSON service
+    such as vLLM's RL routes, ``body`` sent as JSON); errors become one-line SparrowErrors."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    if body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    req = urllib.request.Request(url, method=method, headers=headers,
                                  data=(b"" if data is None else data) if method == "POST" else None)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -27,8 +32,10 @@ def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0
         if e.code == 401:
             raise SparrowError(f"{url}: the daemon refused the swarm token") from None
         try:
-            reason = json.loads(e.read(4096))["error"]
-        except (ValueError, KeyError, TypeError, OSError):
+            err = json.loads(e.read(4096))
+            reason = err.get("error") or err["detail"]
+            reason = reason.get("message", reason) if isinstance(reason, dict) else reason
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
             reason = f"HTTP {e.code}"
         raise SparrowError(f"{url}: {reason}") from None
     except (urllib.error.URLError, OSError) as e:
@@ -38,6 +45,14 @@ def http_call(url: str, token: str, *, method: str = "GET", timeout: float = 5.0
         return json.loads(body)
     except ValueError:
         raise SparrowError(f"{url}: the reply is not JSON") from None
+
+
+def tracker_status(tracker: str, token: str, *, timeout: float = 5.0) -> dict:
+    """The tracker's status snapshot (docs/STATUS.md)."""
+    snap = http_call(f"{tracker.rstrip('/')}/v1/tracker/status", token, timeout=timeout)
+    if not isinstance(snap, dict) or not isinstance(snap.get("nodes"), list):
+        raise SparrowError(f"{tracker}: the reply is not a status snapshot")
+    return snap
 
 
 def published_state(daemon: str, token: str, *, timeout: float = 5.0) -> dict:

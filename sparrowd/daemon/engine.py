@@ -156,6 +156,7 @@ class EngineServer:
 
     def _changed_engines(self) -> None:
         self.swarm.engine_floor = self.floor()
+        self.daemon.report_changed()
         self._prefetch()
 
     # ------------------------------------------------------------ one connection
@@ -212,7 +213,8 @@ class EngineServer:
                     continue
                 op = msg["op"]
                 if op == "ready":
-                    await self._send(conn, await self._ready(me, min(float(msg["wait"] or 0), MAX_WAIT)))
+                    wait = min(float(msg["wait"] or 0), MAX_WAIT)
+                    await self._send(conn, await self._ready(me, wait, msg.get("until")))
                 elif op == "fetch":
                     await self._fetch(conn, me, Key(msg["version"], bool(msg.get("anchor"))))
                 elif op == "applied":
@@ -249,13 +251,16 @@ class EngineServer:
     def _plan(self, version: int) -> tuple[int | None, list[int]]:
         return engine_plan(version, {k: vs.obj for k, vs in self.swarm.versions.items()})
 
-    async def _ready(self, me: Engine, wait: float) -> dict:
+    async def _ready(self, me: Engine, wait: float, until: int | None = None) -> dict:
+        """What the engine loads next; waits up to ``wait`` s for something, or, given ``until``,
+        for a chain that reaches that version."""
         deadline = time.monotonic() + wait
         while True:
             gen = self.swarm.gen
             anchor, patches = self._plan(me.version)
             left = deadline - time.monotonic()
-            if anchor is not None or patches or left <= 0:
+            end = patches[-1] if patches else anchor
+            if (end is not None and (until is None or end >= until)) or left <= 0:
                 return {"op": "ready", "version": me.version, "patches": patches, "anchor": anchor}
             await self.swarm.changed(gen, left)
 
@@ -264,8 +269,10 @@ class EngineServer:
         if vs is None or not vs.complete:
             await self._send(conn, {"op": "error", "error": f"{key} is not held whole here"})
             return
-        if not key.anchor and vs.base_version != me.version:
-            anchor, _ = self._plan(me.version)
+        anchor, patches = self._plan(me.version)
+        # A patch on the engine's version, or later on the chain it was told to load (an engine
+        # that applies several versions as one transaction acknowledges them at the end).
+        if not key.anchor and vs.base_version != me.version and key.version not in patches:
             await self._send(conn, {"op": "error", "anchor": anchor,
                                     "error": f"version {key.version} applies to {vs.base_version}, but the engine "
                                              f"holds {me.version}" + (f"; load anchor {anchor}" if anchor is not None

@@ -157,6 +157,7 @@ class Membership:
     """Keeps this node's lease. ``report()`` gives what renewals carry (versions, bytes)."""
 
     MAX_BACKOFF = 10.0
+    NUDGE_COALESCE = 0.1  # seconds a nudged renewal waits for more changes to report with it
 
     def __init__(
         self,
@@ -176,6 +177,13 @@ class Membership:
         self.state = LeaseState()
         self.joined = asyncio.Event()
         self._in_outage = False
+        self._nudged = asyncio.Event()
+
+    def nudge(self) -> None:
+        """Something renewals report changed (a version completed, the engine applied one): renew
+        soon instead of at the next interval, so the tracker's view is not a third of a TTL behind.
+        Bursts are coalesced into one renewal; an idle node sends no more than before."""
+        self._nudged.set()
 
     def lease_left(self) -> float | None:
         if self.state.expires_at is None:
@@ -229,7 +237,13 @@ class Membership:
                     self._unreachable(e)
                     await asyncio.sleep(self.MAX_BACKOFF)
                     continue
-            await asyncio.sleep(self.state.renew_interval * self.rng.uniform(0.85, 1.0))
+            try:  # asyncio.timeout, not wait_for (see Swarm.changed)
+                async with asyncio.timeout(self.state.renew_interval * self.rng.uniform(0.85, 1.0)):
+                    await self._nudged.wait()
+                await asyncio.sleep(self.NUDGE_COALESCE)
+            except TimeoutError:
+                pass
+            self._nudged.clear()
             try:
                 await self._renew()
             except LeaseGone as e:

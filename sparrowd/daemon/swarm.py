@@ -713,6 +713,7 @@ class Swarm:
                 event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
                       chunks=vs.total, position=self.position())
                 self._retire()
+                self.daemon.report_changed()
             await self._notify()
             self._tell_peers()
         except IntegrityError as e:

@@ -12,16 +12,18 @@ mapping; the descriptor is closed when the apply is done.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import time
 from pathlib import Path
 
 from ..daemon.settings import read_token
 from ..decoded import Decoded, read_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
-from ..errors import BaseMismatchError, InputError, SparrowError
+from ..errors import BaseMismatchError, InputError, SparrowError, VersionUnavailableError
 
-__all__ = ["EngineClient", "sync"]
+__all__ = ["EngineClient", "sync", "MAX_READY_WAIT"]
 
 
 class EngineClient:
@@ -46,9 +48,13 @@ class EngineClient:
 
     # ------------------------------------------------------------ calls
 
-    def ready(self, wait: float = 0.0) -> tuple[int | None, list[int]]:
-        """``(anchor, patches)``: what to load next, waiting up to ``wait`` s for something."""
-        r = self._call({"op": "ready", "wait": int(wait)}, timeout=wait + 30)
+    def ready(self, wait: float = 0.0, until: int | None = None) -> tuple[int | None, list[int]]:
+        """``(anchor, patches)``: what to load next, waiting up to ``wait`` s (at most 30) for
+        something, or, given ``until``, for a chain that reaches that version."""
+        msg = {"op": "ready", "wait": math.ceil(wait)}
+        if until is not None:
+            msg["until"] = until
+        r = self._call(msg, timeout=wait + 30)
         patches = r.get("patches")
         if not isinstance(patches, list) or not all(isinstance(v, int) for v in patches):
             raise SparrowError(f"engine socket {self.path}: malformed ready reply")
@@ -125,24 +131,45 @@ class EngineClient:
         return bytes(buf)
 
 
-def sync(client: EngineClient, applier, target: int | None = None, *, wait: float = 0.0) -> int:
-    """Apply every version ready at the daemon, in order, up to ``target`` (all when None);
-    load the anchor the daemon names when the engine's chain is broken. Returns the version
-    the engine now holds. Each apply is a transaction: on an error the engine keeps the last
-    version it applied, unchanged, and the error is raised."""
-    while target is None or applier.version < target:
-        anchor, patches = client.ready(wait)
-        wait = 0.0
-        if anchor is not None and (target is None or anchor <= target):
-            d = client.fetch(anchor, anchor=True)
-            applier.apply_decoded(d)
-            client.applied(d)
-            continue
-        todo = [v for v in patches if target is None or v <= target]
-        if not todo:
+MAX_READY_WAIT = 30.0  # the daemon answers a ready request within this
+
+
+def sync(client: EngineClient, applier, target: int | None = None, *, wait: float = 0.0,
+         exact: bool = False) -> int:
+    """Apply the versions ready at the daemon, in order, up to ``target`` (all when None), as
+    one transaction; returns the version the engine now holds.
+
+    Waits up to ``wait`` seconds for a chain that reaches ``target``. Without ``exact`` it then
+    applies what is ready, however far that gets; with ``exact`` a target not reached is a
+    ``VersionUnavailableError`` and nothing is applied. When the engine's chain is broken (it
+    is behind everything the swarm retains) the daemon names an anchor, loaded first in the
+    same transaction. Everything is fetched and checked before the first write; any error
+    puts every write back (the engine keeps the version it had, bit for bit) and is raised.
+    The daemon is told what was applied only once all of it was."""
+    start = applier.version
+    if target is not None and target <= start:
+        return start
+    deadline = time.monotonic() + wait
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        anchor, patches = client.ready(min(left, MAX_READY_WAIT), until=target)
+        past = anchor is not None and target is not None and anchor > target
+        if past:  # only an anchor newer than the target mends the chain: the target cannot be had
+            anchor, patches = None, []
+        patches = [v for v in patches if target is None or v <= target]
+        end = patches[-1] if patches else (anchor if anchor is not None else start)
+        if past or target is None or end >= target or time.monotonic() >= deadline:
             break
-        for v in todo:
-            d = client.fetch(v)
+    if exact and target is not None and end < target:
+        raise VersionUnavailableError(
+            f"version {target} is not ready at the daemon after {wait:g} s (it can give up to {end}); "
+            f"the engine stays on version {start}")
+    todo = ([client.fetch(anchor, anchor=True)] if anchor is not None else []) + [client.fetch(v) for v in patches]
+    if not todo:
+        return start
+    with applier.transaction():
+        for d in todo:
             applier.apply_decoded(d)
-            client.applied(d)
+    for d in todo:
+        client.applied(d)
     return applier.version

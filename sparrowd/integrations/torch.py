@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -130,6 +131,16 @@ class Placement:
         return fingerprint(_host_view(self.bits))
 
 
+def _restore(undo: list) -> None:
+    """Put back what a list of ``(bits, where, old values)`` records overwrote, newest first."""
+    with torch.no_grad():
+        for bits, where, old in reversed(undo):
+            if where is None:
+                bits.copy_(old)
+            else:
+                bits[where] = old
+
+
 class PatchApplier:
     def __init__(self, target=None, *, version: int, verify: bool = True,
                  placements: Mapping[str, Placement] | None = None):
@@ -143,6 +154,28 @@ class PatchApplier:
         self.version = version
         self.verify = verify
         self.last: ApplyStats | None = None  # the last apply's figures
+        self._txn: list | None = None  # undo records of the open transaction
+
+    @contextmanager
+    def transaction(self):
+        """Several applies as one: an error inside the block puts back every write made in it
+        and the version it started from, then propagates.
+
+            with applier.transaction():
+                for d in decoded_versions:
+                    applier.apply_decoded(d)
+        """
+        if self._txn is not None:
+            raise InputError("PatchApplier: a transaction is already open")
+        self._txn, version, last = [], self.version, self.last
+        try:
+            yield self
+        except BaseException:
+            _restore(self._txn)
+            self.version, self.last = version, last
+            raise
+        finally:
+            self._txn = None
 
     def _check(self, d: Decoded) -> None:
         by = {e.name: e for e in d.tensors}
@@ -207,13 +240,10 @@ class PatchApplier:
                                              f"version {d.version}")
                 stats.verify_seconds += time.perf_counter() - t1
         except BaseException:
-            with torch.no_grad():
-                for bits, where, old in reversed(undo):
-                    if where is None:
-                        bits.copy_(old)
-                    else:
-                        bits[where] = old
+            _restore(undo)
             raise
+        if self._txn is not None:
+            self._txn.extend(undo)
         stats.tensors = len(d.tensors)
         stats.elements = d.elements
         self.version = d.version

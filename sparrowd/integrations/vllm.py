@@ -47,8 +47,9 @@ from ..checkpoint import open_checkpoint
 from ..errors import BaseMismatchError, SparrowError
 from .engine import EngineClient, sync
 from .torch import TORCH_DTYPES, PatchApplier, Placement, flat_bits
+from .vllm_plugin import keep_plain_cpu_weights
 
-__all__ = ["SparrowWorkerExtension", "RunPlacement", "learn_placements", "update"]
+__all__ = ["SparrowWorkerExtension", "VllmPatcher", "RunPlacement", "learn_placements", "update", "worker_rank"]
 
 # Probes are bit patterns, copied exactly by a loader that only places elements. A digit d of the
 # flat index (base 2**14) is the pattern DIGIT0 + d: a normal, finite bf16/f16 value whatever d is,
@@ -58,29 +59,7 @@ DIGIT_BITS = 14
 DIGIT0, MARK, SENTINEL = 0x0400, 0x3C01, 0x7BFF
 
 
-def _keep_plain_cpu_weights() -> None:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:  # pragma: no cover - not inside vLLM
-        return
-    if not current_platform.is_cpu():
-        return
-    import vllm.model_executor.layers.utils as utils
-
-    original = utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "sparrowd", False):
-        return
-
-    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
-        if layer.weight.is_meta or layer.weight.ndim != 2:
-            return original(layer, remove_weight)
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-
-    plain.sparrowd = True
-    utils.dispatch_cpu_unquantized_gemm = plain
-
-
-_keep_plain_cpu_weights()
+keep_plain_cpu_weights()  # the extension's module is imported before vLLM builds the model
 
 
 class RunPlacement(Placement):
@@ -236,6 +215,59 @@ def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[i
     return out
 
 
+class VllmPatcher:
+    """The one core both vLLM integrations share (the worker extension and the ``sparrowd``
+    weight-transfer backend): a worker's model, where each checkpoint tensor lives in it, and
+    the engine socket of the node's daemon."""
+
+    def __init__(self, model: torch.nn.Module, folder: str | os.PathLike):
+        with open_checkpoint(Path(folder)) as ckpt:
+            specs = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.items()}
+        self.placements = learn_placements(model, specs)
+        self.applier: PatchApplier | None = None
+        self.client: EngineClient | None = None
+
+    @property
+    def learned(self) -> dict:
+        return {"tensors": len(self.placements), "runs": sum(p.runs for p in self.placements.values()),
+                "unused": sorted(n for n, p in self.placements.items() if not p.runs)}
+
+    @property
+    def version(self) -> int | None:
+        return None if self.applier is None else self.applier.version
+
+    def connect(self, socket_path: str, *, token_file: str | None = None, version: int = 0, engine: str,
+                rank: int = 0) -> None:
+        """Attach to the daemon's engine socket, the weights being ``version``. Attaching again
+        (a restarted daemon) keeps the version the weights hold now."""
+        if self.applier is None:
+            self.applier = PatchApplier(placements=self.placements, version=version, verify=False)
+        self.close()
+        self.client = EngineClient(socket_path, token_file=token_file, rank=rank, version=self.applier.version,
+                                   engine=engine)
+
+    def update(self, target: int | None = None, *, wait: float = 0.0, exact: bool = False) -> int:
+        """``sync`` through the socket: every ready version up to ``target``, as one transaction."""
+        if self.client is None or self.applier is None:
+            raise SparrowError("not attached to a sparrowd daemon: connect first")
+        return sync(self.client, self.applier, target, wait=wait, exact=exact)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def worker_rank() -> int:
+    """This worker's rank among the engine's workers (0 outside a distributed group)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
 class SparrowWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``); called with ``collective_rpc``."""
 
@@ -243,29 +275,24 @@ class SparrowWorkerExtension:
                         engine: str | None = None) -> dict:
         """Attach to the local daemon's engine socket, holding ``version`` (the weights the engine
         loaded); learns the checkpoint-to-runtime placement once. Returns what it learned."""
-        model = self.model_runner.model
-        folder = Path(self.model_runner.model_config.model)
-        with open_checkpoint(folder) as ckpt:
-            specs = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.items()}
-        placements = learn_placements(model, specs)
-        self._sparrow_applier = PatchApplier(placements=placements, version=version, verify=False)
-        rank = int(getattr(self, "rank", 0) or 0)
-        self._sparrow_client = EngineClient(socket_path, token_file=token_file, rank=rank, version=version,
-                                            engine=engine or f"vllm-{os.uname().nodename}-{os.getpid()}")
-        return {"tensors": len(placements), "runs": sum(p.runs for p in placements.values()),
-                "unused": sorted(n for n, p in placements.items() if not p.runs)}
+        patcher = VllmPatcher(self.model_runner.model, self.model_runner.model_config.model)
+        patcher.connect(socket_path, token_file=token_file, version=version, rank=int(getattr(self, "rank", 0) or 0),
+                        engine=engine or f"vllm-{os.uname().nodename}-{os.getpid()}")
+        self._sparrow = patcher
+        return patcher.learned
 
     def sparrow_update(self, target_version: int | None = None) -> int:
-        """Apply every ready version up to ``target_version`` (all when None); returns the version
-        now held. On an error the engine keeps serving the last version it applied, unchanged."""
-        return sync(self._sparrow_client, self._sparrow_applier, target_version)
+        """Apply every ready version up to ``target_version`` (all when None), as one transaction;
+        returns the version now held. On an error the engine keeps serving the version it had,
+        unchanged."""
+        return self._sparrow.update(target_version)
 
     def sparrow_version(self) -> int:
-        return self._sparrow_applier.version
+        return self._sparrow.version
 
     def sparrow_stats(self) -> dict | None:
         """The last apply's figures (``ApplyStats``: scatter seconds, elements, ...)."""
-        last = self._sparrow_applier.last
+        last = self._sparrow.applier.last
         return None if last is None else dict(last.__dict__)
 
 

@@ -105,7 +105,7 @@ def _faults(worker, checkpoint: str) -> dict:
     from sparrowd.decoded import Decoded, Write
     from sparrowd.errors import BaseMismatchError, IntegrityError
 
-    applier = worker._sparrow_applier
+    applier = worker._sparrow.applier
     before = _params(worker)
     seen = {}
     d = Decoded(applier.version + 1, applier.version + 5, "absolute", (), [])

@@ -1,0 +1,73 @@
+"""vLLM's way into sparrowd: the ``vllm.general_plugins`` entry point that registers the
+``sparrowd`` weight-transfer backend.
+
+    vllm serve MODEL --weight-transfer-config '{"backend": "sparrowd"}'
+
+vLLM calls ``register`` in every process it starts (the API server, the engine
+core, each worker), whether or not the backend is used. So it imports no part
+of sparrowd that needs torch and changes nothing for a vLLM that does not
+select the backend: the engines are registered by module path (vLLM imports
+them only when the backend is created), and on the CPU backend the one change
+the backend needs, keeping linear layers on plain ``F.linear`` over their
+parameters instead of a private packed copy (so that in-place writes take
+effect), is made at model load only when the model being loaded is configured
+with ``backend: sparrowd``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BACKEND", "register", "keep_plain_cpu_weights"]
+
+BACKEND = "sparrowd"
+_MODULE = "sparrowd.integrations.vllm_backend"
+
+
+def register() -> None:
+    """Register the worker-side and trainer-side engines (safe to call more than once)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, "SparrowWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "SparrowTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, _MODULE, cls)
+        except ValueError:  # already registered in this process
+            pass
+    keep_plain_cpu_weights(when=selected)
+
+
+def selected() -> bool:
+    """Whether the vLLM config being built or loaded selects the sparrowd backend."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    transfer = getattr(config, "weight_transfer_config", None)
+    return transfer is not None and transfer.backend == BACKEND
+
+
+def keep_plain_cpu_weights(when=None) -> None:
+    """On vLLM's CPU backend, keep linear layers on ``F.linear`` over their own parameters for
+    models loaded while ``when()`` holds (always when None); other models keep vLLM's packed
+    kernels. A no-op off the CPU backend and outside vLLM. Installed once per process."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - not inside vLLM
+        return
+    if not current_platform.is_cpu():
+        return
+    import torch
+    import vllm.model_executor.layers.utils as utils
+
+    current = utils.dispatch_cpu_unquantized_gemm
+    original = getattr(current, "sparrowd_original", current)
+    conditions = list(getattr(current, "sparrowd_when", ()))
+    if when not in conditions:
+        conditions.append(when)
+
+    def dispatch(layer, remove_weight: bool) -> None:
+        plain = any(c is None or c() for c in conditions)
+        if not plain or layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    dispatch.sparrowd_original, dispatch.sparrowd_when = original, tuple(conditions)
+    utils.dispatch_cpu_unquantized_gemm = dispatch
