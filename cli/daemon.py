@@ -20,7 +20,21 @@ from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
-                  "wan_upload_rate", "engine_socket")
+                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote")
+
+
+def add_follow_flags(p) -> None:
+    """Follow mode's flags, shared by `run` and `install`."""
+    p.add_argument("--follow-vllm", metavar="URL",
+                   help="keep the co-located vLLM server (vllm serve ... --weight-transfer-config "
+                        "'{\"backend\": \"sparrowd\"}', VLLM_SERVER_DEV_MODE=1) on the newest version: pause, "
+                        "update, resume as versions arrive. Loopback only, e.g. http://127.0.0.1:8000")
+    p.add_argument("--follow-every", metavar="SECONDS",
+                   help="with --follow-vllm: update the server at most once per SECONDS, to the newest version "
+                        "(default 0: every version as soon as it is ready)")
+    p.add_argument("--follow-vllm-remote", action="store_const", const=True,
+                   help="allow a --follow-vllm address that is not loopback (vLLM's RL routes have no "
+                        "authentication: only on a network nobody else reaches)")
 
 
 def register(sub) -> None:
@@ -52,6 +66,7 @@ def register(sub) -> None:
     r.add_argument("--engine-socket", metavar="PATH",
                    help="Unix socket the co-located engine reads patches from (default $RUNTIME_DIRECTORY/engine.sock "
                         "under systemd, else DATA/engine.sock; 'off' for none)")
+    add_follow_flags(r)
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
 

@@ -14,6 +14,8 @@ from sparrowd.daemon.settings import load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 
+from .daemon import add_follow_flags
+
 ETC = Path("etc/sparrowd")
 UNIT = Path("etc/systemd/system/sparrowd.service")
 STATE = Path("var/lib/sparrowd")
@@ -33,6 +35,7 @@ def register(sub) -> None:
     i.add_argument("--advertise", metavar="HOST:PORT", help="address other nodes reach this box on, behind NAT")
     i.add_argument("--group", metavar="NAME", help="run the daemon with this group, so an engine running as "
                                                    "another user in it can open the engine socket")
+    add_follow_flags(i)
     i.add_argument("--prefix", metavar="DIR", default="/", help="install under DIR instead of / (images, tests)")
     i.add_argument("--now", action="store_true", help="also enable and start the service (needs --prefix /)")
     i.set_defaults(func=cmd_install)
@@ -90,7 +93,9 @@ def cmd_install(args) -> int:
         raise InputError("--now starts the service on this box: it needs --prefix /")
     token, _ = read_token(Path(args.token_file).expanduser())
     settings = {"role": args.role, "region": args.region, "tracker": args.tracker,
-                "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise}
+                "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise,
+                "follow_vllm": args.follow_vllm, "follow_every": args.follow_every,
+                "follow_vllm_remote": args.follow_vllm_remote}
     # The same checks `sparrowd run` will make, now, while the operator is at the keyboard.
     load_settings({k: v for k, v in settings.items()}, env={})
     written = []

@@ -44,6 +44,7 @@ from .bodies import read_limited
 from .engine import EngineServer
 from .leasedb import SqliteLeaseStore
 from .logs import event
+from .follow import VllmFollower
 from .membership import (
     MAX_TRACKER_MESSAGE,
     MSGPACK,
@@ -119,6 +120,7 @@ class Daemon:
         self.url = ""
         self.tracker: TrackerService | None = None
         self.membership: Membership | None = None
+        self.follower: VllmFollower | None = None
         self.swarm: Swarm | None = None
         self.token = ""
         self.source_address: str | None = None
@@ -159,7 +161,7 @@ class Daemon:
             "bytes_up_wan": b[("up", "other")],
             "bytes_down_wan": b[("down", "other")],
             "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
-            "error": self.swarm.error if self.swarm else None,
+            "error": (self.swarm.error if self.swarm else None) or (self.follower.error if self.follower else None),
             "peers": len(self.membership.state.peers) if self.membership else 0,
         }
 
@@ -289,6 +291,9 @@ class Daemon:
             except SparrowError as e:
                 raise InputError(str(e)) from None
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        if s.follow_vllm:
+            self.follower = VllmFollower(self, s.follow_vllm, every=s.follow_every)
+            self._tasks.append(asyncio.create_task(self.follower.run(), name="follow-vllm"))
         if self.tracker is not None:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
         interval = sdnotify.watchdog_interval(self.env)

@@ -248,7 +248,7 @@ class EngineServer:
 
     # ------------------------------------------------------------ requests
 
-    def _plan(self, version: int) -> tuple[int | None, list[int]]:
+    def plan(self, version: int) -> tuple[int | None, list[int]]:
         return engine_plan(version, {k: vs.obj for k, vs in self.swarm.versions.items()})
 
     async def _ready(self, me: Engine, wait: float, until: int | None = None) -> dict:
@@ -257,7 +257,7 @@ class EngineServer:
         deadline = time.monotonic() + wait
         while True:
             gen = self.swarm.gen
-            anchor, patches = self._plan(me.version)
+            anchor, patches = self.plan(me.version)
             left = deadline - time.monotonic()
             end = patches[-1] if patches else anchor
             if (end is not None and (until is None or end >= until)) or left <= 0:
@@ -269,7 +269,7 @@ class EngineServer:
         if vs is None or not vs.complete:
             await self._send(conn, {"op": "error", "error": f"{key} is not held whole here"})
             return
-        anchor, patches = self._plan(me.version)
+        anchor, patches = self.plan(me.version)
         # A patch on the engine's version, or later on the chain it was told to load (an engine
         # that applies several versions as one transaction acknowledges them at the end).
         if not key.anchor and vs.base_version != me.version and key.version not in patches:
@@ -279,7 +279,7 @@ class EngineServer:
                                                                       else "")})
             return
         try:
-            fd, size = await self._decode(key)
+            fd, size = await self.decode(key)
             fd = os.dup(fd)  # ours for the send: prefetching may drop the cached one meanwhile
         except (SparrowError, OSError) as e:
             await self._send(conn, {"op": "error", "error": f"{key}: {e}"})
@@ -311,7 +311,7 @@ class EngineServer:
         """Decode what attached engines will fetch next; free what none will."""
         need: set[Key] = set()
         for e in self.engines.values():
-            anchor, patches = self._plan(e.version)
+            anchor, patches = self.plan(e.version)
             keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches]
             need.update(keys[:AHEAD])
         for key in need - set(self._decoded):
@@ -331,7 +331,7 @@ class EngineServer:
         else:
             t.add_done_callback(close)
 
-    async def _decode(self, key: Key) -> tuple[int, int]:
+    async def decode(self, key: Key) -> tuple[int, int]:
         t = self._decoded.get(key)
         if t is None or t.cancelled():
             t = self._decoded[key] = self._spawn(asyncio.to_thread(self._decode_now, key), f"decode-{key.tag}")

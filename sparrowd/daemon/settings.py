@@ -8,8 +8,10 @@ Every value is parsed and checked once, at start; a bad one is a single
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import stat
 import tomllib
 from collections.abc import Callable, Mapping
@@ -22,7 +24,8 @@ from ..errors import InputError
 from ..units import parse_size
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
 
-__all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default_data_dir", "MIN_TOKEN_LEN"]
+__all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default_data_dir", "is_loopback",
+           "MIN_TOKEN_LEN"]
 
 MIN_TOKEN_LEN = 16
 DEFAULT_LISTEN = "0.0.0.0:7070"
@@ -101,6 +104,52 @@ def _path(text: Any) -> Path:
     return Path(os.path.expanduser(str(text).strip())).absolute()
 
 
+def _non_negative_float(text: Any) -> float:
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0 <= v < 86400:
+        raise ValueError("must be 0 or more and less than a day")
+    return v
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    v = str(text).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def _server_url(text: Any) -> str:
+    u = urlsplit(str(text).strip())
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
+        raise ValueError(f"{text!r} is not a server URL like http://127.0.0.1:8000")
+    try:
+        u.port
+    except ValueError:
+        raise ValueError(f"{text!r} has a bad port") from None
+    return f"{u.scheme}://{u.netloc}"
+
+
+def is_loopback(url: str) -> bool:
+    """Whether every address the URL's host names is a loopback address."""
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
 def _engine_socket(text: Any) -> str:
     t = str(text).strip()
     if t in ("", "off"):
@@ -138,6 +187,9 @@ class Settings:
     download_rate: int | None = None
     wan_upload_rate: int | None = None
     engine_socket: str = ""  # "": DATA/engine.sock; "off": no engine socket; else its path
+    follow_vllm: str | None = None  # the co-located vLLM server this daemon moves to each new version
+    follow_every: float = 0.0  # at most one update per this many seconds (0: every version)
+    follow_vllm_remote: bool = False  # allow a follow_vllm address that is not loopback
 
     @property
     def is_tracker(self) -> bool:
@@ -163,6 +215,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "download_rate": _rate,
     "wan_upload_rate": _rate,
     "engine_socket": _engine_socket,
+    "follow_vllm": _server_url,
+    "follow_every": _non_negative_float,
+    "follow_vllm_remote": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 
@@ -217,6 +272,13 @@ def load_settings(
         raise InputError(f"a {values['role']} needs the tracker's address: --tracker http://HOST:PORT")
     if values["role"] == "trainer" and "tracker" in values:
         raise InputError("the trainer hosts the tracker itself; leave --tracker out")
+    if values.get("follow_vllm"):
+        if values["role"] == "relay" or values.get("engine_socket") == "off":
+            raise InputError("--follow-vllm needs the engine socket: a relay, or --engine-socket off, has none")
+        if not values.get("follow_vllm_remote") and not is_loopback(values["follow_vllm"]):
+            raise InputError(f"--follow-vllm {values['follow_vllm']}: not a loopback address. vLLM's RL routes have "
+                             f"no authentication, so the server must listen on loopback (--host 127.0.0.1); "
+                             f"--follow-vllm-remote allows another address")
     return Settings(**values)
 
 

@@ -36,6 +36,7 @@ class EngineClient:
             token, _ = read_token(Path(token_file))
         self.path = str(path)
         self.version = version
+        self.broken = False  # the connection failed; a new client must say hello again
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -98,6 +99,7 @@ class EngineClient:
             head, fds = self._recv_with_fds(4)
             body = self._exactly(length(head))
         except OSError as e:  # timeouts included
+            self.broken = True
             raise SparrowError(f"engine socket {self.path}: {e.strerror or type(e).__name__}") from None
         reply = parse(body, request=False)
         if reply["op"] == "error":
@@ -145,7 +147,9 @@ def sync(client: EngineClient, applier, target: int | None = None, *, wait: floa
     is behind everything the swarm retains) the daemon names an anchor, loaded first in the
     same transaction. Everything is fetched and checked before the first write; any error
     puts every write back (the engine keeps the version it had, bit for bit) and is raised.
-    The daemon is told what was applied only once all of it was."""
+    The daemon is told what was applied once all of it was written, and a failure to tell it
+    (the daemon died) undoes the writes as well: the engine is never ahead of what it reports.
+    A daemon that heard part of it learns the engine's version again at the next hello."""
     start = applier.version
     if target is not None and target <= start:
         return start
@@ -167,9 +171,9 @@ def sync(client: EngineClient, applier, target: int | None = None, *, wait: floa
     todo = ([client.fetch(anchor, anchor=True)] if anchor is not None else []) + [client.fetch(v) for v in patches]
     if not todo:
         return start
-    with applier.transaction():
+    with applier.transaction():  # acknowledged inside it: a daemon gone mid-way undoes the writes too
         for d in todo:
             applier.apply_decoded(d)
-    for d in todo:
-        client.applied(d)
+        for d in todo:
+            client.applied(d)
     return applier.version

@@ -243,13 +243,17 @@ class VllmPatcher:
         if self.applier is None:
             self.applier = PatchApplier(placements=self.placements, version=version, verify=False)
         self.close()
-        self.client = EngineClient(socket_path, token_file=token_file, rank=rank, version=self.applier.version,
-                                   engine=engine)
+        self._attach = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine)
+        self.client = EngineClient(**self._attach, version=self.applier.version)
 
     def update(self, target: int | None = None, *, wait: float = 0.0, exact: bool = False) -> int:
-        """``sync`` through the socket: every ready version up to ``target``, as one transaction."""
+        """``sync`` through the socket: every ready version up to ``target``, as one transaction.
+        A connection that broke (the daemon restarted) is made again first."""
         if self.client is None or self.applier is None:
             raise SparrowError("not attached to a sparrowd daemon: connect first")
+        if self.client.broken:
+            self.client.close()
+            self.client = EngineClient(**self._attach, version=self.applier.version)
         return sync(self.client, self.applier, target, wait=wait, exact=exact)
 
     def close(self) -> None:

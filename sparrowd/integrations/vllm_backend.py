@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..daemon.calls import http_call
 from ..errors import SparrowError
 from .vllm import VllmPatcher, worker_rank
+from .vllm_plugin import register_engines
 
 __all__ = [
     "SparrowInitInfo",
@@ -356,3 +357,5 @@ class _Control:
         elif callable(getattr(c, method, None)):
             getattr(c, method)()
 
+
+register_engines()  # vLLM's trainer process loads no plugins; the init info's import registers the backend

@@ -16,14 +16,22 @@ with ``backend: sparrowd``.
 
 from __future__ import annotations
 
-__all__ = ["BACKEND", "register", "keep_plain_cpu_weights"]
+__all__ = ["BACKEND", "register", "register_engines", "keep_plain_cpu_weights"]
 
 BACKEND = "sparrowd"
 _MODULE = "sparrowd.integrations.vllm_backend"
 
 
 def register() -> None:
-    """Register the worker-side and trainer-side engines (safe to call more than once)."""
+    """The entry point: the engines, and the CPU dispatch for models that select the backend."""
+    register_engines()
+    keep_plain_cpu_weights(when=selected)
+
+
+def register_engines() -> None:
+    """Register the worker-side and trainer-side engines (safe to call more than once). vLLM's
+    trainer process loads no plugins: importing ``sparrowd.integrations.vllm_backend`` (for
+    ``SparrowTrainerInitInfo``) calls this too."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, cls in ((WeightTransferEngineFactory, "SparrowWeightTransferEngine"),
@@ -32,7 +40,6 @@ def register() -> None:
             factory.register_engine(BACKEND, _MODULE, cls)
         except ValueError:  # already registered in this process
             pass
-    keep_plain_cpu_weights(when=selected)
 
 
 def selected() -> bool:

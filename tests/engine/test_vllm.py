@@ -9,36 +9,15 @@ on that step's checkpoint, and its greedy tokens and logprobs must be the same.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.daemon.harness import status, wait_for
+from tests.engine.roles import role, same_params
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = Path(os.environ.get("SPARROWD_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 STEPS = 2
-
-
-def role(*args, timeout: float = 300) -> str:
-    if not ENGINE_PYTHON.exists():
-        pytest.fail(f"{ENGINE_PYTHON} is missing: make the engine environment as the README's test command does")
-    r = subprocess.run([str(ENGINE_PYTHON), "-m", "tests.engine.vllm_roles", *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{args[0]} failed:\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
-    return r.stdout
-
-
-def same_params(a: Path, b: Path) -> None:
-    x, y = np.load(a), np.load(b)
-    assert sorted(x.files) == sorted(y.files)
-    for k in x.files:
-        assert np.array_equal(x[k], y[k]), (a.name, k)
 
 
 def test_vllm_follows_trained_steps_bit_for_bit(cluster, tmp_path):
@@ -53,8 +32,7 @@ def test_vllm_follows_trained_steps_bit_for_bit(cluster, tmp_path):
                          for n in status(cluster.tracker, cluster.token)["nodes"]), 60, "the node to hold the steps")
 
     role("engine", out, node.data_dir / "engine.sock", cluster.token_file, STEPS, timeout=600)
-    for v in range(STEPS + 1):
-        role("reference", out, out / f"step{v}")
+    role("reference", out, *(out / f"step{v}" for v in range(STEPS + 1)))
 
     report = json.loads((out / "engine.json").read_text())
     assert report["learned"]["tensors"] == 25 and report["learned"]["unused"] == []

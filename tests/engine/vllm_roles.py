@@ -4,9 +4,13 @@ engine that follows the steps through the daemon's socket, and fresh reference e
 
     python -m tests.engine.vllm_roles train OUT DAEMON TOKEN_FILE STEPS
     python -m tests.engine.vllm_roles engine OUT SOCKET TOKEN_FILE STEPS
-    python -m tests.engine.vllm_roles reference OUT CHECKPOINT
+    python -m tests.engine.vllm_roles reference OUT CHECKPOINT [CHECKPOINT ...]
+    python -m tests.engine.vllm_roles drive OUT DAEMON TOKEN_FILE STEPS SERVER SOCKET
+    python -m tests.engine.vllm_roles more OUT DAEMON TOKEN_FILE FROM COUNT
+    python -m tests.engine.vllm_roles dispatch OUT
+    python -m tests.engine.vllm_roles base OUT
 
-Each writes what it saw under OUT for tests/engine/test_vllm.py to compare.
+Each writes what it saw under OUT for tests/engine/test_vllm*.py to compare.
 """
 
 from __future__ import annotations
@@ -66,11 +70,12 @@ def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
     pub.close()
 
 
-def make_llm(checkpoint: Path):
+def make_llm(checkpoint: Path, extension: bool = True):
     from vllm import LLM
 
+    kw = {"worker_extension_cls": EXTENSION} if extension else {"weight_transfer_config": {"backend": "sparrowd"}}
     return LLM(str(checkpoint), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-               dtype="bfloat16", max_model_len=256, seed=0, worker_extension_cls=EXTENSION)
+               dtype="bfloat16", max_model_len=256, seed=0, **kw)
 
 
 def _params(worker) -> dict:
@@ -176,10 +181,102 @@ def engine(out: Path, socket_path: str, token_file: str, steps: int) -> None:
     (out / "engine.json").write_text(json.dumps({"learned": learned, "faults": faults, "update_seconds": timings}))
 
 
-def reference(out: Path, checkpoint: Path) -> None:
-    llm = make_llm(checkpoint)
-    observe(llm, out, f"reference-{checkpoint.name}")
+def reference(out: Path, checkpoints: list[Path]) -> None:
+    """Fresh engines on each checkpoint. Built with the sparrowd backend selected, as the servers
+    under test are, so that both run the same linear kernels (plain F.linear on the CPU)."""
+    for checkpoint in checkpoints:
+        llm = make_llm(checkpoint, extension=False)
+        observe(llm, out, f"reference-{checkpoint.name}")
+        [origins] = llm.collective_rpc(cpu_linear_origins)
+        (out / "reference-origins.json").write_text(json.dumps(origins))
+        del llm
 
+
+def drive(out: Path, daemon: str, token_file: str, steps: int, server: str, socket_path: str) -> None:
+    """An RL loop that uses vLLM's own trainer-side API with the sparrowd backend: trains, calls
+    send_weights() after each step, then reads the server's /weight_info and greedy outputs."""
+    import urllib.request
+
+    import torch
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+
+    from sparrowd.bench.vllm_server import generate
+    from sparrowd.integrations.vllm_backend import SparrowTrainerInitInfo
+
+    model = tiny_qwen3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_bf16(model, out / "step0")
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SparrowTrainerInitInfo(rank=0, daemon=daemon, token_file=token_file,
+                               worker_init_info={"socket": socket_path, "token_file": token_file}),
+        client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for step in range(1, steps + 1):
+        x = torch.randint(0, 1000, (4, 32), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        save_bf16(model, out / f"step{step}")
+        stats = engine.send_weights()
+        with urllib.request.urlopen(f"{server}/weight_info", timeout=10) as r:
+            version = json.loads(r.read())["weight_version"]
+        (out / f"server-step{step}.generate.json").write_text(json.dumps([generate(server, p) for p in PROMPTS]))
+        seen.append({"step": step, "weight_version": version, "publish": stats.publish, "hold": stats.hold,
+                     "update": stats.update, "paused": stats.paused})
+        print(f"step {step}: weight_version {version}, paused {stats.paused}", flush=True)
+    engine.shutdown()
+    (out / "drive.json").write_text(json.dumps(seen))
+
+
+def more(out: Path, daemon: str, token_file: str, start: int, count: int) -> None:
+    """A new trainer process that carries the chain on: loads the bf16 checkpoint of version
+    ``start`` (the daemon's latest), trains ``count`` more AdamW steps and publishes each."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from sparrowd import Publisher
+
+    model = Qwen3ForCausalLM.from_pretrained(out / f"step{start}", torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pub = Publisher(daemon=daemon, token_file=token_file)
+    pub.start(model, version=start)
+    g = torch.Generator().manual_seed(start)
+    for step in range(start + 1, start + count + 1):
+        x = torch.randint(0, 1000, (4, 32), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        save_bf16(model, out / f"step{step}")
+        pub.publish(model, version=step)
+        print(f"step {step} published", flush=True)
+        time.sleep(float(os.environ.get("SPARROWD_TEST_STEP_PAUSE", "0")))
+    pub.close()
+
+
+def cpu_linear_origins(worker) -> list[str]:
+    """The modules whose code the model's linear layers run on vLLM's CPU backend."""
+    return sorted({getattr(m.cpu_linear, "__module__", "?") for m in worker.model_runner.model.modules()
+                   if hasattr(m, "cpu_linear")})
+
+
+def dispatch(out: Path) -> None:
+    """A vLLM that does not select the sparrowd backend, with sparrowd installed: which linear
+    dispatch its layers got, and whether the plugin registered the backend."""
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    llm = LLM(str(out / "step0"), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              dtype="bfloat16", max_model_len=256, seed=0)
+    [origins] = llm.collective_rpc(cpu_linear_origins)
+    registered = "sparrowd" in WeightTransferEngineFactory._registry
+    (out / "dispatch.json").write_text(json.dumps({"origins": origins, "registered": registered}))
+
+
+def base(out: Path) -> None:
+    save_bf16(tiny_qwen3(), out / "step0")
 
 if __name__ == "__main__":
     role, out = sys.argv[1], Path(sys.argv[2])
@@ -188,6 +285,14 @@ if __name__ == "__main__":
     elif role == "engine":
         engine(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "reference":
-        reference(out, Path(sys.argv[3]))
+        reference(out, [Path(a) for a in sys.argv[3:]])
+    elif role == "drive":
+        drive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7])
+    elif role == "more":
+        more(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    elif role == "dispatch":
+        dispatch(out)
+    elif role == "base":
+        base(out)
     else:
         raise SystemExit(f"unknown role {role!r}")
