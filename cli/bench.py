@@ -34,6 +34,8 @@ def register(sub) -> None:
     register_swarm(bs)
     register_publish(bs)
     register_apply(bs)
+    register_serve(bs)
+    register_rl(bs)
     register_soak(bs)
 
 
@@ -116,6 +118,69 @@ def register_apply(bs) -> None:
                     "that move about 1% of elements and report the pause of each update through the engine "
                     "socket against vLLM's load_weights of the whole checkpoint, in the same engine. Needs vLLM: "
                     "run it from the engine environment.", 512)
+
+
+def register_serve(bs) -> None:
+    s = _register_sized(
+        bs, "serve", "a live vllm serve's request latency across updates, against requests with none",
+        "Start a trainer daemon, a rollout daemon in follow mode and a real vllm serve with the sparrowd backend "
+        "(CPU) on a random Qwen3; send greedy requests from client threads, first with no update, then while "
+        "--steps versions (about 1%% of elements each) are published. Report the p50 and p99 latency of requests "
+        "that straddle an update beside those with none, and each update's pause beside vLLM reloading the whole "
+        "checkpoint in the same server. Needs vLLM: run it from the engine environment.", 256,
+        extra=("clients", "max_tokens", "baseline_s", "gap_s"))
+    s.add_argument("--clients", type=int, default=4, help="client threads sending requests (default 4)")
+    s.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    s.add_argument("--baseline-s", type=float, default=20.0, help="seconds of requests with no update (default 20)")
+    s.add_argument("--gap-s", type=float, default=6.0, help="seconds between published versions (default 6)")
+
+
+def register_rl(bs) -> None:
+    from sparrowd.bench.rl import RLConfig
+
+    d = RLConfig()
+    s = bs.add_parser(
+        "rl", help="an RL loop across emulated regions: full broadcast, star, swarm and ideal, in one run",
+        description="Train a tiny Qwen3 with a GRPO-style update on a verifiable reward, sampling on real vllm "
+                    "serve processes (CPU) in regions other than the trainer's, four times with the same seeds: "
+                    "weights handed over by full-checkpoint broadcast (vLLM's own reload), sparrowd patches from "
+                    "the trainer only (star), the sparrowd swarm, and at no cost (ideal). Reports step time, "
+                    "tokens per second, the rollout servers' idle fraction and WAN bytes per step, and fails if "
+                    "rewards or weights differ between strategies at any step. Needs vLLM: run it from the engine "
+                    "environment.")
+    s.add_argument("--quick", action="store_true", help="a small run (3 steps, a smaller model): the suite's check")
+    s.add_argument("--servers", type=int, default=d.servers, help=f"vllm serve processes, 2 to 4 (default {d.servers})")
+    s.add_argument("--steps", type=int, help=f"RL steps per strategy (default {d.steps}; --quick 3)")
+    s.add_argument("--on-policy", action="store_true",
+                   help="generation k waits for version k-1 (default: one-step off-policy, as SparrowRL)")
+    s.add_argument("--link-rate", default=d.link_rate, help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
+    s.add_argument("--trainer-rate", default=d.trainer_rate, help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
+    s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
+    s.add_argument("--strategies", default=",".join(d.strategies),
+                   help="which of full, star, swarm, ideal to run, in order (default all)")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    s.add_argument("--plot", metavar="PNG", type=json_file, help="also draw tokens/s and the step split (matplotlib)")
+    s.add_argument("--keep", action="store_true", help="keep the run's folders and logs")
+    s.set_defaults(func=cmd_rl)
+
+
+def cmd_rl(args) -> int:
+    from sparrowd.bench.rl import RLConfig, run
+    from sparrowd.errors import InputError
+
+    names = tuple(n.strip() for n in args.strategies.split(",") if n.strip())
+    if not names or set(names) - {"full", "star", "swarm", "ideal"}:
+        raise InputError(f"--strategies {args.strategies!r}: name some of full, star, swarm, ideal")
+    if not 2 <= args.servers <= 4:
+        raise InputError("--servers must be 2 to 4")
+    kw = {"servers": args.servers, "on_policy": args.on_policy, "link_rate": args.link_rate,
+          "trainer_rate": args.trainer_rate, "rtt": args.rtt, "strategies": names}
+    if args.steps is not None:
+        if args.steps < 1:
+            raise InputError("--steps must be at least 1")
+        kw["steps"] = args.steps
+    cfg = RLConfig.quick(**kw) if args.quick else RLConfig(**kw)
+    return run(cfg, json_path=args.json, plot_path=args.plot, keep=args.keep)
 
 
 def register_soak(bs) -> None:

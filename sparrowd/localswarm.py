@@ -22,7 +22,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalSwarm", "LocalDaemon"]
+__all__ = ["LocalSwarm", "LocalDaemon", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -54,9 +61,7 @@ class LocalSwarm:
         self.token_file = self.root / "swarm.token"
         self.token_file.write_text(secrets.token_hex(24) + "\n")
         os.chmod(self.token_file, 0o600)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         return self
 
     def __exit__(self, *exc) -> None:

@@ -103,3 +103,25 @@ def test_run_refuses_bad_settings_with_one_line(tmp_path):
     r = sparrowd("run", "--role", "trainer", "--region", "eu", "--token-file", tmp_path / "none",
                  "--data-dir", tmp_path / "d", "--listen", "127.0.0.1:0")
     assert r.returncode == 1 and r.stderr.strip().endswith(f"token file {tmp_path / 'none'}: No such file or directory")
+
+
+def test_follow_vllm_must_be_loopback_unless_allowed(tmp_path):
+    # Loopback in any spelling is taken; the staleness policy defaults to every version.
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000", "http://127.0.0.5:1/"):
+        s = load_settings({**BASE, "follow_vllm": url}, env={})
+        assert s.follow_vllm == url.rstrip("/") and s.follow_every == 0.0 and not s.follow_vllm_remote
+    # vLLM's RL routes have no authentication: another address is refused, with the way out named.
+    with pytest.raises(InputError, match="not a loopback address.*--follow-vllm-remote"):
+        load_settings({**BASE, "follow_vllm": "http://10.0.0.7:8000"}, env={})
+    s = load_settings({**BASE, "follow_vllm": "http://10.0.0.7:8000"}, env={"SPARROWD_FOLLOW_VLLM_REMOTE": "true"})
+    assert s.follow_vllm_remote
+    # Bad values, and a node that has no engine socket to follow through.
+    with pytest.raises(InputError, match="setting --follow-vllm: 'ftp://x' is not a server URL"):
+        load_settings({**BASE, "follow_vllm": "ftp://x"}, env={})
+    with pytest.raises(InputError, match="setting SPARROWD_FOLLOW_EVERY: must be 0 or more"):
+        load_settings({**BASE, "follow_vllm": "http://127.0.0.1:1"}, env={"SPARROWD_FOLLOW_EVERY": "-1"})
+    with pytest.raises(InputError, match="needs the engine socket"):
+        load_settings({**BASE, "role": "relay", "follow_vllm": "http://127.0.0.1:1"}, env={})
+    r = sparrowd("run", "--role", "rollout", "--region", "eu", "--token-file", tmp_path / "none", "--tracker",
+                 "http://127.0.0.1:1", "--data-dir", tmp_path / "d", "--follow-vllm", "http://192.0.2.1:8000")
+    assert r.returncode == 1 and "not a loopback address" in r.stderr and len(r.stderr.strip().splitlines()) == 1

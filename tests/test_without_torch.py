@@ -29,3 +29,18 @@ def test_round_trip_without_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_the_vllm_entry_point_imports_nothing_heavy():
+    # vLLM loads the entry point in every one of its processes, and `import sparrowd` happens
+    # in relays and plain hosts: neither may pull in torch or vLLM until the backend is used.
+    from importlib.metadata import entry_points
+
+    [ep] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "sparrowd"]
+    assert ep.value == "sparrowd.integrations.vllm_plugin:register"
+    script = ("import sys, sparrowd, sparrowd.integrations.vllm_plugin as p; "
+              "assert callable(p.register); "
+              "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -30,7 +30,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,16 +42,11 @@ import numpy as np
 from ..codec.bits import RawTensor
 from ..codec.patch import encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
+from ..localswarm import free_port
 from ..units import format_bytes, parse_size
 from . import write_json
 
 MB = 1 << 20
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _addr(region: int, kind: int, j: int) -> str:
@@ -184,7 +178,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
     os.chmod(token_file, 0o600)
     token = token_file.read_text().strip()
     t_host, t_proxy = _addr(0, 0, 100), _addr(0, 1, 100)
-    port = _free_port(t_host)
+    port = free_port(t_host)
     direct = f"http://{t_host}:{port}"  # the bench's own calls; nodes go through the WAN proxy
     tracker = f"http://{t_proxy}:{port}"
     region_names = [f"region{i}" for i in range(regions)]
@@ -206,7 +200,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         for i in range(nodes):
             r, j = i % regions, i // regions
             host = _addr(r, 0, j)
-            p = _free_port(host)
+            p = free_port(host)
             listen.append((host, p))
             proxies.append({"listen": [_addr(r, 1, j), p], "target": [host, p], "region": r})
         (root / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": rtt, "link_rate": rates["link"]}))

@@ -30,12 +30,13 @@ __all__ = ["VllmServer", "call", "generate"]
 
 
 class VllmServer:
-    def __init__(self, python: str | os.PathLike, model: str | os.PathLike, port: int, *, backend: str | None = "sparrowd",
+    def __init__(self, python: str | os.PathLike, model: str | os.PathLike, port: int, *, host: str = "127.0.0.1",
+                 backend: str | None = "sparrowd",
                  tensor_parallel: int = 1, log_path: str | os.PathLike | None = None, env: dict | None = None,
                  max_model_len: int = 256, extra: tuple[str, ...] = ()):
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                     "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
+                     "--host", host, "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
                      "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--enable-scale-out",
                      "--seed", "0", *extra]
         if backend:
@@ -115,11 +116,15 @@ def call(url: str, method: str, path: str, body: dict | None = None, timeout: fl
             return e.code, {}
 
 
-def generate(url: str, prompt: list[int], *, max_tokens: int = 8, logprobs: int = 2, timeout: float = 300) -> dict:
-    """Greedy tokens of one prompt from a server's ``/inference/v1/generate``: ``{"tokens",
+def generate(url: str, prompt: list[int], *, max_tokens: int = 8, logprobs: int | None = 2, timeout: float = 300,
+             temperature: float = 0.0, seed: int = 0) -> dict:
+    """Tokens of one prompt from a server's ``/inference/v1/generate`` (greedy by default; with
+    a temperature, sampled with ``seed``, exactly ``max_tokens`` of them): ``{"tokens",
     "logprobs" (one {token id: logprob} per token), "versions" (vLLM's weight-version spans)}``."""
-    body = {"token_ids": list(prompt), "output_mode": "tokens",
-            "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens, "logprobs": logprobs, "seed": 0}}
+    sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed, "ignore_eos": True}
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    body = {"token_ids": list(prompt), "output_mode": "tokens", "sampling_params": sampling}
     code, reply = call(url, "POST", "inference/v1/generate", body, timeout)
     if code != 200:
         raise SparrowError(f"generate: HTTP {code}: {reply}")

@@ -13,7 +13,9 @@ bucket shared by every connection on that ordered pair of regions (the link).
 Run as ``python -m sparrowd.bench.wan CONFIG.json``, where the config lists
 ``proxies`` (``listen`` and ``target`` as ``[host, port]``, and ``region``),
 ``rtt`` (seconds between regions) and ``link_rate`` (bytes per second per
-ordered region pair; 0 for none), and optionally ``cut_file``: a file holding
+ordered region pair; 0 for none), optionally ``blocked``: pairs of regions
+between which no connection is let through (``bench rl``'s star: nodes reach
+the trainer's region and no other), and optionally ``cut_file``: a file holding
 a JSON list of regions cut off from the others. While a region is listed, no
 connection crosses into or out of it (new ones are closed at once, open ones
 are dropped): its traffic is lost, as when a cloud region's links fail. It
@@ -45,14 +47,15 @@ def region_of(host: str) -> int | None:
 
 
 class Wan:
-    def __init__(self, rtt: float, link_rate: float):
+    def __init__(self, rtt: float, link_rate: float, blocked=()):
         self.rtt, self.link_rate = rtt, link_rate
+        self.blocked = {frozenset(map(int, pair)) for pair in blocked}
         self.links: dict[tuple[int, int], TokenBucket] = {}
         self.cut: set[int] = set()
         self.crossing: dict[asyncio.Task, tuple[int, int]] = {}  # open cross-region connections
 
     def _severed(self, src: int, dst: int) -> bool:
-        return src != dst and (src in self.cut or dst in self.cut)
+        return src != dst and (src in self.cut or dst in self.cut or frozenset((src, dst)) in self.blocked)
 
     async def watch_cuts(self, path: str) -> None:
         while True:
@@ -132,7 +135,7 @@ class Wan:
 
 
 async def _main(config: dict) -> None:
-    wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0))
+    wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0), config.get("blocked") or ())
     servers = [await wan.serve(tuple(p["listen"]), tuple(p["target"]), int(p["region"])) for p in config["proxies"]]
     extra = [wan.watch_cuts(config["cut_file"])] if config.get("cut_file") else []
     print("ready", flush=True)

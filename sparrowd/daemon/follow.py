@@ -116,8 +116,9 @@ class VllmFollower:
         s = self.daemon.settings
         info = await self._call("GET", "weight_info")
         label = str(info.get("weight_version", ""))
-        init = {"socket": str(self.daemon.engines.path), "token_file": str(s.token_file), "engine": self.engine,
-                "version": int(label) if label.isdigit() else 0}
+        init = {"socket": str(self.daemon.engines.path), "token_file": str(s.token_file), "engine": self.engine}
+        if label.isdigit():  # the server's label names a sparrowd version; else its workers keep theirs (0 at first)
+            init["version"] = int(label)
         await self._call("POST", "init_weight_transfer_engine", {"init_info": init})
         deadline = time.monotonic() + 10
         while self.server_version() is None:

@@ -236,12 +236,16 @@ class VllmPatcher:
     def version(self) -> int | None:
         return None if self.applier is None else self.applier.version
 
-    def connect(self, socket_path: str, *, token_file: str | None = None, version: int = 0, engine: str,
+    def connect(self, socket_path: str, *, token_file: str | None = None, version: int | None = None, engine: str,
                 rank: int = 0) -> None:
-        """Attach to the daemon's engine socket, the weights being ``version``. Attaching again
-        (a restarted daemon) keeps the version the weights hold now."""
+        """Attach to the daemon's engine socket, the weights being ``version`` (0 when first
+        attached without one). Attaching again without a version keeps the one the weights hold
+        (the daemon restarted); with one, the caller says what the weights now are (it reloaded
+        them whole)."""
         if self.applier is None:
-            self.applier = PatchApplier(placements=self.placements, version=version, verify=False)
+            self.applier = PatchApplier(placements=self.placements, version=version or 0, verify=False)
+        elif version is not None:
+            self.applier.version = version
         self.close()
         self._attach = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine)
         self.client = EngineClient(**self._attach, version=self.applier.version)

@@ -100,7 +100,7 @@ class SparrowInitInfo(WeightTransferInitInfo):
 
     socket: str = field(default_factory=lambda: os.environ.get("SPARROWD_ENGINE_SOCKET", DEFAULT_SOCKET))
     token_file: str = field(default_factory=lambda: os.environ.get("SPARROWD_TOKEN_FILE", DEFAULT_TOKEN_FILE))
-    version: int = 0  # the sparrowd version of the weights the server loaded
+    version: int | None = None  # the sparrowd version of the weights the server holds (first init: 0)
     timeout: float = DEFAULT_TIMEOUT  # how long an update waits for a version the daemon does not hold yet
     engine: str | None = None  # the id the daemon knows this server by (default: vllm-HOST-INSTANCE)
 
@@ -110,7 +110,8 @@ class SparrowInitInfo(WeightTransferInitInfo):
                 raise ValueError(f"init_info {name!r} must be a path")
         if self.engine is not None and (not isinstance(self.engine, str) or not 0 < len(self.engine) <= 64):
             raise ValueError("init_info 'engine' must be a name of 1 to 64 characters")
-        _version("init_info 'version'", self.version)
+        if self.version is not None:
+            _version("init_info 'version'", self.version)
         self.timeout = _number("init_info 'timeout'", self.timeout)
 
 
@@ -251,6 +252,15 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         """Publish ``model`` (default: the source given at init) as ``version`` (default: the
         next), then move every server to it. Called on every trainer rank; only rank 0 drives
         the servers and gets the stats."""
+        stats = self.publish_weights(model, version)
+        if stats is not None:
+            self.update_servers(stats.version, stats)
+        return stats
+
+    def publish_weights(self, model=None, version: int | None = None) -> SendStats | None:
+        """The first half of ``send_weights``: publish the version; the swarm starts carrying it
+        while the caller goes on (a one-step off-policy loop generates the next batch on the
+        previous version meanwhile, then calls ``update_servers``)."""
         weights = self._weights(model)
         t0 = time.perf_counter()
         if self.version is None:  # no base was given: this version goes out whole, as an anchor
@@ -262,7 +272,12 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         self.version = version
         if not self.is_sender:
             return None
-        stats = SendStats(version, publish=time.perf_counter() - t0, publish_stats=pub)
+        return SendStats(version, publish=time.perf_counter() - t0, publish_stats=pub)
+
+    def update_servers(self, version: int, stats: SendStats | None = None) -> SendStats:
+        """The second half: wait until the rollout nodes hold ``version``, then move every server
+        to it (pause, update, finish, resume, all servers at once). Rank 0 only."""
+        stats = stats or SendStats(version)
         t1 = time.perf_counter()
         self.wait_held(version)
         stats.hold = time.perf_counter() - t1
