@@ -49,9 +49,13 @@ def write_folder(path: Path, tensors: dict[str, tuple[tuple[int, ...], np.ndarra
         write_safetensors(path / fname, [TensorSpec(n, "BF16", tensors[n][0], tensors[n][1]) for n in part])
         weight_map.update({n: fname for n in part})
     total = sum(t[1].nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": {n: weight_map[n] for f in sorted(set(weight_map.values())) for n in names if weight_map[n] == f}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {n: weight_map[n] for f in sorted(set(weight_map.values())) for n in names if weight_map[n] == f},
+    }
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps({"model_type": "sparrowd-synthetic", "hidden_size": tensors[names[0]][0][1]}) + "\n")
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "sparrowd-synthetic", "hidden_size": tensors[names[0]][0][1]}) + "\n")
 
 
 def main() -> None:
@@ -78,7 +82,8 @@ def main() -> None:
     write_folder(a.out / "v0", v0, a.shards)
     write_folder(a.out / "v1", v1, a.shards)
     size = sum(b.nbytes for _, b in v0.values())
-    print(f"wrote {a.out}/v0 and {a.out}/v1: {len(v0)} bf16 tensors, {size / 2**20:.1f} MiB each, ~{100 * a.density:g}% changed")
+    print(f"wrote {a.out}/v0 and {a.out}/v1: {len(v0)} bf16 tensors, "
+          f"{size / 2**20:.1f} MiB each, ~{100 * a.density:g}% changed")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ def register(sub) -> None:
                                   "on its real deltas, plus synthetic ones; baselines computed in the same run.")
     c.add_argument("--steps", type=int, default=4, help="training steps for the real deltas (default 4)")
     c.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    c.add_argument("--size-mib", type=int, default=512, help="bf16 bytes of each side of the throughput pair (default 512)")
+    c.add_argument("--size-mib", type=int, default=512,
+                   help="bf16 bytes of each side of the throughput pair (default 512)")
     c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
@@ -36,6 +37,7 @@ def register(sub) -> None:
     register_apply(bs)
     register_serve(bs)
     register_rl(bs)
+    register_project(bs)
     register_soak(bs)
 
 
@@ -153,8 +155,10 @@ def register_rl(bs) -> None:
     s.add_argument("--steps", type=int, help=f"RL steps per strategy (default {d.steps}; --quick 3)")
     s.add_argument("--on-policy", action="store_true",
                    help="generation k waits for version k-1 (default: one-step off-policy, as SparrowRL)")
-    s.add_argument("--link-rate", default=d.link_rate, help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
-    s.add_argument("--trainer-rate", default=d.trainer_rate, help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
+    s.add_argument("--link-rate", default=d.link_rate,
+                   help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
+    s.add_argument("--trainer-rate", default=d.trainer_rate,
+                   help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
     s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
     s.add_argument("--strategies", default=",".join(d.strategies),
                    help="which of full, star, swarm, ideal to run, in order (default all)")
@@ -181,6 +185,46 @@ def cmd_rl(args) -> int:
         kw["steps"] = args.steps
     cfg = RLConfig.quick(**kw) if args.quick else RLConfig(**kw)
     return run(cfg, json_path=args.json, plot_path=args.plot, keep=args.keep)
+
+
+def register_project(bs) -> None:
+    from sparrowd.bench.project import Assumptions
+
+    d = Assumptions()
+    s = bs.add_parser(
+        "project", help="the RL step at the SparrowRL paper's model sizes, projected from sparrowd's figures",
+        description="Compute step time per strategy (full broadcast, star, swarm, ideal) for Qwen3-4B, 8B and "
+                    "14B from link rates, generation and training time per step, and sparrowd's measured figures "
+                    "(bits per changed element, codec and apply throughput, swarm time over its bound), beside "
+                    "the paper's numbers. A model, not a measurement: its assumptions are printed.")
+    for name, help in (("wan_gbps", "between regions, Gbit/s"), ("lan_gbps", "inside a region, Gbit/s"),
+                       ("rdma_gbps", "the ideal datacenter's fabric, Gbit/s"),
+                       ("generate_seconds", "generation per step, s"), ("train_seconds", "training per step, s"),
+                       ("density", "share of elements changed per step"),
+                       ("bits_per_changed", "bits per changed element (bench codec)"),
+                       ("swarm_over_bound", "swarm time to all over its bound (bench swarm)")):
+        s.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
+                       help=f"{help} (default {getattr(d, name):g})")
+    for name, help in (("remote_regions", "rollout regions other than the trainer's"),
+                       ("nodes_per_region", "rollout nodes per region")):
+        s.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
+                       help=f"{help} (default {getattr(d, name)})")
+    s.add_argument("--on-policy", action="store_true", help="no overlap of transfer and generation")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the table as JSON")
+    s.set_defaults(func=cmd_project)
+
+
+def cmd_project(args) -> int:
+    from dataclasses import fields
+
+    from sparrowd.bench.project import Assumptions, run
+    from sparrowd.errors import InputError
+
+    kw = {f.name: getattr(args, f.name) for f in fields(Assumptions) if hasattr(args, f.name)}
+    bad = [k for k, v in kw.items() if not isinstance(v, bool) and v <= 0 and k != "density"]
+    if bad or not 0 < kw["density"] <= 1:
+        raise InputError(f"--{(bad or ['density'])[0].replace('_', '-')} must be positive (density at most 1)")
+    return run(Assumptions(**kw), json_path=args.json)
 
 
 def register_soak(bs) -> None:

@@ -20,7 +20,7 @@ from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
-                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote")
+                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed")
 
 
 def add_follow_flags(p) -> None:
@@ -66,6 +66,10 @@ def register(sub) -> None:
     r.add_argument("--engine-socket", metavar="PATH",
                    help="Unix socket the co-located engine reads patches from (default $RUNTIME_DIRECTORY/engine.sock "
                         "under systemd, else DATA/engine.sock; 'off' for none)")
+    r.add_argument("--super-seed", choices=("on", "off"),
+                   help="trainer: hand distinct chunks to distinct peers before repeating any, so its uplink "
+                        "carries each chunk about once (default on); off shows peers every chunk it holds, for "
+                        "swarms whose rollout boxes cannot reach each other")
     add_follow_flags(r)
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
@@ -282,7 +286,8 @@ def _publish_file(path, daemon: str, token: str):
         sent = 0
         for i, data in enumerate(view.chunks):
             key = Key(m.version, m.base_version is None)
-            r = http_call(f"{base}/v1/publish/{key.tag}/chunk/{i}", token, method="POST", data=bytes(data), timeout=60.0)
+            r = http_call(f"{base}/v1/publish/{key.tag}/chunk/{i}", token, method="POST", data=bytes(data),
+                          timeout=60.0)
             sent += len(data) if r.get("new") else 0
         r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)
     return m, sent, bool(r.get("new"))

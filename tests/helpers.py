@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 def sparrowd(*args: str, **kw) -> subprocess.CompletedProcess:
     """Run the installed command as a user would."""
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)], capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)],
+                          capture_output=True, text=True, **kw)
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -46,7 +46,8 @@ def test_diff_apply_round_trip_sharded_folder(tmp_path):
     del s1["step"]  # removed
     save_folder(s0, tmp_path / "m0")
     save_folder(s1, tmp_path / "m1")
-    assert sparrowd("delta", "diff", tmp_path / "m0", tmp_path / "m1", "-o", tmp_path / "p.sprw", "--version", "7", "--chunk-size", "4K").returncode == 0
+    assert sparrowd("delta", "diff", tmp_path / "m0", tmp_path / "m1", "-o", tmp_path / "p.sprw",
+                    "--version", "7", "--chunk-size", "4K").returncode == 0
     r = sparrowd("delta", "apply", tmp_path / "m0", tmp_path / "p.sprw", "-o", tmp_path / "out")
     assert r.returncode == 0, r.stderr
     out = tmp_path / "out"
@@ -64,12 +65,14 @@ def test_diff_apply_round_trip_sharded_folder(tmp_path):
 
 def test_inspect_and_export(files):
     d, s0, s1 = files
-    sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw", "--version", "5", "--base-version", "4")
+    sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw",
+             "--version", "5", "--base-version", "4")
     r = sparrowd("delta", "inspect", d / "p.sprw", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["version"] == 5 and info["base_version"] == 4 and info["values"] == "ulp"
-    changed = sum(int((s0[k].view(-1).contiguous().view(torch_uint(s0[k])) != s1[k].view(-1).contiguous().view(torch_uint(s1[k]))).sum()) for k in s0)
+    changed = sum(int((s0[k].view(-1).contiguous().view(torch_uint(s0[k]))
+                       != s1[k].view(-1).contiguous().view(torch_uint(s1[k]))).sum()) for k in s0)
     assert info["elements_changed"] == changed
     assert info["elements_total"] == sum(t.numel() for t in s1.values())
     assert 0 < info["bits_per_changed_element"] < 32
@@ -122,7 +125,8 @@ def test_bad_inputs_give_one_line_and_leave_nothing(files):
     missing = dict(s0)
     del missing["model.layers.1.mlp.weight"]
     save_file(missing, str(d / "missing.safetensors"))
-    assert "missing from the base" in bad(sparrowd("delta", "apply", d / "missing.safetensors", p, "-o", d / "o6.safetensors"))
+    assert "missing from the base" in bad(
+        sparrowd("delta", "apply", d / "missing.safetensors", p, "-o", d / "o6.safetensors"))
     assert "no such file" in bad(sparrowd("delta", "diff", d / "nope", v1, "-o", d / "o7.sprw"))
     # An output folder that is not there: the error names the output, not a temporary file.
     err = bad(sparrowd("delta", "diff", v0, v1, "-o", d / "nowhere" / "o9.sprw"))

@@ -104,7 +104,8 @@ def test_a_wrong_result_rolls_every_write_back():
     model = bf16_model(states[0])
     m, chunks = patch(states, 1)
     last = m.tensors[-1]
-    bad = dataclasses.replace(m, tensors=m.tensors[:-1] + (dataclasses.replace(last, result_fp=b"\0" * len(last.result_fp)),))
+    bad = dataclasses.replace(
+        m, tensors=m.tensors[:-1] + (dataclasses.replace(last, result_fp=b"\0" * len(last.result_fp)),))
     applier = PatchApplier(model, version=0)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(IntegrityError, match="result fingerprint differs"):

@@ -125,3 +125,10 @@ def test_follow_vllm_must_be_loopback_unless_allowed(tmp_path):
     r = sparrowd("run", "--role", "rollout", "--region", "eu", "--token-file", tmp_path / "none", "--tracker",
                  "http://127.0.0.1:1", "--data-dir", tmp_path / "d", "--follow-vllm", "http://192.0.2.1:8000")
     assert r.returncode == 1 and "not a loopback address" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_super_seeding_is_on_unless_turned_off():
+    assert load_settings(BASE, env={}).super_seed
+    assert not load_settings({**BASE, "super_seed": "off"}, env={}).super_seed
+    with pytest.raises(InputError, match="setting --super-seed: 'maybe' is not true or false"):
+        load_settings({**BASE, "super_seed": "maybe"}, env={})

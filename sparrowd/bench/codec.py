@@ -13,7 +13,9 @@ What it measures, all in one run so every figure stands beside its baseline:
    values, zstd level 3; ``gap``: the same with gap-coded indices; and the
    binary-entropy bound of the indices alone (``sum n_t * H(changed_t / n_t)``).
 3. **Throughput.** A synthetic pair of ``size_mib`` MiB of bf16 per side in
-   16 MiB tensors, 1% of the elements moved by one ulp. Best of seven rounds (the passes take turns in each round, so a slow spell of a shared machine falls on all alike) for a
+   16 MiB tensors, 1% of the elements moved by one ulp. Best of seven rounds
+   (the passes take turns in each round, so a slow spell of a shared machine
+   falls on all alike) for a
    numpy read-and-compare pass over the same arrays (the floor any diff has to
    pay), ``encode_patch`` with 2 threads and with 1, decoding every chunk, and
    ``apply_patch`` (whose first call is shown too: it faults in the memory of
@@ -366,7 +368,8 @@ def _print_throughput(tp: dict) -> None:
           f"of {TENSOR_MIB} MiB, {tp['density']:.2%} of elements moved +-1 ulp")
     print(f"   patch: {tp['chunks']} chunks, {tp['patch_bytes'] / (1 << 20):.2f} MiB, "
           f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp)")
-    print(f"   best of {REPEATS} rounds, taking turns; GB/s = 1e9 bytes of one side per second. apply_patch copies the base into a fresh")
+    print(f"   best of {REPEATS} rounds, taking turns; GB/s = 1e9 bytes of one side per second. "
+          "apply_patch copies the base into a fresh")
     print("   result and fingerprints base and result; its first call also faults in that memory\n")
     rows = [
         ("read+compare (numpy, baseline)", "read_compare"),

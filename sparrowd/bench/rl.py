@@ -63,7 +63,7 @@ MB = 1 << 20
 @dataclass
 class RLConfig:
     servers: int = 2
-    steps: int = 6
+    steps: int = 8
     prompts: int = 8  # per step
     samples: int = 4  # per prompt (the GRPO group)
     max_tokens: int = 32
@@ -71,7 +71,7 @@ class RLConfig:
     layers: int = 4
     lr: float = 1e-6
     link_rate: str = "4M"  # each ordered pair of regions, bytes/s
-    trainer_rate: str = "4M"  # the trainer's uplink
+    trainer_rate: str = "1280K"  # the trainer's uplink
     node_rate: str = "8M"
     rtt: float = 0.08
     on_policy: bool = False
@@ -106,14 +106,17 @@ class StrategyResult:
     seconds: float = 0.0
 
     def summary(self) -> dict:
-        n = len(self.steps)
-        total = sum(s.seconds for s in self.steps)
-        return {"name": self.name, "steps": n, "seconds_per_step": total / n,
-                "tokens_per_second": sum(s.tokens for s in self.steps) / total,
-                "rollout_idle_fraction": sum(s.wait for s in self.steps) / total,
-                "wan_bytes_per_step": sum(s.wan_bytes for s in self.steps) / n,
+        """Figures over the steady state: every step but the first (warm-up, and no version to wait
+        for yet), when there are more than two."""
+        steady = self.steps[1:] if len(self.steps) > 2 else self.steps
+        n = len(steady)
+        total = sum(s.seconds for s in steady)
+        return {"name": self.name, "steps": len(self.steps), "seconds_per_step": total / n,
+                "tokens_per_second": sum(s.tokens for s in steady) / total,
+                "rollout_idle_fraction": sum(s.wait for s in steady) / total,
+                "wan_bytes_per_step": sum(s.wan_bytes for s in self.steps) / len(self.steps),
                 "rewards": [s.reward for s in self.steps],
-                "split": {k: sum(getattr(s, k) for s in self.steps) / n
+                "split": {k: sum(getattr(s, k) for s in steady) / n
                           for k in ("generate", "train", "publish", "wait", "pause")},
                 "wire_seconds": [s.wire for s in self.steps]}
 
@@ -173,7 +176,7 @@ def _train_step(model, opt, batch: list[tuple[list[int], list[int], float]], gro
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 # ---------------------------------------------------------------------------- infrastructure
@@ -390,7 +393,7 @@ class _Sparrow(_Strategy):
         self.procs.daemon("--role", "trainer", "--region", "r0", "--listen", f"{t_host}:{port}", "--advertise",
                           f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file", str(token_file),
                           "--node-id", "trainer", "--upload-rate", cfg.trainer_rate, "--lease-ttl", "3",
-                          "--log-level", "warning", name="trainer")
+                          "--super-seed", "off" if self.star else "on", "--log-level", "warning", name="trainer")
         _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
         for i, r, host, p in self.nodes:
             self.procs.daemon("--role", "rollout", "--region", f"r{r}", "--listen", f"{host}:{p}", "--advertise",
@@ -414,11 +417,14 @@ class _Sparrow(_Strategy):
 
         token = self.w.token
         _wait(lambda: all(version in http_call(f"{u}/v1/node", token)["versions"] for u in self.urls), 600,
-              f"every node to hold version {version}", every=0.02)
+              f"every node to hold version {version}", every=0.05)
         self.held[version] = time.monotonic()
 
     def ensure(self, version: int) -> float:
-        return self._update(version) if version > 0 else 0.0
+        if version == 0:
+            return 0.0
+        _wait(lambda: version in self.held, 600, f"every node to hold version {version}")  # before any pause
+        return self._update(version)
 
     def wan_bytes(self) -> int:
         return int(sum(_metric(u, self.w.token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
@@ -483,6 +489,7 @@ class _Full(_Strategy):
         self.downloads = ThreadPoolExecutor(cfg.servers)
         self.pending: dict[int, list] = {}
         self.bytes = 0
+        self._lock = threading.Lock()
         for s in self.w.servers:
             s.post("update_weight_version", {"new_version": "0"})
 
@@ -496,9 +503,12 @@ class _Full(_Strategy):
                    for i in range(self.cfg.servers)]
         self.pending[version] = futures
 
-        def held(_):
-            if all(f.done() for f in futures):
-                self.held.setdefault(version, time.monotonic())
+        def held(f):
+            with self._lock:
+                if not f.exception():
+                    self.bytes += f.result()
+                if all(x.done() for x in futures):
+                    self.held.setdefault(version, time.monotonic())
 
         for f in futures:
             f.add_done_callback(held)
@@ -506,7 +516,8 @@ class _Full(_Strategy):
     def ensure(self, version: int) -> float:
         if version == 0:
             return 0.0
-        self.bytes += sum(f.result() for f in self.pending.pop(version))
+        for f in self.pending.pop(version):
+            f.result()  # a failed download fails the run
 
         def one(i) -> float:
             server = self.w.servers[i]

@@ -254,7 +254,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
                       for u in node_urls)
             bound = m.patch_bytes / rates["trainer"] + rtt
             row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
-                   "seconds": elapsed, "trainer_sent_one_copy_seconds": trainer_done, "lower_bound_seconds": bound, "time_over_bound": elapsed / bound,
+                   "seconds": elapsed, "trainer_sent_one_copy_seconds": trainer_done, "lower_bound_seconds": bound,
+                   "time_over_bound": elapsed / bound,
                    "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,
                    "cross_region_over_r_minus_1": (wan - wan_before) / ((regions - 1) * m.patch_bytes),
                    "cpu_busy_fraction": busy}

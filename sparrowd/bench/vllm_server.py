@@ -105,7 +105,8 @@ class VllmServer:
 def call(url: str, method: str, path: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
     """One JSON call to a vLLM server: ``(HTTP status, reply)``."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"{url}/{path}", data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")

@@ -237,7 +237,8 @@ class RawTensor:
     def __post_init__(self):
         info = dtype_info(self.dtype)
         if self.bits.ndim != 1 or self.bits.dtype != uint_type(info.itemsize):
-            raise ValueError(f"RawTensor bits must be 1-D {uint_type(info.itemsize)}, got {self.bits.dtype}{self.bits.shape}")
+            raise ValueError(f"RawTensor bits must be 1-D {uint_type(info.itemsize)}, "
+                             f"got {self.bits.dtype}{self.bits.shape}")
         n = 1
         for d in self.shape:
             n *= d

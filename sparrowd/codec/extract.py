@@ -28,7 +28,8 @@ try:
 except ImportError:  # no compiler at install time: the numpy path gives the same result
     _native = None
 
-__all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint", "BLOCK_WORDS", "PART_ELEMENTS"]
+__all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint",
+           "BLOCK_WORDS", "PART_ELEMENTS"]
 
 BLOCK_WORDS = 1 << 18  # 2 MiB of each side per block
 PART_ELEMENTS = 1 << 24  # a unit of work for a thread pool

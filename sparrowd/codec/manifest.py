@@ -149,7 +149,8 @@ class Manifest:
         if m["format"] != FORMAT_NAME:
             raise FormatError(f"manifest: not a sparrowd patch manifest ({m['format']!r})")
         if m["format_version"] != FORMAT_VERSION:
-            raise FormatError(f"manifest: format version {m['format_version']} is not supported (this reads {FORMAT_VERSION})")
+            raise FormatError(f"manifest: format version {m['format_version']} is not supported "
+                              f"(this reads {FORMAT_VERSION})")
         if m["values"] not in (ABSOLUTE, ULP):
             raise FormatError(f"manifest: unknown value mode {m['values']!r}")
         meta = m.get("meta") or {}
@@ -178,7 +179,8 @@ class Manifest:
                 written[name] = written.get(name, 0) + count
         for t in self.tensors:
             if written.get(t.name, 0) != t.changed:
-                raise FormatError(f"manifest: tensor {t.name!r} claims {t.changed} changes, chunks carry {written.get(t.name, 0)}")
+                raise FormatError(f"manifest: tensor {t.name!r} claims {t.changed} changes, "
+                                  f"chunks carry {written.get(t.name, 0)}")
             if t.op == FULL and t.changed != t.numel:
                 raise FormatError(f"manifest: full tensor {t.name!r} must be written whole")
 

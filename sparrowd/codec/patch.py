@@ -326,10 +326,13 @@ def check_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment
         if s.dtype != t.dtype:
             raise FormatError(f"chunk segment {s.name!r}: dtype {s.dtype} but the manifest says {t.dtype}")
         if (t.op == PATCH) != (s.kind == SPARSE) or (s.values == ULP and manifest.values != ULP):
-            raise FormatError(f"chunk segment {s.name!r}: {s.kind}/{s.values} does not fit a {t.op} of a {manifest.values} patch")
+            raise FormatError(f"chunk segment {s.name!r}: {s.kind}/{s.values} does not fit "
+                              f"a {t.op} of a {manifest.values} patch")
 
 
-def apply_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment], targets: Mapping[str, np.ndarray]) -> None:
+def apply_segments(
+    manifest: Manifest, entry: ChunkEntry, segments: list[Segment], targets: Mapping[str, np.ndarray]
+) -> None:
     """Scatter one decoded chunk into ``targets`` after checking it against the manifest."""
     check_segments(manifest, entry, segments)
     for s in segments:

@@ -42,9 +42,9 @@ from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
 from .bodies import read_limited
 from .engine import EngineServer
+from .follow import VllmFollower
 from .leasedb import SqliteLeaseStore
 from .logs import event
-from .follow import VllmFollower
 from .membership import (
     MAX_TRACKER_MESSAGE,
     MSGPACK,

@@ -171,7 +171,8 @@ class Membership:
     ):
         self.client, self.me = client, dict(me)
         self.report = report or (lambda: {})
-        self.rng = rng or random.Random(int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
+        self.rng = rng or random.Random(
+            int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
         self.on_fatal = on_fatal
         self.on_lease = on_lease
         self.state = LeaseState()

@@ -21,8 +21,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import InputError
-from ..units import parse_size
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
+from ..units import parse_size
 
 __all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "default_data_dir", "is_loopback",
            "MIN_TOKEN_LEN"]
@@ -190,6 +190,7 @@ class Settings:
     follow_vllm: str | None = None  # the co-located vLLM server this daemon moves to each new version
     follow_every: float = 0.0  # at most one update per this many seconds (0: every version)
     follow_vllm_remote: bool = False  # allow a follow_vllm address that is not loopback
+    super_seed: bool = True  # the trainer hands distinct chunks to distinct peers first (off: shows all it holds)
 
     @property
     def is_tracker(self) -> bool:
@@ -218,6 +219,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "follow_vllm": _server_url,
     "follow_every": _non_negative_float,
     "follow_vllm_remote": _bool,
+    "super_seed": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 
@@ -249,7 +251,8 @@ def load_settings(
     layers: list[tuple[str, dict[str, Any]]] = []
     if config:
         layers.append((f"config {config}", _read_toml(Path(config))))
-    layers.append(("environment", {n: env[f"SPARROWD_{n.upper()}"] for n in _PARSERS if f"SPARROWD_{n.upper()}" in env}))
+    layers.append(("environment",
+                   {n: env[f"SPARROWD_{n.upper()}"] for n in _PARSERS if f"SPARROWD_{n.upper()}" in env}))
     layers.append(("flag", {n: v for n, v in flags.items() if n in _PARSERS and v is not None}))
 
     values: dict[str, Any] = {}

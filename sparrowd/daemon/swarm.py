@@ -341,7 +341,8 @@ class Swarm:
             if not key.anchor and m.version <= latest:
                 raise FormatError(f"version {m.version} is not newer than the latest published, {latest}")
             if not key.anchor and m.base_version != latest:
-                raise FormatError(f"version {m.version} applies to {m.base_version}, but the latest published is {latest}")
+                raise FormatError(f"version {m.version} applies to {m.base_version}, "
+                                  f"but the latest published is {latest}")
         self._take_statement(vs, self.signer.sign(manifest_kind(key.anchor), m.version, m.to_bytes()))
         self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
         if self.daemon.tracker is not None:
@@ -375,6 +376,8 @@ class Swarm:
             return vs.have
         if self._choking_active() and remote.node_id not in self.unchoked:
             return set()  # no assignments to a peer that cannot fetch them now
+        if not self.daemon.settings.super_seed:  # peers that cannot reach each other: everyone gets everything
+            return vs.have
         ss = self.superseed.get(vs.key)
         if ss is None:
             return set()
@@ -409,7 +412,8 @@ class Swarm:
             vs = self.versions[k]
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            out.append({"version": k.version, "anchor": k.anchor, "statements": [s.to_bytes() for s in vs.statements[known:]],
+            out.append({"version": k.version, "anchor": k.anchor,
+                        "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
         reply = {"gen": self.gen, "versions": out, "choked": remote.node_id not in self.unchoked and
                  self._choking_active()}
@@ -649,7 +653,8 @@ class Swarm:
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
-                              choking=p.choking or now < p.cooldown_until, inflight=p.inflight, fetching=p.fetching.get(k, set()),
+                              choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
+                              fetching=p.fetching.get(k, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now))
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}

@@ -27,7 +27,8 @@ __all__ = ["EngineClient", "sync", "MAX_READY_WAIT"]
 
 
 class EngineClient:
-    def __init__(self, path: str | os.PathLike, *, token: str | None = None, token_file: str | os.PathLike | None = None,
+    def __init__(self, path: str | os.PathLike, *, token: str | None = None,
+                 token_file: str | os.PathLike | None = None,
                  engine: str = "engine", rank: int = 0, version: int = 0, timeout: float = 60.0):
         if token is None:
             token_file = token_file or os.environ.get("SPARROWD_TOKEN_FILE")

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import contextmanager
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np

@@ -174,7 +174,8 @@ def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[i
     try:
         for name, (dtype, shape) in specs.items():
             if dtype not in ("BF16", "F16"):
-                raise SparrowError(f"checkpoint tensor {name} is {dtype}: only bf16 and f16 models are patched in place")
+                raise SparrowError(f"checkpoint tensor {name} is {dtype}: "
+                                   "only bf16 and f16 models are patched in place")
             tdt = TORCH_DTYPES[dtype][0]
             sentinel[0] = torch.tensor(SENTINEL, dtype=torch.int16).view(tdt).item()
             numel = math.prod(shape)

@@ -56,7 +56,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 def check_name(kind: str, value: str) -> str:
     """Node ids and regions: 1-64 of letters, digits, ``.``, ``_``, ``-``."""
     if not isinstance(value, str) or not _NAME.match(value):
-        raise InputError(f"{kind} {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise InputError(f"{kind} {value!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
     return value
 
 
@@ -214,7 +215,8 @@ class LeaseTable:
         return sorted((n for n in self._nodes.values() if n.expires_at > now), key=lambda n: (n.region, n.node_id))
 
     def peers(
-        self, node_id: str, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT, rng: random.Random | None = None
+        self, node_id: str, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT,
+        rng: random.Random | None = None
     ) -> list[Node]:
         """Live nodes other than ``node_id``: its region first, then the others, at most ``limit``.
 

@@ -22,7 +22,8 @@ from ..schema import Bytes, List, NonNegInt, fields, pack, unpack
 from .chain import Key, Obj
 from .signing import Signed, Verifier
 
-__all__ = ["ChunkRef", "VersionState", "announce_body", "check_kind", "to_bitmap", "from_bitmap", "MAX_CHUNKS_PER_VERSION"]
+__all__ = ["ChunkRef", "VersionState", "announce_body", "check_kind", "to_bitmap", "from_bitmap",
+           "MAX_CHUNKS_PER_VERSION"]
 
 MAX_CHUNKS_PER_VERSION = 1 << 20
 _ANNOUNCE = {"first": NonNegInt, "chunks": List}
@@ -106,7 +107,8 @@ class VersionState:
             refs = {i: ChunkRef(c.hash, c.size) for i, c in enumerate(m.chunks)}
             extra = [i for i in self.chunks if i not in refs]
             if extra:
-                raise IntegrityError(f"version {self.version}: chunk {extra[0]} was announced but is not in the manifest")
+                raise IntegrityError(f"version {self.version}: chunk {extra[0]} was announced "
+                                     "but is not in the manifest")
             new = self._merge(refs)
             self.manifest = m
         self.statements.append(s)

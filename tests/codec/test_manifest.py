@@ -15,7 +15,8 @@ def manifest():
     a = rng.integers(0, 1 << 16, size=4000, dtype=np.uint16)
     b = a.copy()
     b[::50] ^= 1
-    m, chunks = encode_patch({"w": RawTensor("BF16", (4000,), a)}, {"w": RawTensor("BF16", (4000,), b)}, version=3, base_version=2)
+    m, chunks = encode_patch({"w": RawTensor("BF16", (4000,), a)}, {"w": RawTensor("BF16", (4000,), b)},
+                             version=3, base_version=2)
     return m, chunks
 
 

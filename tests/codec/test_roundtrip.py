@@ -31,7 +31,8 @@ def specials(w: int) -> np.ndarray:
     bits = 8 * w
     sign = 1 << (bits - 1)
     top = (1 << bits) - 1
-    return np.array([0, sign, 1, sign | 1, top, sign - 1, sign + 1, top - 1, (sign >> 1) | 1, sign | (sign >> 1)], dtype=object)
+    return np.array([0, sign, 1, sign | 1, top, sign - 1, sign + 1, top - 1, (sign >> 1) | 1, sign | (sign >> 1)],
+                    dtype=object)
 
 
 def make_pair(rng, dtype: str, shape, density: str, move: str):

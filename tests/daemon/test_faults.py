@@ -147,7 +147,8 @@ def test_an_engine_killed_mid_apply_is_never_reported_between_versions_and_catch
     assert proc.stdout.readline().strip() == "scattering"
 
     def engine_version():
-        return next(n for n in status(cluster.tracker, cluster.token)["nodes"] if n["node_id"] == "r1")["engine_version"]
+        return next(n for n in status(cluster.tracker, cluster.token)["nodes"]
+                    if n["node_id"] == "r1")["engine_version"]
 
     wait_for(lambda: engine_version() == 0, 5, "the tracker to see the engine at version 0 while it applies")
     assert proc.poll() is None  # still in the middle of the apply

@@ -41,7 +41,8 @@ def test_three_versions_reach_six_nodes_in_three_regions_and_a_late_joiner_catch
              detail=lambda: (held(cluster), {d.name: [line for line in d.log().splitlines()
                                                       if " WARNING " in line or " ERROR " in line][-3:]
                                              for d in [trainer, *rollouts]},
-                             {n["node_id"]: n.get("in_flight") for n in status(cluster.tracker, cluster.token)["nodes"]}))
+                             {n["node_id"]: n.get("in_flight")
+                              for n in status(cluster.tracker, cluster.token)["nodes"]}))
     for d in rollouts:
         for m in ms.values():
             check_store(d, m)

@@ -79,7 +79,8 @@ def test_advance_follows_held_patches_and_anchors():
 
 def test_retention_keeps_the_anchor_and_the_patches_after_it():
     def keep(patches, anchors, retain):
-        objs = chain(patches=patches, anchors=anchors, complete={Key(p) for p in patches} | {Key(a, True) for a in anchors})
+        objs = chain(patches=patches, anchors=anchors,
+                     complete={Key(p) for p in patches} | {Key(a, True) for a in anchors})
         return retained(objs.items(), retain)
 
     assert keep(range(1, 11), [], 3) == {Key(8), Key(9), Key(10)}

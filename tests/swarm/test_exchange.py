@@ -34,7 +34,10 @@ def test_sources_prefer_the_region_then_peers_over_the_trainer_then_speed():
         PeerView("near-fast", "eu", {0}, rate=1e6),
     ]
     p = Picker("me", "eu")
-    pick = lambda ps: p.pick(0.0, version=1, missing=[0], inflight={}, peers=ps, region_nodes=["me"], available_since={})
+
+    def pick(ps):
+        return p.pick(0.0, version=1, missing=[0], inflight={}, peers=ps, region_nodes=["me"], available_since={})
+
     assert pick(peers)[0].peer_id == "near-fast"
     assert pick(peers[:3] + [PeerView("near-fast", "eu", {0}, choking=True)])[0].peer_id == "near-slow"
     assert pick(peers[:1] + peers[2:3])[0].peer_id == "near-slow"  # a same-region peer before the trainer
