@@ -34,16 +34,11 @@ the file server's, at the same rate).
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -51,6 +46,7 @@ from pathlib import Path
 
 from ..units import format_bytes, parse_size
 from . import write_json
+from .handover import STRATEGIES, Strategy, address, save_bf16, wait
 
 __all__ = ["RLConfig", "run"]
 
@@ -121,11 +117,6 @@ class StrategyResult:
                 "wire_seconds": [s.wire for s in self.steps]}
 
 
-def _addr(region: int, kind: int, j: int) -> str:
-    """127.(10+region).kind.(j+1): kind 0 a daemon or server, 1 its WAN proxy, 2 a download client."""
-    return f"127.{10 + region}.{kind}.{j + 1}"
-
-
 # ---------------------------------------------------------------------------- the policy and its update
 
 
@@ -139,14 +130,6 @@ def _model(cfg: RLConfig):
                     tie_word_embeddings=False)
     torch.manual_seed(cfg.seed)
     return Qwen3ForCausalLM(c)
-
-
-def _save_bf16(model, folder: Path) -> None:
-    import copy
-
-    import torch
-
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
 
 
 def _prompts(cfg: RLConfig, step: int) -> list[list[int]]:
@@ -177,371 +160,6 @@ def _train_step(model, opt, batch: list[tuple[list[int], list[int], float]], gro
     loss.backward()
     opt.step()
     return float(loss.detach())
-
-
-# ---------------------------------------------------------------------------- infrastructure
-
-
-class _Procs:
-    """Child processes of one strategy, stopped together."""
-
-    def __init__(self, root: Path):
-        self.root, self.procs = root, []
-
-    def start(self, args: list[str], name: str, **kw) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "ab")
-        p = subprocess.Popen(args, stdout=kw.pop("stdout", log), stderr=log, start_new_session=True, **kw)
-        self.procs.append(p)
-        return p
-
-    def daemon(self, *args: str, name: str) -> subprocess.Popen:
-        return self.start([sys.executable, "-m", "sparrowd_cli.main", "run", *args], name)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self.procs = []
-
-
-def _wait(pred, timeout: float, what: str, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
-def _wan(procs: _Procs, root: Path, proxies: list[dict], cfg: RLConfig, blocked=()) -> None:
-    (root / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": cfg.rtt,
-                                               "link_rate": parse_size(cfg.link_rate), "blocked": blocked}))
-    p = procs.start([sys.executable, "-m", "sparrowd.bench.wan", str(root / "wan.json")], "wan",
-                    stdout=subprocess.PIPE)
-    if p.stdout.readline().strip() != b"ready":
-        raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
-
-
-class _FileServer:
-    """The trainer's checkpoints over HTTP, its uplink shaped to ``rate`` bytes/s (all downloads
-    share it), in a thread of its own."""
-
-    def __init__(self, folder: Path, host: str, port: int, rate: int):
-        self.folder, self.host, self.port, self.rate = folder, host, port, rate
-        self._loop = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._ready = threading.Event()
-
-    def start(self) -> "_FileServer":
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def _run(self) -> None:
-        import asyncio
-
-        from aiohttp import web
-
-        from ..swarm.bucket import TokenBucket
-
-        bucket = TokenBucket(self.rate)
-
-        async def get(request):
-            path = (self.folder / request.match_info["path"]).resolve()
-            if self.folder.resolve() not in path.parents or not path.is_file():
-                return web.Response(status=404)
-            resp = web.StreamResponse(headers={"Content-Length": str(path.stat().st_size)})
-            await resp.prepare(request)
-            with open(path, "rb") as f:
-                while data := f.read(64 << 10):
-                    wait = bucket.take(time.monotonic(), len(data))
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    await resp.write(data)
-            await resp.write_eof()
-            return resp
-
-        async def main():
-            app = web.Application()
-            app.add_routes([web.get("/{path:.+}", get)])
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, self.host, self.port).start()
-            self._ready.set()
-            await asyncio.Event().wait()
-
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(main())
-
-
-def _download(host: str, port: int, source: str, remote: str, names: list[str], dest: Path) -> int:
-    """Files of a checkpoint folder, fetched from ``source`` (a rollout region's address)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    total = 0
-    for name in names:
-        conn = http.client.HTTPConnection(host, port, timeout=600, source_address=(source, 0))
-        try:
-            conn.request("GET", f"/{remote}/{name}")
-            r = conn.getresponse()
-            if r.status != 200:
-                raise RuntimeError(f"download {remote}/{name}: HTTP {r.status}")
-            with open(dest / name, "wb") as f:
-                while data := r.read(1 << 20):
-                    f.write(data)
-                    total += len(data)
-        finally:
-            conn.close()
-    return total
-
-
-def _metric(url: str, token: str, name: str) -> float:
-    from .swarm import _metric as metric
-
-    return metric(url, token, name)
-
-
-# ---------------------------------------------------------------------------- the strategies
-
-
-class _Strategy:
-    """How versions reach the servers. ``publish`` after each training step starts the transfer;
-    ``ensure(v)`` returns once every server runs version ``v`` (idle time, pause)."""
-
-    name = ""
-
-    def __init__(self, world: "_World"):
-        self.w = world
-        self.cfg = world.cfg
-        self.root = world.root / self.name
-        self.root.mkdir()
-        self.procs = _Procs(self.root)
-        self.held: dict[int, float] = {}  # version -> when every rollout box held it
-        self.published: dict[int, float] = {}
-
-    def start(self, model) -> None: ...
-
-    def publish(self, model, version: int) -> None: ...
-
-    def wan_bytes(self) -> int:
-        return 0
-
-    def stop(self) -> None:
-        self.procs.stop()
-
-    # helpers for the sparrowd strategies
-
-    def _attach(self, sockets: list[Path], token_file: Path) -> None:
-        for server, sock in zip(self.w.servers, sockets, strict=True):
-            server.post("init_weight_transfer_engine", {"init_info": {
-                "socket": str(sock), "token_file": str(token_file), "version": 0, "engine": "bench-rl"}})
-
-    def _update(self, version: int) -> float:
-        """Every server moved to ``version`` through the sparrowd backend, at once; the longest pause."""
-        def one(server) -> float:
-            server.post("start_weight_update")
-            t0 = time.monotonic()
-            server.post("pause?mode=keep")
-            try:
-                server.post("update_weights", {"update_info": {"version": version, "timeout": 600}})
-                server.post("finish_weight_update", {"weight_version": str(version)})
-                server.post("reset_prefix_cache")
-            finally:
-                server.post("resume")
-            return time.monotonic() - t0
-
-        with ThreadPoolExecutor(len(self.w.servers)) as pool:
-            return max(pool.map(one, self.w.servers))
-
-
-class _Sparrow(_Strategy):
-    """``swarm``, or ``star`` (rollout regions cannot reach each other)."""
-
-    def __init__(self, world, star: bool):
-        self.name = "star" if star else "swarm"
-        super().__init__(world)
-        self.star = star
-
-    def start(self, model) -> None:
-        from ..publisher import Publisher
-
-        cfg, w, root = self.cfg, self.w, self.root
-        token_file = w.token_file
-        t_host, t_proxy = _addr(0, 0, 100), _addr(0, 1, 100)
-        from ..localswarm import free_port
-
-        port = free_port(t_host)
-        proxies = [{"listen": [t_proxy, port], "target": [t_host, port], "region": 0}]
-        self.nodes = []
-        for i in range(cfg.servers):
-            r = w.region_of(i)
-            host = _addr(r, 0, i)
-            p = free_port(host)
-            proxies.append({"listen": [_addr(r, 1, i), p], "target": [host, p], "region": r})
-            self.nodes.append((i, r, host, p))
-        regions = sorted({r for _, r, _, _ in self.nodes})
-        blocked = [[a, b] for a in regions for b in regions if a < b] if self.star else []
-        _wan(self.procs, root, proxies, cfg, blocked)
-        self.direct = f"http://{t_host}:{port}"
-        self.procs.daemon("--role", "trainer", "--region", "r0", "--listen", f"{t_host}:{port}", "--advertise",
-                          f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file", str(token_file),
-                          "--node-id", "trainer", "--upload-rate", cfg.trainer_rate, "--lease-ttl", "3",
-                          "--super-seed", "off" if self.star else "on", "--log-level", "warning", name="trainer")
-        _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
-        for i, r, host, p in self.nodes:
-            self.procs.daemon("--role", "rollout", "--region", f"r{r}", "--listen", f"{host}:{p}", "--advertise",
-                              f"{_addr(r, 1, i)}:{p}", "--data-dir", str(root / f"n{i}"), "--token-file",
-                              str(token_file), "--node-id", f"n{i}", "--tracker", f"http://{t_proxy}:{port}",
-                              "--upload-rate", cfg.node_rate, "--log-level", "warning", name=f"n{i}")
-        self.pub = Publisher(daemon=self.direct, token_file=token_file, anchor_every=0)
-        _wait(lambda: len(self.pub.status()["nodes"]) == cfg.servers + 1, 60, "every node to join")
-        self.urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(cfg.servers)]
-        self.pub.start(model, version=0, anchor=False)  # the servers loaded the base: no anchor to ship
-        self._attach([root / f"n{i}" / "engine.sock" for i in range(cfg.servers)], token_file)
-        self._watch = ThreadPoolExecutor(1)
-
-    def publish(self, model, version: int) -> None:
-        self.pub.publish(model, version=version)
-        self.published[version] = time.monotonic()
-        self._watch.submit(self._until_held, version)
-
-    def _until_held(self, version: int) -> None:
-        from ..daemon.calls import http_call
-
-        token = self.w.token
-        _wait(lambda: all(version in http_call(f"{u}/v1/node", token)["versions"] for u in self.urls), 600,
-              f"every node to hold version {version}", every=0.05)
-        self.held[version] = time.monotonic()
-
-    def ensure(self, version: int) -> float:
-        if version == 0:
-            return 0.0
-        _wait(lambda: version in self.held, 600, f"every node to hold version {version}")  # before any pause
-        return self._update(version)
-
-    def wan_bytes(self) -> int:
-        return int(sum(_metric(u, self.w.token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
-                       for u in self.urls))
-
-    def stop(self) -> None:
-        if hasattr(self, "pub"):
-            self.pub.close()
-        if hasattr(self, "_watch"):
-            self._watch.shutdown(wait=False, cancel_futures=True)
-        super().stop()
-
-
-class _Ideal(_Strategy):
-    """The servers read each version from the trainer daemon's own engine socket: no network."""
-
-    name = "ideal"
-
-    def start(self, model) -> None:
-        from ..localswarm import free_port
-        from ..publisher import Publisher
-
-        port = free_port()
-        self.procs.daemon("--role", "trainer", "--region", "r0", "--listen", f"127.0.0.1:{port}", "--data-dir",
-                          str(self.root / "trainer"), "--token-file", str(self.w.token_file), "--node-id",
-                          "trainer", "--log-level", "warning", name="trainer")
-        _wait(lambda: (self.root / "trainer" / "daemon.json").exists(), 30, "the trainer")
-        self.pub = Publisher(daemon=f"http://127.0.0.1:{port}", token_file=self.w.token_file, anchor_every=0)
-        self.pub.start(model, version=0, anchor=False)
-        self._attach([self.root / "trainer" / "engine.sock"] * self.cfg.servers, self.w.token_file)
-
-    def publish(self, model, version: int) -> None:
-        self.pub.publish(model, version=version)
-        self.published[version] = self.held[version] = time.monotonic()
-
-    def ensure(self, version: int) -> float:
-        return self._update(version) if version > 0 else 0.0
-
-    def stop(self) -> None:
-        if hasattr(self, "pub"):
-            self.pub.close()
-        super().stop()
-
-
-class _Full(_Strategy):
-    """The whole bf16 checkpoint over HTTP through the WAN; vLLM's own reload on each box."""
-
-    name = "full"
-
-    def start(self, model) -> None:
-        from ..localswarm import free_port
-
-        cfg = self.cfg
-        host, proxy = _addr(0, 0, 100), _addr(0, 1, 100)
-        self.port = free_port(host)
-        self.proxy = proxy
-        _wan(self.procs, self.root, [{"listen": [proxy, self.port], "target": [host, self.port], "region": 0}],
-             cfg)
-        self.served = self.root / "served"
-        self.served.mkdir()
-        self.files = _FileServer(self.served, host, self.port, parse_size(cfg.trainer_rate)).start()
-        self.downloads = ThreadPoolExecutor(cfg.servers)
-        self.pending: dict[int, list] = {}
-        self.bytes = 0
-        self._lock = threading.Lock()
-        for s in self.w.servers:
-            s.post("update_weight_version", {"new_version": "0"})
-
-    def publish(self, model, version: int) -> None:
-        folder = self.served / f"v{version}"
-        _save_bf16(model, folder)
-        names = sorted(p.name for p in folder.iterdir())
-        self.published[version] = time.monotonic()
-        futures = [self.downloads.submit(_download, self.proxy, self.port, _addr(self.w.region_of(i), 2, i),
-                                         f"v{version}", names, self.root / f"box{i}" / f"v{version}")
-                   for i in range(self.cfg.servers)]
-        self.pending[version] = futures
-
-        def held(f):
-            with self._lock:
-                if not f.exception():
-                    self.bytes += f.result()
-                if all(x.done() for x in futures):
-                    self.held.setdefault(version, time.monotonic())
-
-        for f in futures:
-            f.add_done_callback(held)
-
-    def ensure(self, version: int) -> float:
-        if version == 0:
-            return 0.0
-        for f in self.pending.pop(version):
-            f.result()  # a failed download fails the run
-
-        def one(i) -> float:
-            server = self.w.servers[i]
-            t0 = time.monotonic()
-            server.post("pause?mode=keep")
-            try:
-                server.post("collective_rpc", {"method": "reload_weights", "kwargs": {
-                    "weights_path": str(self.root / f"box{i}" / f"v{version}")}})
-                server.post("update_weight_version", {"new_version": str(version)})
-                server.post("reset_prefix_cache")
-            finally:
-                server.post("resume")
-            return time.monotonic() - t0
-
-        with ThreadPoolExecutor(self.cfg.servers) as pool:
-            return max(pool.map(one, range(self.cfg.servers)))
-
-    def wan_bytes(self) -> int:
-        return self.bytes
-
-    def stop(self) -> None:
-        if hasattr(self, "downloads"):
-            self.downloads.shutdown(wait=True, cancel_futures=True)
-        super().stop()
 
 
 # ---------------------------------------------------------------------------- the run
@@ -593,7 +211,7 @@ def _generate(w: _World, cfg: RLConfig, step: int, version: int) -> list[tuple[l
         return list(pool.map(one, jobs))
 
 
-def _run_strategy(w: _World, strategy: _Strategy) -> StrategyResult:
+def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
     import torch
 
     cfg = w.cfg
@@ -632,7 +250,7 @@ def _run_strategy(w: _World, strategy: _Strategy) -> StrategyResult:
                   f"paused {rec.pause:.2f}), reward {rec.reward:.4f}", flush=True)
         # The last versions' transfers finish, so every step's wire time and bytes are known.
         for v in range(1, cfg.steps + 1):
-            _wait(lambda v=v: v in strategy.held, 600, f"version {v} to arrive")
+            wait(lambda v=v: v in strategy.held, 600, f"version {v} to arrive")
         res.seconds = time.monotonic() - t_run
         wan = strategy.wan_bytes() - wan0
         for rec in res.steps:
@@ -641,10 +259,6 @@ def _run_strategy(w: _World, strategy: _Strategy) -> StrategyResult:
     finally:
         strategy.stop()
     return res
-
-
-STRATEGIES = {"full": _Full, "star": lambda w: _Sparrow(w, True), "swarm": lambda w: _Sparrow(w, False),
-              "ideal": _Ideal}
 
 
 def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path: str | None = None,
@@ -667,11 +281,11 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
     try:
         model = _model(cfg)
         w.base = root / "base"
-        _save_bf16(model, w.base)
+        save_bf16(model, w.base)
         model_bytes = sum(t.numel() for t in model.state_dict().values()) * 2
         ncpu = os.cpu_count() or 1
         for i in range(cfg.servers):
-            host = _addr(w.region_of(i), 0, 50 + i)
+            host = address(w.region_of(i), 0, 50 + i)
             server = VllmServer(sys.executable, w.base, free_port(host), host=host, log_path=root / f"server{i}.log",
                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)})
             w.servers.append(server.start())
@@ -733,6 +347,7 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
             out["speedup_vs_full"] = summaries["full"]["seconds_per_step"] / sw["seconds_per_step"]
         if "ideal" in summaries:
             out["gap_to_ideal"] = sw["seconds_per_step"] / summaries["ideal"]["seconds_per_step"] - 1
+        sw.update({k: out[k] for k in ("speedup_vs_full", "gap_to_ideal") if k in out})  # also on swarm's entry
         print("\n   targets")
         if "speedup_vs_full" in out:
             ok = out["speedup_vs_full"] >= 3

@@ -64,7 +64,7 @@ def _status(tracker: str, token: str) -> dict:
     return json.loads(_get(f"{tracker}/v1/tracker/status", token))
 
 
-def _metric(url: str, token: str, name: str) -> float:
+def metric(url: str, token: str, name: str) -> float:
     text = _get(f"{url}/metrics", token).decode()
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
@@ -226,7 +226,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         up_before, wan_before = 0.0, 0
 
         def _trainer_up() -> float:
-            return _metric(direct, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + _metric(
+            return metric(direct, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + metric(
                 direct, token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
         for p in patches:
             view = parse_patch(p.read_bytes())
@@ -250,7 +250,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
             busy = (_cpu_seconds(procs.procs) - cpu0) / (elapsed * (os.cpu_count() or 1))
             time.sleep(0.5)  # endgame losers end
             up = _trainer_up()
-            wan = sum(_metric(u, token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
+            wan = sum(metric(u, token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
                       for u in node_urls)
             bound = m.patch_bytes / rates["trainer"] + rtt
             row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),

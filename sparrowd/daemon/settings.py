@@ -41,15 +41,23 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return m.group("v6") or m.group("host"), int(m.group("port"))
 
 
-def _tracker_url(text: str) -> str:
-    u = urlsplit(str(text).strip())
-    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
-        raise ValueError(f"{text!r} is not a tracker URL like http://HOST:PORT")
-    try:
-        u.port
-    except ValueError:
-        raise ValueError(f"{text!r} has a bad port") from None
-    return f"{u.scheme}://{u.netloc}"
+def _http_url(example: str) -> Callable[[Any], str]:
+    """A parser of ``http(s)://HOST[:PORT]`` URLs (no path), normalised; ``example`` goes in the error."""
+    def parse(text: Any) -> str:
+        u = urlsplit(str(text).strip())
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
+            raise ValueError(f"{text!r} is not a {example}")
+        try:
+            u.port
+        except ValueError:
+            raise ValueError(f"{text!r} has a bad port") from None
+        return f"{u.scheme}://{u.netloc}"
+
+    return parse
+
+
+_tracker_url = _http_url("tracker URL like http://HOST:PORT")
+_server_url = _http_url("server URL like http://127.0.0.1:8000")
 
 
 def _positive_float(text: Any) -> float:
@@ -123,17 +131,6 @@ def _bool(text: Any) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{text!r} is not true or false")
-
-
-def _server_url(text: Any) -> str:
-    u = urlsplit(str(text).strip())
-    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
-        raise ValueError(f"{text!r} is not a server URL like http://127.0.0.1:8000")
-    try:
-        u.port
-    except ValueError:
-        raise ValueError(f"{text!r} has a bad port") from None
-    return f"{u.scheme}://{u.netloc}"
 
 
 def is_loopback(url: str) -> bool:

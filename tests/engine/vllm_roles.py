@@ -40,6 +40,18 @@ def tiny_qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
+def adamw_step(model, opt, g):
+    """One real AdamW step on a random next-token batch; returns the loss."""
+    import torch
+
+    x = torch.randint(0, 1000, (4, 32), generator=g)
+    loss = model(input_ids=x, labels=x).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def save_bf16(model, folder: Path) -> None:
     import torch
 
@@ -58,11 +70,7 @@ def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
     pub.start(model, version=0)
     g = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
-        x = torch.randint(0, 1000, (4, 32), generator=g)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
         stats = pub.publish(model, version=step)
         print(f"step {step}: loss {loss.item():.4f}, {stats.elements_changed} of {stats.elements} elements changed",
@@ -213,11 +221,7 @@ def drive(out: Path, daemon: str, token_file: str, steps: int, server: str, sock
     g = torch.Generator().manual_seed(1)
     seen = []
     for step in range(1, steps + 1):
-        x = torch.randint(0, 1000, (4, 32), generator=g)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
         stats = engine.send_weights()
         with urllib.request.urlopen(f"{server}/weight_info", timeout=10) as r:
@@ -244,11 +248,7 @@ def more(out: Path, daemon: str, token_file: str, start: int, count: int) -> Non
     pub.start(model, version=start)
     g = torch.Generator().manual_seed(start)
     for step in range(start + 1, start + count + 1):
-        x = torch.randint(0, 1000, (4, 32), generator=g)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
         pub.publish(model, version=step)
         print(f"step {step} published", flush=True)
