@@ -79,3 +79,21 @@ def test_the_trainer_installs_without_a_tracker(tmp_path, token):
     r = sparrowd("install", "--role", "trainer", "--token-file", token, "--region", "eu", "--prefix", tmp_path / "r")
     assert r.returncode == 0, r.stderr
     assert tomllib.loads((tmp_path / "r/etc/sparrowd/sparrowd.toml").read_text())["role"] == "trainer"
+
+
+def test_install_sets_up_follow_mode_and_refuses_an_address_off_loopback(tmp_path, token):
+    root = tmp_path / "root"
+    base = ("install", "--tracker", "http://10.0.0.1:7070", "--token-file", token, "--region", "eu", "--prefix", root)
+    r = sparrowd(*base, "--follow-vllm", "http://127.0.0.1:8000", "--follow-every", "30")
+    assert r.returncode == 0, r.stderr
+    s = load_settings({}, env={"SPARROWD_CONFIG": str(root / "etc/sparrowd/sparrowd.toml")})
+    assert (s.follow_vllm, s.follow_every, s.follow_vllm_remote) == ("http://127.0.0.1:8000", 30.0, False)
+    # Refused while the operator is at the keyboard, and nothing is rewritten.
+    before = (root / "etc/sparrowd/sparrowd.toml").read_text()
+    r = sparrowd(*base, "--follow-vllm", "http://10.2.3.4:8000")
+    assert r.returncode == 1 and "not a loopback address" in r.stderr
+    assert (root / "etc/sparrowd/sparrowd.toml").read_text() == before
+    r = sparrowd(*base, "--follow-vllm", "http://10.2.3.4:8000", "--follow-vllm-remote")
+    assert r.returncode == 0, r.stderr
+    s = load_settings({}, env={"SPARROWD_CONFIG": str(root / "etc/sparrowd/sparrowd.toml")})
+    assert s.follow_vllm_remote and s.follow_vllm == "http://10.2.3.4:8000"
