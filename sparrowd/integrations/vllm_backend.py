@@ -193,7 +193,7 @@ class SparrowTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "sparrowd"
 
     daemon: str = "http://127.0.0.1:7070"  # the trainer's own daemon (it seeds and hosts the tracker)
-    token_file: str | None = None  # the swarm token; default $SPARROWD_TOKEN_FILE
+    token_file: str | None = field(default_factory=lambda: os.environ.get("SPARROWD_TOKEN_FILE"))  # swarm token
     version: int = 0  # the version the servers' weights are now; send_weights publishes the next ones
     worker_init_info: dict = field(default_factory=dict)  # each server's init_info ({} : its defaults)
     hold_timeout: float = 600.0  # how long send_weights waits for the rollout nodes to hold a version
