@@ -71,7 +71,7 @@ __all__ = [
     "DEFAULT_TOKEN_FILE",
 ]
 
-log = logging.getLogger("sparrowd.vllm")
+log = logging.getLogger("vllm.sparrowd")  # a child of vLLM's logger: it shows in the server's log
 
 DEFAULT_SOCKET = "/run/sparrowd/engine.sock"  # where `sparrowd install` puts it
 DEFAULT_TOKEN_FILE = "/etc/sparrowd/swarm.token"
