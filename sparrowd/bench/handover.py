@@ -205,21 +205,15 @@ class Strategy:
                 "socket": str(sock), "token_file": str(token_file), "version": 0, "engine": "bench-rl"}})
 
     def _update(self, version: int) -> float:
-        """Every server moved to ``version`` through the sparrowd backend, at once; the longest pause."""
-        def one(server) -> float:
-            server.post("start_weight_update")
-            t0 = time.monotonic()
-            server.post("pause?mode=keep")
-            try:
-                server.post("update_weights", {"update_info": {"version": version, "timeout": 600}})
-                server.post("finish_weight_update", {"weight_version": str(version)})
-                server.post("reset_prefix_cache")
-            finally:
-                server.post("resume")
-            return time.monotonic() - t0
+        """Every server moved to ``version`` through the sparrowd backend, at once, the way the
+        trainer-side engine does it (``move_server``); the longest pause."""
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-        with ThreadPoolExecutor(len(self.w.servers)) as pool:
-            return max(pool.map(one, self.w.servers))
+        from ..integrations.vllm_backend import move_server
+
+        clients = [HTTPVLLMWeightSyncClient(s.url) for s in self.w.servers]
+        with ThreadPoolExecutor(len(clients)) as pool:
+            return max(pool.map(lambda c: move_server(c, version, timeout=600), clients))
 
 
 class _Sparrow(Strategy):

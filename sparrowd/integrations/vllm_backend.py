@@ -67,6 +67,7 @@ __all__ = [
     "SparrowWeightTransferEngine",
     "SparrowTrainerInitInfo",
     "SparrowTrainerWeightTransferEngine",
+    "move_server",
     "DEFAULT_SOCKET",
     "DEFAULT_TOKEN_FILE",
 ]
@@ -303,17 +304,7 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
             time.sleep(0.05)
 
     def _update(self, client, version: int) -> float:
-        control = _Control(client)
-        client.start_weight_update()
-        t0 = time.perf_counter()
-        control.pause()
-        try:
-            client.update_weights({"version": version, "timeout": self.info.update_timeout})
-            client.finish_weight_update(str(version))
-            control.reset_prefix_cache()
-        finally:
-            control.resume()
-        return time.perf_counter() - t0
+        return move_server(client, version, timeout=self.info.update_timeout)
 
     def _each(self, fn) -> list:
         if len(self.clients) == 1:
@@ -333,6 +324,23 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
     def shutdown(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+
+
+def move_server(client, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> float:
+    """One server to ``version`` through vLLM's weight-sync client: start, pause (``keep``),
+    update, finish with the version's number, prefix cache reset, and always resume once
+    paused. Returns the seconds from pause to resume."""
+    control = _Control(client)
+    client.start_weight_update()
+    t0 = time.perf_counter()
+    control.pause()
+    try:
+        client.update_weights({"version": version, "timeout": timeout})
+        client.finish_weight_update(str(version))
+        control.reset_prefix_cache()
+    finally:
+        control.resume()
+    return time.perf_counter() - t0
 
 
 class _Control:
