@@ -20,7 +20,8 @@ from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
-                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed")
+                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed",
+                  "current")
 
 
 def add_follow_flags(p) -> None:
@@ -35,6 +36,14 @@ def add_follow_flags(p) -> None:
     p.add_argument("--follow-vllm-remote", action="store_const", const=True,
                    help="allow a --follow-vllm address that is not loopback (vLLM's RL routes have no "
                         "authentication: only on a network nobody else reaches)")
+
+
+def add_current_flag(p) -> None:
+    """The current-version folder's flag, shared by `run` and `install`."""
+    p.add_argument("--current", choices=("on", "off"),
+                   help="keep the newest version as a model folder at DATA/current, for `vllm serve DATA/current` "
+                        "(default: on for a rollout, off for the trainer and relays); costs one model's bytes on "
+                        "disk, and each version writes its changed elements")
 
 
 def register(sub) -> None:
@@ -71,6 +80,7 @@ def register(sub) -> None:
                         "carries each chunk about once (default on); off shows peers every chunk it holds, for "
                         "swarms whose rollout boxes cannot reach each other")
     add_follow_flags(r)
+    add_current_flag(r)
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")
     r.set_defaults(func=cmd_run)
 
@@ -121,6 +131,19 @@ def register(sub) -> None:
     j.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for the lease (default 30)")
     j.set_defaults(func=cmd_join)
+
+    co = sub.add_parser(
+        "checkout", help="write a version this node can produce as a model folder",
+        description="Write VERSION (default: the newest this node can produce) as a Hugging Face model folder at "
+                    "OUT: safetensors shards, config.json, the tokenizer, and sparrowd.json naming the version. It "
+                    "reads the data dir's chunks (a running or a stopped daemon's; nothing there changes), starts "
+                    "from an anchor and applies the patches after it, and checks every tensor against the "
+                    "trainer's signed fingerprints before OUT appears.")
+    co.add_argument("out", metavar="OUT", help="the folder to write (must not exist, unless --force)")
+    co.add_argument("--data-dir", metavar="DIR", help=f"the node's state folder (default {default_data_dir()})")
+    co.add_argument("--version", type=int, metavar="N", help="the version to write (default: the newest)")
+    co.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    co.set_defaults(func=cmd_checkout)
 
     lv = sub.add_parser("leave", help="make the local daemon leave the swarm and stop",
                         description="Ask the daemon running on DATA_DIR to leave the swarm (its lease ends at once) "
@@ -221,6 +244,24 @@ def _last_error(log_path: Path) -> str:
     return lines[-1] if lines else "no log"
 
 
+def cmd_checkout(args) -> int:
+    from sparrowd.daemon.checkout import checkout
+
+    from .progress import Progress
+
+    if args.version is not None and args.version < 0:
+        raise InputError("--version must be 0 or more")
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    prog = Progress(0, "chunks")
+    try:
+        version = checkout(data_dir, Path(args.out), args.version, force=args.force,
+                           progress=lambda done, total: prog.at(done, total=total))
+    finally:
+        prog.close()
+    print(f"version {version} written to {args.out}")
+    return 0
+
+
 def cmd_leave(args) -> int:
     from sparrowd.daemon.app import read_runtime
 
@@ -294,11 +335,13 @@ def _publish_file(path, daemon: str, token: str):
 
 
 def _publish_anchor(src: Path, version: int, state: Path, args, token: str) -> None:
+    from sparrowd.current import model_files
     from sparrowd.delta import diff_files
 
     path = state / f"a{version}.sprw"
     try:
-        diff_files(None, src, path, values=args.values, version=version)
+        diff_files(None, src, path, values=args.values, version=version,
+                   files=model_files(src) if src.is_dir() else None)
         m, _, _ = _publish_file(path, args.daemon, token)
     finally:
         path.unlink(missing_ok=True)

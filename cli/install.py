@@ -14,7 +14,7 @@ from sparrowd.daemon.settings import load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 
-from .daemon import add_follow_flags
+from .daemon import add_current_flag, add_follow_flags
 
 ETC = Path("etc/sparrowd")
 UNIT = Path("etc/systemd/system/sparrowd.service")
@@ -36,6 +36,7 @@ def register(sub) -> None:
     i.add_argument("--group", metavar="NAME", help="run the daemon with this group, so an engine running as "
                                                    "another user in it can open the engine socket")
     add_follow_flags(i)
+    add_current_flag(i)
     i.add_argument("--prefix", metavar="DIR", default="/", help="install under DIR instead of / (images, tests)")
     i.add_argument("--now", action="store_true", help="also enable and start the service (needs --prefix /)")
     i.set_defaults(func=cmd_install)
@@ -95,7 +96,7 @@ def cmd_install(args) -> int:
     settings = {"role": args.role, "region": args.region, "tracker": args.tracker,
                 "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise,
                 "follow_vllm": args.follow_vllm, "follow_every": args.follow_every,
-                "follow_vllm_remote": args.follow_vllm_remote}
+                "follow_vllm_remote": args.follow_vllm_remote, "current": args.current}
     # The same checks `sparrowd run` will make, now, while the operator is at the keyboard.
     load_settings({k: v for k, v in settings.items()}, env={})
     written = []

@@ -14,7 +14,11 @@ class Progress:
         self._t0 = time.monotonic()
 
     def step(self, label: str = "") -> None:
-        self.done += 1
+        self.at(self.done + 1, label)
+
+    def at(self, done: int, label: str = "", total: int | None = None) -> None:
+        self.done = done
+        self.total = self.total if total is None else total
         now = time.monotonic()
         if self.enabled and (now - self._last > 0.1 or self.done == self.total):
             self._last = now

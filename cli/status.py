@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sparrowd.units import format_bytes
 
-COLUMNS = ("NODE", "ROLE", "REGION", "ADDRESS", "STATE", "LEASE", "VERSIONS", "ENGINE", "DOWN/s", "UP/s")
+COLUMNS = ("NODE", "ROLE", "REGION", "ADDRESS", "STATE", "LEASE", "VERSIONS", "ENGINE", "CURRENT", "DOWN/s", "UP/s")
 
 
 def _versions(vs: list[int]) -> str:
@@ -15,6 +15,14 @@ def _versions(vs: list[int]) -> str:
 
 def _rate(r: float) -> str:
     return "-" if not r else format_bytes(r).replace(" ", "")
+
+
+def current_cell(node: dict) -> str:
+    """The node's current-version folder: ``7 ready``, ``building``, ``-`` when it keeps none."""
+    c = node.get("current")
+    if not c:
+        return "-"
+    return c["state"] if c.get("version") is None or c["state"] == "building" else f"{c['version']} {c['state']}"
 
 
 def render_status(snap: dict) -> str:
@@ -31,7 +39,8 @@ def render_status(snap: dict) -> str:
         rows.append((
             n.get("node_id", "?"), n.get("role", "?"), n.get("region", "?"), n.get("address", "?"),
             n.get("state", "?"), f"{n.get('lease_expires_in', 0):.1f}s", _versions(n.get("versions") or []),
-            ("-" if engine is None else str(engine)) + lag, _rate(n.get("rate_down", 0)), _rate(n.get("rate_up", 0)),
+            ("-" if engine is None else str(engine)) + lag, current_cell(n),
+            _rate(n.get("rate_down", 0)), _rate(n.get("rate_up", 0)),
         ))
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip()]

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 from sparrowd.units import format_bytes
 
+from .status import current_cell
+
 SORTS = ("lag", "region", "rate")
-COLUMNS = ("NODE", "ROLE", "REGION", "STATE", "HELD", "ENGINE", "IN FLIGHT", "DOWN", "UP", "P", "TTL")
+COLUMNS = ("NODE", "ROLE", "REGION", "STATE", "HELD", "ENGINE", "CURRENT", "IN FLIGHT", "DOWN", "UP", "P", "TTL")
 BAR = 4
 _SHORT = {"trainer": "train", "rollout": "roll", "joining": "join"}
 
@@ -153,7 +155,8 @@ class TopView:
             role, state = n.get("role", "?"), n.get("state", "?")
             out.append(Row(n.get("node_id", "?"), (
                 n.get("node_id", "?"), _SHORT.get(role, role), n.get("region", "?"), _SHORT.get(state, state),
-                _held(n.get("versions") or []), engine, flight, rate(n.get("rate_down")), rate(n.get("rate_up")),
+                _held(n.get("versions") or []), engine, current_cell(n),
+                flight, rate(n.get("rate_down")), rate(n.get("rate_up")),
                 str(n.get("peers", "-")), f"{n.get('lease_expires_in', 0):.0f}s"), style))
         return out
 

@@ -11,7 +11,7 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +85,11 @@ def diff_files(
     base_version: int | None = None,
     chunk_size: int | None = None,
     progress: Callable[[str, int], None] | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Manifest:
     """Diff two checkpoints into a ``.sprw`` file; returns its manifest. ``old=None`` writes an
-    anchor: every tensor of ``new`` whole, applying to nothing."""
+    anchor: every tensor of ``new`` whole, applying to nothing. ``files``: non-tensor files the
+    patch carries (an anchor's config and tokenizer: ``current.model_files``)."""
     if old is None:
         base_version = None
     elif base_version is None:
@@ -98,7 +100,7 @@ def diff_files(
         kw = {} if chunk_size is None else {"chunk_size": chunk_size}
         manifest, chunks = encode_patch(
             a, b, version=version, base_version=base_version, values=values, on_tensor=progress,
-            meta={"producer": "sparrowd delta diff"}, **kw
+            meta={"producer": "sparrowd delta diff"}, files=files, **kw
         )
     out = Path(out)
     with atomic_file(out) as tmp, open(tmp, "wb") as f:

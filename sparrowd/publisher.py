@@ -30,7 +30,11 @@ has nothing yet, and every ``anchor_every`` versions ``publish`` follows the
 patch with an anchor of the same version, encoded from the kept copies (no
 second pass over the model). ``publish_anchor`` does it on demand, and is the
 way to publish a change a patch cannot carry (tensors added, removed,
-reshaped). A late rollout node catches up from the newest anchor.
+reshaped). A late rollout node catches up from the newest anchor. Given
+``model_files`` (the model's Hugging Face folder), every anchor also carries
+its non-tensor files (config, tokenizer, generation config, chat template),
+read when the anchor is published, so a box with nothing gets a loadable
+model folder through the swarm (``DATA/current``).
 
 FSDP2 / DTensor parameters are gathered one tensor at a time
 (``full_tensor()``, a collective): every rank calls ``publish``, rank 0
@@ -58,6 +62,7 @@ from .codec.bits import RawTensor
 from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
+from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError
@@ -155,7 +160,8 @@ class _Pending:
 class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0):
+                 anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0,
+                 model_files: str | Path | None = None):
         torch = _torch()
         if token_file is None:
             raise InputError("Publisher needs token_file, the swarm token's file")
@@ -168,6 +174,9 @@ class Publisher:
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
         self.anchor_every = anchor_every
+        self.model_files = Path(model_files) if model_files is not None else None
+        if self.model_files is not None and not self.model_files.is_dir():
+            raise InputError(f"model_files {self.model_files}: not a folder (give the model's Hugging Face folder)")
         self.dtype = getattr(torch, dtype, None)
         if self.dtype is None or not isinstance(self.dtype, torch.dtype) or dtype not in _TORCH_DTYPES:
             raise InputError(f"served dtype {dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
@@ -484,6 +493,9 @@ class Publisher:
             stats.tensors += 1
             stats.elements += host.size
         stats.tensors_changed, stats.elements_changed = stats.tensors, stats.elements
+        # The folder's config and tokenizer as they are now, so a box with nothing gets a loadable model.
+        for name, data in (model_files(self.model_files) if self.model_files is not None else {}).items():
+            sending.append(self._pool.submit(stream.send, enc.add_file(name, data)))
         manifest, rest = enc.finish()
         sending.append(self._pool.submit(stream.send, rest))
         for f in sending:

@@ -60,7 +60,7 @@ def test_lag_stale_and_error_styles():
     assert rows["rollout-us-1"].style == "lagging" and rows["rollout-us-1"].cells[5] == "39 -3"
     assert rows["rollout-us-2"].style == "error"  # stale too, and reporting a full disk
     assert rows["trainer-1"].style == "trainer" and rows["rollout-eu-a-very-long-node-name"].style == ""
-    assert "█" in rows["rollout-us-1"].cells[6] and "38%" in rows["rollout-us-1"].cells[6]
+    assert "█" in rows["rollout-us-1"].cells[7] and "38%" in rows["rollout-us-1"].cells[7]
     out = render_once(view(), 100, time.time(), color=True)
     assert "\x1b[33m" in out and "\x1b[1;31m" in out  # yellow lagging, bold red error/stale
 

@@ -28,6 +28,11 @@ the others. Blob contents (see :mod:`.bits`):
   (``|d| - 1 - 255``, in order) follow in full-width byte planes;
 * dense values: like absolute values, for every element of the range.
 
+A *file chunk* carries a slice of one of the model's non-tensor files
+(``config.json``, the tokenizer) instead: its header is ``{"segments": [],
+"file": [name, start, stop]}`` and the body is those bytes as they are. It
+decodes to no segments, so every tensor decoder passes over it.
+
 A chunk is named by the BLAKE3 hash of its compressed bytes.
 """
 
@@ -62,6 +67,8 @@ __all__ = [
     "encode_segment",
     "EncodedSegment",
     "decode_chunk",
+    "encode_file_chunk",
+    "decode_file_chunk",
     "chunk_hash",
     "MAX_CHUNK_RAW",
     "ABSOLUTE",
@@ -112,6 +119,7 @@ class Chunk:
     data: bytes
     raw_size: int
     segments: tuple[tuple[str, int, int, int], ...]  # (name, start, stop, count)
+    file: tuple[str, int, int] | None = None  # a file chunk: (file name, start, stop)
 
     @property
     def size(self) -> int:
@@ -200,6 +208,15 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     )
 
 
+def encode_file_chunk(name: str, start: int, data, cctx: zstandard.ZstdCompressor) -> Chunk:
+    """Bytes ``[start, start + len(data))`` of the file ``name``, as one chunk."""
+    span = (name, start, start + len(data))
+    head = pack({"segments": [], "file": list(span)})
+    raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, data])
+    out = cctx.compress(raw)
+    return Chunk(hash=chunk_hash(out), data=out, raw_size=len(raw), segments=(), file=span)
+
+
 # ---------------------------------------------------------------- decoding
 
 _SEGMENT = {
@@ -286,8 +303,8 @@ def check_chunk_frame(data) -> int:
     return size
 
 
-def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
-    """Decode one chunk; checks its hash first when ``expect_hash`` is given."""
+def _open_chunk(data, expect_hash: bytes | None) -> tuple[dict, memoryview, int]:
+    """Hash check, decompression and header: (header, decompressed bytes, body offset)."""
     if expect_hash is not None and chunk_hash(data) != expect_hash:
         raise IntegrityError(f"chunk {expect_hash.hex()[:16]}: hash mismatch (corrupt or wrong chunk)")
     check_chunk_frame(data)
@@ -301,6 +318,37 @@ def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
     (hlen,) = struct.unpack_from("<I", buf, 4)
     head_bytes, pos = _take(buf, 8, hlen, "chunk header")
     head = fields(unpack(head_bytes, what="chunk header"), {"segments": List}, what="chunk header")
+    return head, buf, pos
+
+
+def _file_span(head: dict) -> tuple[str, int, int] | None:
+    span = head.get("file")
+    if span is None:
+        return None
+    if not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
+            and all(NonNegInt(x) for x in span[1:]) and span[1] <= span[2]) or head["segments"]:
+        raise FormatError("chunk header: a file chunk is [name, start, stop] with no segments")
+    return span[0], span[1], span[2]
+
+
+def decode_file_chunk(data, *, expect_hash: bytes | None = None) -> tuple[tuple[str, int, int], memoryview]:
+    """A file chunk's ``(name, start, stop)`` and bytes (FormatError for a tensor chunk)."""
+    head, buf, pos = _open_chunk(data, expect_hash)
+    span = _file_span(head)
+    if span is None:
+        raise FormatError("chunk: not a file chunk")
+    body = buf[pos:]
+    if len(body) != span[2] - span[1]:
+        raise FormatError(f"file chunk {span[0]!r}: {len(body)} bytes for the range [{span[1]}, {span[2]})")
+    return span, body
+
+
+def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
+    """Decode one chunk; checks its hash first when ``expect_hash`` is given. A file chunk
+    decodes to no segments."""
+    head, buf, pos = _open_chunk(data, expect_hash)
+    if _file_span(head) is not None:
+        return []
     headers = head["segments"]
     order = []
     for i, h in enumerate(headers):

@@ -13,11 +13,17 @@ Operations on a tensor:
 * ``full``: the tensor is (re)written whole by dense segments: it is new, or
   its dtype or shape changed (``base_dtype``/``base_shape`` say what it was);
 * ``remove``: the tensor is dropped.
+
+A manifest may also carry the model's non-tensor files (``files``: name, size,
+BLAKE3 of the content), each in *file chunks* whose entries name the file and
+the byte range they hold instead of segments. Anchors carry them, so a box
+with nothing gets a whole model folder through the swarm.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..errors import FormatError
@@ -25,12 +31,26 @@ from ..schema import Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from .bits import dtype_info
 from .chunk import ABSOLUTE, ULP
 
-__all__ = ["TensorEntry", "ChunkEntry", "Manifest", "PATCH", "FULL", "REMOVE", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["TensorEntry", "ChunkEntry", "FileEntry", "Manifest", "check_file_name", "MAX_FILE",
+            "PATCH", "FULL", "REMOVE", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "sparrowd-patch"
 FORMAT_VERSION = 1
 PATCH, FULL, REMOVE = "patch", "full", "remove"
 MAX_MANIFEST = 64 << 20
+MAX_FILE = 256 << 20  # one non-tensor file (a large tokenizer.json is tens of MiB)
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RESERVED_FILES = ("model.safetensors.index.json", "sparrowd.json")
+
+
+def check_file_name(name: str) -> str:
+    """A file a manifest may carry: a plain name in the model folder's top level, not a weight file
+    and not one the folder's writer makes itself."""
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
+        raise FormatError(f"file name {name!r}: a plain name of letters, digits, '.', '_', '-' is required")
+    if name.endswith((".safetensors", ".bin", ".pt", ".pth")) or name in RESERVED_FILES:
+        raise FormatError(f"file name {name!r}: weights and {', '.join(RESERVED_FILES)} are not carried as files")
+    return name
 
 
 @dataclass(frozen=True)
@@ -69,14 +89,28 @@ class ChunkEntry:
     size: int
     raw_size: int
     segments: tuple[tuple[str, int, int, int], ...]  # (tensor name, start, stop, count)
+    file: tuple[str, int, int] | None = None  # a file chunk: (file name, start, stop)
 
     def to_wire(self) -> dict:
-        return {
+        out = {
             "hash": self.hash,
             "size": self.size,
             "raw_size": self.raw_size,
             "segments": [list(s) for s in self.segments],
         }
+        if self.file is not None:
+            out["file"] = list(self.file)
+        return out
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    hash: bytes  # BLAKE3-256 of the content
+
+    def to_wire(self) -> dict:
+        return {"name": self.name, "size": self.size, "hash": self.hash}
 
 
 @dataclass(frozen=True)
@@ -88,6 +122,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     chunks: tuple[ChunkEntry, ...]
     meta: dict = field(default_factory=dict)  # free-form str -> str, e.g. the producer
+    files: tuple[FileEntry, ...] = ()  # non-tensor files (anchors), sorted by name
 
     def tensor(self, name: str) -> TensorEntry:
         return self._by_name()[name]
@@ -116,19 +151,20 @@ class Manifest:
         return sum(c.size for c in self.chunks)
 
     def to_bytes(self) -> bytes:
-        return pack(
-            {
-                "format": FORMAT_NAME,
-                "format_version": FORMAT_VERSION,
-                "version": self.version,
-                "base_version": self.base_version,
-                "values": self.values,
-                "chunk_size": self.chunk_size,
-                "tensors": [t.to_wire() for t in self.tensors],
-                "chunks": [c.to_wire() for c in self.chunks],
-                "meta": dict(sorted(self.meta.items())),
-            }
-        )
+        out = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "version": self.version,
+            "base_version": self.base_version,
+            "values": self.values,
+            "chunk_size": self.chunk_size,
+            "tensors": [t.to_wire() for t in self.tensors],
+            "chunks": [c.to_wire() for c in self.chunks],
+            "meta": dict(sorted(self.meta.items())),
+        }
+        if self.files:  # absent rather than empty: a manifest without files has the bytes it always had
+            out["files"] = [f.to_wire() for f in self.files]
+        return pack(out)
 
     @classmethod
     def from_bytes(cls, data) -> "Manifest":
@@ -158,7 +194,11 @@ class Manifest:
             raise FormatError("manifest: meta must map strings to strings")
         tensors = tuple(_tensor_from_wire(t) for t in m["tensors"])
         chunks = tuple(_chunk_from_wire(c) for c in m["chunks"])
-        man = cls(m["version"], m["base_version"], m["values"], m["chunk_size"], tensors, chunks, meta)
+        files = m.get("files") or []
+        if not isinstance(files, list):
+            raise FormatError("manifest: files must be a list")
+        man = cls(m["version"], m["base_version"], m["values"], m["chunk_size"], tensors, chunks, meta,
+                  tuple(_file_from_wire(f) for f in files))
         man.validate()
         return man
 
@@ -169,7 +209,16 @@ class Manifest:
             raise FormatError("manifest: tensor names must be unique and sorted")
         by = self._by_name()
         written: dict[str, int] = {}
+        files = {f.name: f for f in self.files}
+        if [f.name for f in self.files] != sorted(files):
+            raise FormatError("manifest: file names must be unique and sorted")
+        filled = dict.fromkeys(files, 0)
         for c in self.chunks:
+            if c.file is not None:
+                name, start, stop = c.file
+                if c.segments or name not in files or start != filled[name] or not start < stop <= files[name].size:
+                    raise FormatError(f"manifest: file chunk {c.hash.hex()[:16]} does not continue file {name!r}")
+                filled[name] = stop
             for name, start, stop, count in c.segments:
                 t = by.get(name)
                 if t is None or t.op == REMOVE:
@@ -183,6 +232,9 @@ class Manifest:
                                   f"chunks carry {written.get(t.name, 0)}")
             if t.op == FULL and t.changed != t.numel:
                 raise FormatError(f"manifest: full tensor {t.name!r} must be written whole")
+        for f in self.files:
+            if filled[f.name] != f.size:
+                raise FormatError(f"manifest: file {f.name!r} has {f.size} bytes, its chunks carry {filled[f.name]}")
 
 
 _SHAPE_ERR = "shape must be a list of non-negative integers"
@@ -235,6 +287,13 @@ def _tensor_from_wire(t) -> TensorEntry:
     )
 
 
+def _file_from_wire(f) -> FileEntry:
+    fields(f, {"name": Str, "size": NonNegInt, "hash": Bytes}, what="manifest file")
+    if len(f["hash"]) != 32 or f["size"] > MAX_FILE:
+        raise FormatError(f"manifest file {f['name']!r}: needs a 32-byte hash and at most {MAX_FILE} bytes")
+    return FileEntry(check_file_name(f["name"]), f["size"], f["hash"])
+
+
 def _chunk_from_wire(c) -> ChunkEntry:
     fields(c, {"hash": Bytes, "size": NonNegInt, "raw_size": NonNegInt, "segments": List}, what="manifest chunk")
     if len(c["hash"]) != 32:
@@ -249,4 +308,8 @@ def _chunk_from_wire(c) -> ChunkEntry:
         ):
             raise FormatError("manifest chunk: segment must be [name, start, stop, count]")
         segs.append((s[0], s[1], s[2], s[3]))
-    return ChunkEntry(c["hash"], c["size"], c["raw_size"], tuple(segs))
+    span = c.get("file")
+    if span is not None and not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
+                                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span[1:])):
+        raise FormatError("manifest chunk: file must be [name, start, stop]")
+    return ChunkEntry(c["hash"], c["size"], c["raw_size"], tuple(segs), tuple(span) if span is not None else None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import blake3
 import numpy as np
 import zstandard
 
@@ -34,10 +35,11 @@ from .chunk import (
     Segment,
     decode_chunk,
     encode_chunk,
+    encode_file_chunk,
     encode_segment,
 )
 from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
-from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
+from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
 
 __all__ = [
     "PatchEncoder",
@@ -81,6 +83,7 @@ class PatchEncoder:
         self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
+        self._files: dict[str, FileEntry] = {}
         self._pending: list[EncodedSegment] = []  # encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
         self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
@@ -147,6 +150,28 @@ class PatchEncoder:
             return []
         return self._push(Segment(name, new.dtype, DENSE, ABSOLUTE, 0, new.numel, new.bits))
 
+    def add_file(self, name: str, data) -> list[Chunk]:
+        """Add one of the model's non-tensor files (``config.json``, the tokenizer): its chunks,
+        each at most ``chunk_size`` bytes of it."""
+        if self._finished:
+            raise RuntimeError("PatchEncoder.add_file after finish")
+        try:
+            check_file_name(name)
+        except FormatError as e:
+            raise InputError(str(e)) from None
+        if name in self._files:
+            raise InputError(f"file {name!r} added twice")
+        view = memoryview(data).cast("B")
+        if len(view) > MAX_FILE:
+            raise InputError(f"file {name!r}: {len(view)} bytes, more than {MAX_FILE} (is it weights?)")
+        self._files[name] = FileEntry(name, len(view), blake3.blake3(view).digest())
+        out = []
+        for start in range(0, len(view), self.chunk_size):
+            c = encode_file_chunk(name, start, view[start : start + self.chunk_size], self._cctx)
+            self._chunks.append(ChunkEntry(c.hash, c.size, c.raw_size, (), c.file))
+            out.append(c)
+        return out
+
     # ------------------------------------------------------------ chunking
 
     @staticmethod
@@ -194,6 +219,7 @@ class PatchEncoder:
             tensors=tuple(self._tensors[n] for n in sorted(self._tensors)),
             chunks=tuple(self._chunks),
             meta=self.meta,
+            files=tuple(self._files[n] for n in sorted(self._files)),
         )
         manifest.validate()
         return manifest, rest
@@ -239,13 +265,15 @@ def encode_patch(
     threads: int = 2,
     on_tensor: Callable[[str, int], None] | None = None,
     meta: Mapping[str, str] | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Diff two snapshots into a patch; chunks come back in manifest order.
 
     A pipeline: ``threads`` workers compare tensors (large ones in parts) and
     fingerprint the changed ones, while the calling thread encodes the results
     in name order, so the output does not depend on timing.
-    ``on_tensor(name, changed)`` reports progress.
+    ``on_tensor(name, changed)`` reports progress. ``files``: non-tensor files to carry
+    (an anchor's config and tokenizer).
     """
     meta = {**(meta or {}), "elements_total": str(sum(t.numel for t in new.values()))}
     enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size, meta=meta)
@@ -280,6 +308,8 @@ def encode_patch(
                     chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv)
             if on_tensor:
                 on_tensor(name, changed)
+    for name, data in sorted((files or {}).items()):
+        chunks += enc.add_file(name, data)
     manifest, rest = enc.finish()
     return manifest, chunks + rest
 

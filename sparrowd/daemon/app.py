@@ -42,6 +42,7 @@ from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from . import sdnotify
 from .bodies import read_limited
 from .engine import EngineServer
+from .folder import FolderKeeper
 from .follow import VllmFollower
 from .leasedb import SqliteLeaseStore
 from .logs import event
@@ -121,6 +122,7 @@ class Daemon:
         self.tracker: TrackerService | None = None
         self.membership: Membership | None = None
         self.follower: VllmFollower | None = None
+        self.keeper: FolderKeeper | None = None
         self.swarm: Swarm | None = None
         self.token = ""
         self.source_address: str | None = None
@@ -161,8 +163,10 @@ class Daemon:
             "bytes_up_wan": b[("up", "other")],
             "bytes_down_wan": b[("down", "other")],
             "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
-            "error": (self.swarm.error if self.swarm else None) or (self.follower.error if self.follower else None),
+            "error": (self.swarm.error if self.swarm else None) or (self.follower.error if self.follower else None)
+            or (self.keeper.error if self.keeper else None),
             "peers": len(self.membership.state.peers) if self.membership else 0,
+            "current": self.keeper.report() if self.keeper else None,
         }
 
     def _on_lease(self, reply: dict) -> None:
@@ -291,6 +295,9 @@ class Daemon:
             except SparrowError as e:
                 raise InputError(str(e)) from None
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        if s.keeps_current:
+            self.keeper = FolderKeeper(self)
+            self._tasks.append(asyncio.create_task(self.keeper.run(), name="current-folder"))
         if s.follow_vllm:
             self.follower = VllmFollower(self, s.follow_vllm, every=s.follow_every)
             self._tasks.append(asyncio.create_task(self.follower.run(), name="follow-vllm"))
@@ -470,6 +477,7 @@ class Daemon:
             "epoch": m.state.epoch if m else None, "lease_expires_in": m.lease_left() if m else None,
             "tracker_reachable": bool(m and m.state.tracker_reachable), "peers": m.state.peers if m else [],
             "versions": self.versions_held(), "error": self.swarm.error if self.swarm else None,
+            "current": self.keeper.info() if self.keeper else None,
         })
 
     async def _node_leave(self, request: web.Request) -> web.Response:

@@ -126,6 +126,10 @@ class VllmFollower:
                 raise FollowError("the server's workers did not attach to the engine socket; is it running with "
                                   "--weight-transfer-config '{\"backend\": \"sparrowd\"}'?")
             await asyncio.sleep(0.05)
+        if not label.isdigit():
+            # A server started on a sparrowd model folder (DATA/current): its workers know the folder's
+            # version; the server's own label says so too from now on.
+            await self._call("POST", "update_weight_version", {"new_version": str(self.server_version())})
         event(log, logging.INFO, "following the vLLM server", url=self.url, version=self.server_version())
 
     async def _update(self, server: int, target: int) -> None:

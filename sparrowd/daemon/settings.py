@@ -188,10 +188,15 @@ class Settings:
     follow_every: float = 0.0  # at most one update per this many seconds (0: every version)
     follow_vllm_remote: bool = False  # allow a follow_vllm address that is not loopback
     super_seed: bool = True  # the trainer hands distinct chunks to distinct peers first (off: shows all it holds)
+    current: bool | None = None  # keep DATA/current, the newest version as a model folder (default: rollouts do)
 
     @property
     def is_tracker(self) -> bool:
         return self.role == "trainer"
+
+    @property
+    def keeps_current(self) -> bool:
+        return self.role == "rollout" if self.current is None else self.current
 
 
 # name -> parser; every setting of Settings appears here, nothing else is accepted
@@ -217,6 +222,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "follow_every": _non_negative_float,
     "follow_vllm_remote": _bool,
     "super_seed": _bool,
+    "current": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

@@ -41,11 +41,15 @@ def _write(path: Path, data) -> None:
 
 
 class ChunkStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, readonly: bool = False):
+        """``readonly``: for reading another process's store (``sparrowd checkout``): nothing is
+        created or dropped, and a chunk that fails its hash is merely not counted."""
         self.base = Path(root)
         self.root = self.base / "versions"
+        self.readonly = readonly
         for anchor in (False, True):
-            self._kind_dir(anchor).mkdir(parents=True, exist_ok=True)
+            if not readonly:
+                self._kind_dir(anchor).mkdir(parents=True, exist_ok=True)
 
     def _kind_dir(self, anchor: bool) -> Path:
         return self.base / ("anchors" if anchor else "versions")
@@ -59,6 +63,8 @@ class ChunkStore:
     def load(self, verifier: Verifier | None) -> dict[Key, VersionState]:
         out: dict[Key, VersionState] = {}
         for anchor in (False, True):
+            if not self._kind_dir(anchor).is_dir():
+                continue
             for d in sorted(self._kind_dir(anchor).iterdir(), key=lambda p: (len(p.name), p.name)):
                 if d.name.isdigit():
                     vs = self._load_one(d, VersionState(int(d.name), anchor), verifier)
@@ -77,7 +83,8 @@ class ChunkStore:
         except (SparrowError, OSError) as e:
             event(log, logging.ERROR, "dropping a stored object that no longer verifies", object=str(vs.key),
                   reason=str(e))
-            shutil.rmtree(d, ignore_errors=True)
+            if not self.readonly:
+                shutil.rmtree(d, ignore_errors=True)
             return None
         for i, ref in vs.chunks.items():
             p = self.chunk_path(vs.key, i)
@@ -88,7 +95,8 @@ class ChunkStore:
             else:
                 event(log, logging.WARNING, "stored chunk fails its hash; will fetch it again", object=str(vs.key),
                       index=i)
-                p.unlink(missing_ok=True)
+                if not self.readonly:
+                    p.unlink(missing_ok=True)
         return vs
 
     def add_statement(self, vs: VersionState, s: Signed) -> None:

@@ -125,6 +125,8 @@ class Swarm:
         self.versions: dict[Key, VersionState] = {}  # patches and anchors
         self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
         self.engine_floor: int | None = None  # the oldest version an attached engine holds
+        self.current_floor: int | None = None  # the current-version folder's version (-1: none yet)
+        self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self.banned: set[str] = set()
@@ -230,14 +232,15 @@ class Swarm:
         return at
 
     def wanted(self) -> set[Key]:
-        """What this node fetches: ``chain.wanted`` from its position, or from its engine's when
-        the engine is behind (it may need an anchor the node itself does not)."""
-        return wanted(self.floor(), {k: vs.obj for k, vs in self.versions.items()}, chain_known=self.trainer_heard)
+        """What this node fetches: ``chain.wanted`` from its position, and from its engine's and
+        its folder's when they are behind (they may need an anchor the node itself does not)."""
+        known = {k: vs.obj for k, vs in self.versions.items()}
+        starts = {self.position()} | {v for v in (self.engine_floor, self.current_floor) if v is not None}
+        return set().union(*(wanted(at, known, chain_known=self.trainer_heard) for at in starts))
 
     def floor(self) -> int:
-        """The oldest version this node or its engine stands at: what it plans from."""
-        at = self.position()
-        return at if self.engine_floor is None else min(at, self.engine_floor)
+        """The oldest version this node, its engine or its folder stands at."""
+        return min([self.position()] + [v for v in (self.engine_floor, self.current_floor) if v is not None])
 
     def progress(self) -> tuple[int, int, int] | None:
         pending = [self.versions[k] for k in self.wanted() if k in self.versions and not self.versions[k].complete]
@@ -279,7 +282,8 @@ class Swarm:
         at = self.floor()
         want = self.wanted() if self.signer is None else set()
         for k, vs in list(self.versions.items()):
-            if k in keep or (not vs.complete and (self.signer is not None or k.version > at or k in want)):
+            if k in keep or k in self.pinned or (
+                    not vs.complete and (self.signer is not None or k.version > at or k in want)):
                 continue
             self.store.drop(k)
             del self.versions[k]

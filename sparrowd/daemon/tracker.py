@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import FormatError
-from ..schema import Int, List, NonNegInt, Opt, Str, fields
+from ..schema import Int, List, Map, NonNegInt, Opt, Str, fields
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, renew_interval
 from .logs import event
 
@@ -36,7 +36,9 @@ RENEW = {
     "progress": Opt(List),
     "error": Opt(Str),
     "peers": Opt(NonNegInt),
+    "current": Opt(Map),
 }
+FOLDER_STATES = ("empty", "building", "updating", "ready", "error")
 LEAVE = {"node_id": Str, "epoch": NonNegInt}
 
 
@@ -93,12 +95,18 @@ class TrackerService:
         progress = m["progress"]
         if progress is not None and not (len(progress) == 3 and all(NonNegInt(x) for x in progress)):
             raise FormatError("renew: field 'progress' must be [version, chunks held, chunks known]")
+        current = m.get("current")
+        if current is not None:
+            fields(current, {"state": Str, "version": Opt(NonNegInt)}, what="renew field 'current'")
+            if current["state"] not in FOLDER_STATES:
+                raise FormatError(f"renew: field 'current' state must be one of {', '.join(FOLDER_STATES)}")
+            current = {"state": current["state"], "version": current["version"]}
         try:
             node = self.table.renew(
                 m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
                 bytes_up=m["bytes_up"], bytes_down=m["bytes_down"], bytes_up_wan=m["bytes_up_wan"],
                 bytes_down_wan=m["bytes_down_wan"], progress=progress, error=m["error"],
-                peers=m.get("peers"),
+                peers=m.get("peers"), current=current,
             )
         except LeaseGone as e:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))

@@ -225,6 +225,7 @@ class VllmPatcher:
         with open_checkpoint(Path(folder)) as ckpt:
             specs = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.items()}
         self.placements = learn_placements(model, specs)
+        self.folder = str(folder)
         self.applier: PatchApplier | None = None
         self.client: EngineClient | None = None
 
@@ -239,12 +240,17 @@ class VllmPatcher:
 
     def connect(self, socket_path: str, *, token_file: str | None = None, version: int | None = None, engine: str,
                 rank: int = 0) -> None:
-        """Attach to the daemon's engine socket, the weights being ``version`` (0 when first
-        attached without one). Attaching again without a version keeps the one the weights hold
-        (the daemon restarted); with one, the caller says what the weights now are (it reloaded
-        them whole)."""
+        """Attach to the daemon's engine socket, the weights being ``version``. When first attached
+        without one: the version of the sparrowd model folder the weights were loaded from
+        (``DATA/current``), else 0. Attaching again without a version keeps the one the weights
+        hold (the daemon restarted); with one, the caller says what the weights now are (it
+        reloaded them whole)."""
         if self.applier is None:
-            self.applier = PatchApplier(placements=self.placements, version=version or 0, verify=False)
+            if version is None:
+                from .vllm_plugin import loaded_version
+
+                version = loaded_version(self.folder) or 0
+            self.applier = PatchApplier(placements=self.placements, version=version, verify=False)
         elif version is not None:
             self.applier.version = version
         self.close()

@@ -12,11 +12,17 @@ the backend needs, keeping linear layers on plain ``F.linear`` over their
 parameters instead of a private packed copy (so that in-place writes take
 effect), is made at model load only when the model being loaded is configured
 with ``backend: sparrowd``.
+
+A model loaded from a sparrowd model folder (``DATA/current``, or one
+``sparrowd checkout`` wrote) is read under the folder's shared lock, so the
+daemon's in-place update of that folder waits until the weights are in; the
+version the folder held then is what the backend's workers start from.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKEND", "register", "register_engines", "keep_plain_cpu_weights"]
+__all__ = ["BACKEND", "register", "register_engines", "keep_plain_cpu_weights", "hold_folder_while_loading",
+           "loaded_version"]
 
 BACKEND = "sparrowd"
 _MODULE = "sparrowd.integrations.vllm_backend"
@@ -26,6 +32,46 @@ def register() -> None:
     """The entry point: the engines, and the CPU dispatch for models that select the backend."""
     register_engines()
     keep_plain_cpu_weights(when=selected)
+    hold_folder_while_loading()
+
+
+_LOADED: dict[str, int] = {}  # model folder -> the sparrowd version its weights were loaded at (this process)
+
+
+def loaded_version(folder) -> int | None:
+    """The version of the sparrowd model folder this process loaded ``folder``'s weights at."""
+    import os
+
+    return _LOADED.get(os.path.realpath(folder)) if folder else None
+
+
+def hold_folder_while_loading() -> None:
+    """Wrap vLLM's default loader: weights of a sparrowd model folder are read under its shared
+    lock (``sparrowd.current.reading``), and the folder's version is recorded. Installed once."""
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    except ImportError:  # pragma: no cover - not inside vLLM, or a vLLM without this loader
+        return
+    original = DefaultModelLoader.load_weights
+    if getattr(original, "sparrowd_wrapped", False):
+        return
+
+    def load_weights(self, model, model_config):
+        import os
+
+        from sparrowd.current import reading
+
+        folder = getattr(model_config, "model", None)
+        if not folder or not os.path.isdir(folder):
+            return original(self, model, model_config)
+        with reading(folder) as version:
+            out = original(self, model, model_config)
+            if version is not None:
+                _LOADED[os.path.realpath(folder)] = version
+            return out
+
+    load_weights.sparrowd_wrapped = True
+    DefaultModelLoader.load_weights = load_weights
 
 
 def register_engines() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-__all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan"]
+__all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan", "producible"]
 
 
 class Key(NamedTuple):
@@ -150,3 +150,20 @@ def engine_plan(at: int, held: Mapping[Key, Obj]) -> tuple[int | None, list[int]
         if (after[-1] if after else a) >= newest:
             return a, after
     return None, direct
+
+
+def producible(held: Mapping[Key, Obj]) -> dict[int, tuple[int, list[int]]]:
+    """Every version the complete objects can make, from nothing: ``version -> (anchor, patches)``,
+    the anchor to start from and the patches to apply after it (the newest anchor wins a tie, so
+    the chain is the shortest). What ``sparrowd checkout`` can write."""
+    done = {k: o for k, o in held.items() if o.complete}
+    by_base = {o.base: k.version for k, o in done.items() if not k.anchor and o.base is not None}
+    out: dict[int, tuple[int, list[int]]] = {}
+    for a in sorted(k.version for k in done if k.anchor):
+        out[a] = (a, [])
+        cur, chain = a, []
+        while cur in by_base and by_base[cur] > cur:
+            cur = by_base[cur]
+            chain.append(cur)
+            out[cur] = (a, list(chain))
+    return out

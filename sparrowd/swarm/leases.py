@@ -89,6 +89,7 @@ class Node:
     bytes_up_wan: int = 0
     bytes_down_wan: int = 0
     progress: tuple[int, int, int] | None = None  # version in flight: (version, chunks held, chunks known)
+    current: dict | None = None  # its current-version folder: {"state", "version"} (None: kept off)
     error: str | None = None  # what keeps the node from working, as it reported it (a full disk, say)
     peers: int = 0  # peers in its swarm, as it reported
 
@@ -156,6 +157,7 @@ class LeaseTable:
         progress: tuple[int, int, int] | None = None,
         error: str | None = None,
         peers: int | None = None,
+        current: dict | None = None,
     ) -> Node:
         """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
         node = self._live(node_id, epoch, now)
@@ -173,6 +175,7 @@ class LeaseTable:
             changes["bytes_down_wan"] = int(bytes_down_wan)
         changes["progress"] = tuple(progress) if progress is not None else None
         changes["error"] = error[:300] if error else None
+        changes["current"] = dict(current) if current is not None else None
         if peers is not None:
             changes["peers"] = int(peers)
         for key, value in (("up", bytes_up), ("down", bytes_down)):
@@ -304,6 +307,7 @@ def _node_view(n: Node, now: float, ttl: float) -> dict:
         "bytes_up_wan": n.bytes_up_wan,
         "bytes_down_wan": n.bytes_down_wan,
         "in_flight": None if n.progress is None else dict(zip(("version", "chunks_held", "chunks_known"), n.progress)),
+        "current": n.current,
         "error": n.error,
         "peers": n.peers,
     }

@@ -1,0 +1,143 @@
+"""The driver that keeps ``DATA/current`` on the newest version this node can produce.
+
+Thin asyncio around :mod:`sparrowd.current` (the folder's file work, run in a
+worker thread) and ``chain.engine_plan`` (pure: what to load next from the
+complete objects). The folder plans like an engine: from its own version, or
+from nothing (-1) on a box that has no folder yet, which makes the swarm fetch
+the newest anchor and the patches after it. Its version counts in the node's
+floor, so retention keeps what it still needs, and the objects it is reading
+are pinned meanwhile.
+
+States (``status`` and ``top``): ``empty`` (no version yet), ``building``
+(from an anchor, with progress), ``updating`` (a patch, in place),
+``ready`` (a whole version engines can load), ``error`` (retried with
+back-off; the last whole version stays in place).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from ..current import CurrentFolder, FolderBusy, LayoutChange
+from ..errors import SparrowError
+from ..swarm.chain import Key, engine_plan
+from .logs import event
+
+__all__ = ["FolderKeeper"]
+
+log = logging.getLogger("sparrowd.current")
+
+BUSY_RETRY = 0.5  # an engine is loading from the folder
+MAX_BACKOFF = 30.0
+
+
+class FolderKeeper:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.folder = CurrentFolder(daemon.data_dir)
+        self.state = "empty"
+        self.version: int | None = None
+        self.progress: tuple[int, int] | None = None  # chunks (done, total) of what is being written
+        self.error: str | None = None
+        self.updates = 0
+        self.last_update_seconds: float | None = None
+        self._failures = 0
+        self._need_anchor = False  # a patch changed the layout: only an anchor can move the folder on
+        # Until the folder is checked, plan from the version its commit record names.
+        self.version = self.folder.version()
+        self.swarm.current_floor = -1 if self.version is None else self.version
+
+    @property
+    def swarm(self):
+        return self.daemon.swarm
+
+    def report(self) -> dict:
+        return {"state": self.state, "version": self.version}
+
+    def info(self) -> dict:
+        """What ``/v1/node`` shows."""
+        return {"state": self.state, "version": self.version, "path": str(self.folder.link),
+                "progress": list(self.progress) if self.progress else None, "error": self.error,
+                "updates": self.updates, "last_update_seconds": self.last_update_seconds}
+
+    def _set(self, state: str, version: int | None = None) -> None:
+        if version is not None or state == "empty":
+            self.version = version
+        self.state = state
+        self.swarm.current_floor = -1 if self.version is None or self._need_anchor else self.version
+        self.daemon.report_changed()
+
+    async def run(self) -> None:
+        # Leases (module sparrowd.current) signal a holder whose lease is broken with SIGIO, which
+        # would end the process; the daemon has nothing to do on it (it releases when whole).
+        signal.signal(signal.SIGIO, signal.SIG_IGN)
+        self.folder.guard = True
+        try:
+            version = await asyncio.to_thread(self.folder.recover)
+        except SparrowError as e:
+            event(log, logging.ERROR, "current folder failed its check", reason=str(e))
+            version = None
+        self._set("ready" if version is not None else "empty", version)
+        if version is not None:
+            event(log, logging.INFO, "current folder checked", version=version, path=str(self.folder.link))
+        while True:
+            gen = self.swarm.gen
+            wait = await self._step()
+            await self.swarm.changed(gen, wait)
+
+    def _reader(self, key: Key):
+        store = self.swarm.store
+        return lambda i: store.chunk_path(key, i).read_bytes()
+
+    def _progress(self, done: int, total: int) -> None:
+        self.progress = (done, total)
+
+    async def _step(self) -> float:
+        held = {k: vs.obj for k, vs in self.swarm.versions.items()}
+        at = -1 if self.version is None else self.version
+        anchor, patches = engine_plan(-1 if self._need_anchor else at, held)
+        if self._need_anchor and (anchor is None or anchor <= at):
+            return 5.0
+        if anchor is None and not patches:
+            return 5.0
+        keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches]
+        self.swarm.pinned.update(keys)
+        try:
+            for key in keys:
+                vs = self.swarm.versions[key]
+                t0 = time.perf_counter()
+                self._set("building" if key.anchor else "updating")
+                self.progress = (0, vs.total)
+                if key.anchor:
+                    v = await asyncio.to_thread(self.folder.build, vs.manifest, self._reader(key), self._progress)
+                else:
+                    v = await asyncio.to_thread(self.folder.apply, vs.manifest, self._reader(key), self._progress)
+                self.progress = None
+                self._need_anchor = False
+                self.updates += 1
+                self.last_update_seconds = round(time.perf_counter() - t0, 3)
+                self._set("ready", v)
+                event(log, logging.INFO, "current folder moved", object=str(key), version=v,
+                      seconds=self.last_update_seconds)
+            self._failures, self.error = 0, None
+            return 0.0
+        except FolderBusy:
+            self._set("ready" if self.version is not None else "empty")
+            return BUSY_RETRY
+        except (SparrowError, OSError) as e:
+            self._failures += 1
+            self._need_anchor = isinstance(e, LayoutChange)
+            reason = f"{e}; waiting for an anchor" if self._need_anchor else str(e)
+            if reason != self.error:
+                event(log, logging.ERROR, "cannot move the current folder", reason=reason)
+            self.error = f"current folder: {reason}"
+            self.progress = None
+            # A folder that failed its check after an update was removed: it is rebuilt from an anchor.
+            self.version = await asyncio.to_thread(self.folder.version)
+            self._set("error" if self.version is None else "ready", self.version)
+            return 0.0 if self._need_anchor else min(MAX_BACKOFF, 2.0 ** self._failures)
+        finally:
+            self.swarm.pinned.difference_update(keys)
