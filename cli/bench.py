@@ -37,6 +37,7 @@ def register(sub) -> None:
     register_apply(bs)
     register_serve(bs)
     register_rl(bs)
+    register_coldstart(bs)
     register_project(bs)
     register_soak(bs)
 
@@ -185,6 +186,50 @@ def cmd_rl(args) -> int:
         kw["steps"] = args.steps
     cfg = RLConfig.quick(**kw) if args.quick else RLConfig(**kw)
     return run(cfg, json_path=args.json, plot_path=args.plot, keep=args.keep)
+
+
+def register_coldstart(bs) -> None:
+    from sparrowd.bench.coldstart import ColdstartConfig
+
+    d = ColdstartConfig()
+    s = bs.add_parser(
+        "coldstart", help="empty boxes in several regions boot the current policy from the swarm at once",
+        description="A trainer (uplink capped) publishes a model with its config and tokenizer and a few RL-like "
+                    "versions; then empty rollout boxes in several emulated regions join at once and each writes "
+                    "DATA/current from the newest anchor and the patches after it. Reports the time until every "
+                    "box's folder is ready against the bound (model size over the trainer's uplink) and the "
+                    "trainer's upload over the model's size, then the same for every box downloading the "
+                    "checkpoint from the trainer over HTTP (star). Needs torch.")
+    s.add_argument("--model-mib", type=int, default=d.model_mib, help=f"model size (default {d.model_mib})")
+    s.add_argument("--boxes", type=int, default=d.boxes, help=f"empty boxes that join (default {d.boxes})")
+    s.add_argument("--regions", type=int, default=d.regions, help=f"the boxes' regions (default {d.regions})")
+    s.add_argument("--versions", type=int, default=d.versions, help=f"versions published (default {d.versions})")
+    s.add_argument("--anchor-every", type=int, default=d.anchor_every,
+                   help=f"the trainer's anchor cadence (default {d.anchor_every})")
+    s.add_argument("--trainer-rate", default=d.trainer_rate,
+                   help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
+    s.add_argument("--node-rate", default=d.node_rate, help=f"each box's uplink (default {d.node_rate})")
+    s.add_argument("--link-rate", default=d.link_rate,
+                   help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
+    s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
+    s.add_argument("--no-star", action="store_true", help="skip the plain-download comparison (it takes "
+                                                          "boxes x model / uplink)")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    s.set_defaults(func=cmd_coldstart)
+
+
+def cmd_coldstart(args) -> int:
+    from sparrowd.bench.coldstart import ColdstartConfig, run
+    from sparrowd.errors import InputError
+
+    if args.model_mib < 8 or args.boxes < 1 or args.regions < 1 or args.versions < 1 or args.anchor_every < 1:
+        raise InputError("--model-mib must be at least 8, and --boxes, --regions, --versions, --anchor-every at "
+                         "least 1")
+    cfg = ColdstartConfig(model_mib=args.model_mib, boxes=args.boxes, regions=args.regions, versions=args.versions,
+                          anchor_every=args.anchor_every, trainer_rate=args.trainer_rate, node_rate=args.node_rate,
+                          link_rate=args.link_rate, rtt=args.rtt, star=not args.no_star)
+    run(cfg, json_path=args.json)
+    return 0
 
 
 def register_project(bs) -> None:

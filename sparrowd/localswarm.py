@@ -117,6 +117,10 @@ class LocalSwarm:
         return self._start("trainer", "trainer", region, extra)
 
     def rollout(self, name: str, region: str, *extra: str) -> LocalDaemon:
+        """A rollout daemon; it keeps no current folder unless ``extra`` asks (``--current on``):
+        its engine, if any, loaded the base itself, as in the demo and the benchmarks."""
+        if "--current" not in extra:
+            extra = (*extra, "--current", "off")
         return self._start(name, "rollout", region, extra)
 
     def status(self) -> dict:

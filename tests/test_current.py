@@ -32,7 +32,8 @@ FILES = {"tokenizer.json": b'{"model": {"type": "BPE"}}\n' * 50, "generation_con
 def big_state(seed: int) -> dict[str, torch.Tensor]:
     """About 24 MiB of bf16 and fp32: an update takes long enough to be killed in its middle."""
     g = torch.Generator().manual_seed(seed)
-    s = {f"model.layers.{i}.weight": (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16) for i in range(10)}
+    s = {f"model.layers.{i}.weight": (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16)
+         for i in range(10)}
     s["lm_head.weight"] = torch.randn(256, 1024, generator=g)
     s["model.layers.0.norm.weight"] = torch.ones(1024, dtype=torch.bfloat16)
     return s

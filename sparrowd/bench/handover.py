@@ -254,7 +254,8 @@ class _Sparrow(Strategy):
             self.procs.daemon("--role", "rollout", "--region", f"r{r}", "--listen", f"{host}:{p}", "--advertise",
                               f"{address(r, 1, i)}:{p}", "--data-dir", str(root / f"n{i}"), "--token-file",
                               str(token_file), "--node-id", f"n{i}", "--tracker", f"http://{t_proxy}:{port}",
-                              "--upload-rate", cfg.node_rate, "--log-level", "warning", name=f"n{i}")
+                              "--upload-rate", cfg.node_rate, "--current", "off", "--log-level", "warning",
+                              name=f"n{i}")
         self.pub = Publisher(daemon=self.direct, token_file=token_file, anchor_every=0)
         wait(lambda: len(self.pub.status()["nodes"]) == cfg.servers + 1, 60, "every node to join")
         self.urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(cfg.servers)]

@@ -219,7 +219,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
             procs.start("run", "--role", "rollout", "--region", region_names[r], "--listen", f"{host}:{p}",
                         "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
-                        "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--log-level", log_level,
+                        "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
+                        "--log-level", log_level,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
         node_urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(nodes)]

@@ -121,7 +121,9 @@ class Swarm:
         self.signer = signer
         self.verifier: Verifier | None = Verifier(signer.public) if signer else None
         self.retain = retain
-        self.at = 0  # the version this node can produce (the base model until it moves; kept on disk)
+        # The version this node can produce, kept on disk: the base model (0) until it moves, or
+        # nothing (-1) for a node that keeps a current folder, which starts from an anchor.
+        self.at = -1 if daemon.settings.keeps_current else 0
         self.versions: dict[Key, VersionState] = {}  # patches and anchors
         self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
         self.engine_floor: int | None = None  # the oldest version an attached engine holds
@@ -278,8 +280,12 @@ class Swarm:
     def _retire(self) -> None:
         """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every
         patch after it. Of what is not complete, what this node will never want goes too."""
-        keep = retained(((k, vs.obj) for k, vs in self.versions.items() if vs.complete), self.retain)
+        known = [k.version for k, vs in self.versions.items() if k.anchor and vs.manifest is not None]
+        keep = retained(((k, vs.obj) for k, vs in self.versions.items() if vs.complete), self.retain,
+                        max(known, default=None))
         at = self.floor()
+        # What this node's engine or folder still has to apply stays too.
+        keep.update(k for k, vs in self.versions.items() if not k.anchor and vs.complete and k.version > at)
         want = self.wanted() if self.signer is None else set()
         for k, vs in list(self.versions.items()):
             if k in keep or k in self.pinned or (

@@ -112,16 +112,19 @@ def wanted(at: int, known: Mapping[Key, Obj], *, chain_known: bool = True) -> se
     return out
 
 
-def retained(complete: Iterable[tuple[Key, Obj]], retain: int) -> set[Key]:
+def retained(complete: Iterable[tuple[Key, Obj]], retain: int, newest_anchor: int | None = None) -> set[Key]:
     """Of the complete objects, those kept: the last ``retain`` patches, the newest anchor, and
-    every patch after that anchor (so a node that catches up from it finds the whole chain)."""
+    every patch after that anchor (so a node that catches up from it finds the whole chain).
+    ``newest_anchor``: the newest anchor the node knows of, held or not; an older anchor it holds
+    is no longer the one late nodes start from, so it and the patches before the newer go."""
     complete = list(complete)
     patches = sorted(k.version for k, _ in complete if not k.anchor)
     anchors = [k.version for k, _ in complete if k.anchor]
     keep = {Key(v) for v in patches[-retain:]} if retain > 0 else set()
-    if anchors:
-        newest = max(anchors)
-        keep.add(Key(newest, True))
+    if anchors or newest_anchor is not None:
+        newest = max(anchors + ([newest_anchor] if newest_anchor is not None else []))
+        if newest in anchors:
+            keep.add(Key(newest, True))
         keep.update(Key(v) for v in patches if v > newest)
     return keep
 

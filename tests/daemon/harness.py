@@ -65,6 +65,10 @@ class Daemon:
         self.token_file = token_file
         self.args = ["--role", role, "--region", region, "--listen", f"127.0.0.1:{port}", "--data-dir",
                      str(self.data_dir), "--token-file", str(token_file), "--node-id", name, *extra]
+        if role == "rollout" and "--current" not in extra:
+            # Most tests are about the swarm and engines, on a node that holds the base model (as with
+            # --current off); the current-folder tests turn it on, as a rollout's default has it.
+            self.args += ["--current", "off"]
         if tracker:
             self.args += ["--tracker", tracker]
         if ttl:

@@ -58,6 +58,44 @@ def save_bf16(model, folder: Path) -> None:
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # the same cast the Publisher makes
 
 
+def save_tokenizer(folder: Path) -> None:
+    """A real (tiny) BPE tokenizer with a chat template, saved the way Hugging Face saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the policy moves through the swarm one sparse patch at a time bit for bit".split()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))],
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
+    fast.save_pretrained(folder)
+
+
+def coldtrain(out: Path, daemon: str, token_file: str, steps: int) -> None:
+    """A trainer whose anchors carry the model's files: each step saved with its tokenizer, an
+    anchor every 2 versions, so that a box with nothing boots from the swarm."""
+    import torch
+
+    from sparrowd import Publisher
+
+    model = tiny_qwen3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_bf16(model, out / "step0")
+    save_tokenizer(out / "step0")
+    pub = Publisher(daemon=daemon, token_file=token_file, anchor_every=2, model_files=out / "step0")
+    pub.start(model, version=0)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        adamw_step(model, opt, g)
+        save_bf16(model, out / f"step{step}")
+        save_tokenizer(out / f"step{step}")
+        pub.publish(model, version=step)
+        print(f"step {step} published", flush=True)
+    pub.close()
+
+
 def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
     import torch
 
@@ -244,12 +282,15 @@ def more(out: Path, daemon: str, token_file: str, start: int, count: int) -> Non
 
     model = Qwen3ForCausalLM.from_pretrained(out / f"step{start}", torch_dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pub = Publisher(daemon=daemon, token_file=token_file)
+    pub = Publisher(daemon=daemon, token_file=token_file, model_files=out / f"step{start}")
     pub.start(model, version=start)
     g = torch.Generator().manual_seed(start)
     for step in range(start + 1, start + count + 1):
         adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
+        for f in (out / f"step{start}").iterdir():  # the files every step's folder has (a tokenizer, when there is one)
+            if not (out / f"step{step}" / f.name).exists():
+                (out / f"step{step}" / f.name).write_bytes(f.read_bytes())
         pub.publish(model, version=step)
         print(f"step {step} published", flush=True)
         time.sleep(float(os.environ.get("SPARROWD_TEST_STEP_PAUSE", "0")))
@@ -292,6 +333,8 @@ if __name__ == "__main__":
         more(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     elif role == "dispatch":
         dispatch(out)
+    elif role == "coldtrain":
+        coldtrain(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "base":
         base(out)
     else:
