@@ -75,3 +75,42 @@ def test_chunk_decoder_refuses_bombs_and_garbage(manifest):
         decode_chunk(zstandard.ZstdCompressor().compress(b"XXXX\0\0\0\0"))
     # a valid chunk decodes
     assert decode_chunk(chunks[0].data)[0].name == "w"
+
+
+def test_files_ride_in_file_chunks_checked_against_their_hash():
+    import blake3
+    import numpy as np
+    import pytest
+
+    from sparrowd.codec import Manifest, RawTensor, decode_chunk
+    from sparrowd.codec.chunk import decode_file_chunk
+    from sparrowd.codec.patch import PatchEncoder
+    from sparrowd.errors import FormatError, InputError
+
+    enc = PatchEncoder(version=5, base_version=None, chunk_size=4096)
+    chunks = enc.add("w", None, RawTensor("BF16", (8,), np.arange(8, dtype=np.uint16)))
+    config = b'{"model_type": "qwen3"}' * 400
+    chunks += enc.add_file("config.json", config)
+    with pytest.raises(InputError, match="not carried"):
+        enc.add_file("model.safetensors", b"x")
+    with pytest.raises(InputError, match="plain name"):
+        enc.add_file("../escape", b"x")
+    m, rest = enc.finish()
+    chunks += rest
+    back = Manifest.from_bytes(m.to_bytes())
+    assert back == m and [f.name for f in back.files] == ["config.json"]
+    assert back.files[0].hash == blake3.blake3(config).digest()
+    spans = [c.file for c in back.chunks if c.file]
+    assert spans[0][1] == 0 and spans[-1][2] == len(config) and len(spans) == 3
+    body = b"".join(bytes(decode_file_chunk(c.data, expect_hash=c.hash)[1]) for c in chunks if c.file)
+    assert body == config
+    assert all(decode_chunk(c.data) == [] for c in chunks if c.file)  # tensor decoders pass over them
+    # A manifest whose file chunks do not tile the file is refused.
+    wire = m.to_bytes()
+    bad = Manifest(m.version, m.base_version, m.values, m.chunk_size, m.tensors, m.chunks[1:], m.meta, m.files)
+    with pytest.raises(FormatError, match="file"):
+        Manifest.from_bytes(bad.to_bytes())
+    # Without files, a manifest has the bytes it always had (no "files" key).
+    plain = Manifest(m.version, m.base_version, m.values, m.chunk_size, m.tensors,
+                     tuple(c for c in m.chunks if not c.file), m.meta)
+    assert b"files" not in plain.to_bytes() and b"files" in wire

@@ -116,3 +116,24 @@ def test_key_tags(tag, key):
 def test_bad_key_tags(tag):
     with pytest.raises(ValueError):
         Key.parse(tag)
+
+
+def test_producible_names_the_anchor_and_patches_for_each_version():
+    from sparrowd.swarm.chain import producible
+
+    held = {Key(3, True): Obj(None, True), Key(4): Obj(3, True), Key(5): Obj(4, True), Key(6): Obj(5, False),
+            Key(1): Obj(0, True), Key(2): Obj(1, True)}
+    got = producible(held)
+    # 1 and 2 have no anchor at or before them; 6 is not whole; the newest anchor starts the chain.
+    assert got == {3: (3, []), 4: (3, [4]), 5: (3, [4, 5])}
+    assert producible({**held, Key(0, True): Obj(None, True)})[2] == (0, [1, 2])
+    assert producible({Key(4): Obj(3, True)}) == {}
+
+
+def test_a_newer_anchor_known_elsewhere_retires_the_old_one_and_its_chain():
+    complete = [(Key(0, True), Obj(None, True))] + [(Key(v), Obj(v - 1, True)) for v in range(1, 9)]
+    # Holding only anchor 0: every patch after it stays (a late node may start from 0).
+    assert retained(complete, 2) == {Key(0, True)} | {Key(v) for v in range(1, 9)}
+    # Anchor 6 exists in the swarm: late nodes start there; anchor 0 and patches up to 6 go.
+    assert retained(complete, 2, newest_anchor=6) == {Key(7), Key(8)}
+    assert retained(complete, 4, newest_anchor=6) == {Key(5), Key(6), Key(7), Key(8)}
