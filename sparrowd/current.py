@@ -56,7 +56,7 @@ import signal
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,7 +152,9 @@ def _fsync_dir(path: Path) -> None:
 
 @contextmanager
 def _locked(folder: Path, shared: bool, wait: bool) -> Iterator[None]:
-    fd = os.open(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # Readers open it read-only (an engine may run as another user, with only read access).
+    flags = os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT
+    fd = os.open(Path(folder) / LOCK, flags | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
@@ -171,7 +173,11 @@ def reading(folder: str | os.PathLike) -> Iterator[int | None]:
     if not (folder / MARKER).exists():
         yield None
         return
-    with _locked(folder, shared=True, wait=True):
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(_locked(folder, shared=True, wait=True))
+        except OSError:  # no lock file (a folder sparrowd checkout wrote: nothing updates it)
+            pass
         m = read_marker(folder)
         yield m["version"] if m else None
 
@@ -416,6 +422,7 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
             out.write(files[f.name])
             out.flush()
             os.fsync(out.fileno())
+    (dest / LOCK).touch(mode=0o644)
     _write_marker(dest, anchor.version, {t.name: t.result_fp for t in anchor.tensors},
                   {f.name: f.hash.hex() for f in anchor.files})
 

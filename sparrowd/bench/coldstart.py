@@ -31,6 +31,7 @@ import numpy as np
 from ..daemon.calls import http_call
 from ..errors import SparrowError
 from ..units import format_bytes, parse_size
+from . import write_json
 from .handover import _FileServer, _Procs, _wan, address, wait
 from .swarm import metric
 
@@ -214,6 +215,13 @@ def run(cfg: ColdstartConfig | None = None, *, json_path: str | None = None) -> 
             print(f"star:  every box downloaded in {st['seconds']:.1f} s = {st['seconds'] / bound:.2f}x the bound; "
                   f"trainer uploaded {st['trainer_upload'] / model_bytes:.2f}x the model; "
                   f"{st['seconds'] / s['seconds']:.1f}x the swarm's time", flush=True)
+    targets = [("every box ready within 1.3x the bound", s["seconds"] <= 1.3 * bound),
+               ("trainer upload at most 1.2x the model", s["trainer_upload"] <= 1.2 * model_bytes)]
+    if cfg.star:
+        targets.append(("star at least 4x slower than the swarm", out["star"]["seconds"] >= 4 * s["seconds"]))
+    out["targets"] = {name: ok for name, ok in targets}
+    for name, ok in targets:
+        print(f"{'PASS' if ok else 'MISS'}  {name}", flush=True)
     if json_path:
-        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(json_path, out)
     return out
