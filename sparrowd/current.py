@@ -66,7 +66,7 @@ import numpy as np
 from .checkpoint import INDEX_NAME, TensorSpec, atomic_file, write_safetensors
 from .codec import FULL, PATCH, Manifest, decode_chunk, dtype_info
 from .codec.bits import uint_type, ulp_apply
-from .codec.chunk import DENSE, ULP, decode_file_chunk
+from .codec.chunk import DENSE, decode_file_chunk, is_ulp
 from .codec.extract import fingerprint
 from .codec.manifest import MAX_FILE, check_file_name
 from .codec.patch import check_segments
@@ -438,12 +438,12 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
                 (name, start, stop), body = decode_file_chunk(data, expect_hash=entry.hash)
                 journal.add("file", name, start, stop, None, body)
             else:
-                segments = decode_chunk(data, expect_hash=entry.hash)
+                segments = decode_chunk(data, expect_hash=entry.hash, base=reader.view)
                 check_segments(patch, entry, segments)
                 for s in segments:
                     if s.kind == DENSE:
                         journal.add("dense", s.name, s.start, s.stop, None, s.data)
-                    elif s.values == ULP:
+                    elif is_ulp(s.values):
                         journal.add("sparse", s.name, s.start, s.stop, s.indices,
                                     ulp_apply(reader.view(s.name)[s.indices], s.data))
                     else:

@@ -24,7 +24,7 @@ import numpy as np
 from .checkpoint import TensorSpec, _read_shard, write_safetensors
 from .codec import FULL, PATCH, REMOVE, Manifest, TensorEntry, decode_chunk, dtype_info
 from .codec.bits import sint_type, unzigzag
-from .codec.chunk import ULP
+from .codec.chunk import ULP, is_ulp
 from .codec.patch import check_segments
 from .errors import FormatError
 
@@ -55,15 +55,16 @@ class Decoded:
         return sum(int(w.values.size) for w in self.writes)
 
 
-def decode_patch(manifest: Manifest, chunks) -> Decoded:
-    """Decode every chunk (hash- and manifest-checked) into one write per touched tensor."""
+def decode_patch(manifest: Manifest, chunks, base=None) -> Decoded:
+    """Decode every chunk (hash- and manifest-checked) into one write per touched tensor.
+    ``base``: ``name -> flat bits`` of the base version, which ulp2 patches are coded against."""
     parts: dict[str, list] = {}
     it = iter(chunks)
     for entry in manifest.chunks:
         data = next(it, None)
         if data is None:
             raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        segments = decode_chunk(data, expect_hash=entry.hash)
+        segments = decode_chunk(data, expect_hash=entry.hash, base=base)
         check_segments(manifest, entry, segments)
         for s in segments:
             parts.setdefault(s.name, []).append(s)
@@ -73,12 +74,12 @@ def decode_patch(manifest: Manifest, chunks) -> Decoded:
             continue
         segs = sorted(parts.get(t.name, []), key=lambda s: s.start)
         w = dtype_info(t.dtype).itemsize
-        ulp = bool(segs) and segs[0].values == ULP
+        ulp = bool(segs) and is_ulp(segs[0].values)
         if t.op == FULL:
             values = np.concatenate([s.data for s in segs]) if segs else np.empty(0, f"<u{w}")
             writes.append(Write(t.name, None, values, False))
             continue
-        vals = [unzigzag(s.data) if s.values == ULP else s.data for s in segs]
+        vals = [unzigzag(s.data) if is_ulp(s.values) else s.data for s in segs]
         indices = np.concatenate([s.indices for s in segs]) if segs else np.empty(0, np.int64)
         values = np.concatenate(vals) if vals else np.empty(0, sint_type(w) if ulp else f"<u{w}")
         writes.append(Write(t.name, indices, values, ulp))

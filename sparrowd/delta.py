@@ -114,7 +114,9 @@ def diff_files(
 def _apply_chunks(view: PatchView, targets: dict[str, np.ndarray]) -> None:
     m = view.manifest
     for entry, data in zip(m.chunks, view.chunks):
-        apply_segments(m, entry, decode_chunk(data, expect_hash=entry.hash), targets)
+        # An ulp2 chunk is decoded against the base bits of its own ranges, which no other chunk
+        # writes: the targets, part-applied, still hold them.
+        apply_segments(m, entry, decode_chunk(data, expect_hash=entry.hash, base=targets), targets)
     check_result(m, targets)
 
 

@@ -53,6 +53,31 @@ def test_manifests_statements_frames_and_have_maps(data):
     refused_cleanly(from_bitmap, data)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6), st.binary(max_size=512), st.integers(0, 40),
+       values)
+def test_ulp2_segments_from_outside(classes, body, count, v):
+    """ulp2 chunks with hostile class tables and blobs, decoded against a real base."""
+    import numpy as np
+    import zstandard
+
+    from sparrowd.codec.chunk import CHUNK_MAGIC, decode_chunk
+    from sparrowd.schema import pack
+
+    cut = [len(body) * i // (2 * len(classes) + 4) for i in range(2 * len(classes) + 5)]
+    blobs = [b - a for a, b in zip(cut, cut[1:])]
+    table = [[c, count // len(classes), c % 9] for c in classes]
+    for seg in ({"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
+                 "count": count, "index_k": 0, "blobs": blobs, "classes": table},
+                {"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
+                 "count": count, "index_k": 0, "blobs": blobs, "classes": v}):
+        head = pack({"segments": [seg]})
+        raw = CHUNK_MAGIC + len(head).to_bytes(4, "little") + head + body
+        data = zstandard.ZstdCompressor().compress(raw)
+        base = {"w": np.random.default_rng(0).integers(0, 1 << 16, 4096, dtype=np.uint16)}
+        refused_cleanly(lambda d: decode_chunk(d, base=base), data)
+
+
 @settings(max_examples=100, deadline=None)
 @given(values)
 def test_well_formed_msgpack_of_the_wrong_shape(v):

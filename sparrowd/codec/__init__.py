@@ -1,7 +1,7 @@
 """The patch codec: pure functions from weight snapshots to chunks and back (no I/O)."""
 
 from .bits import DTYPES, RawTensor, dtype_info
-from .chunk import ABSOLUTE, ULP, Chunk, Segment, chunk_hash, decode_chunk
+from .chunk import ABSOLUTE, ULP, ULP2, Chunk, Segment, chunk_hash, decode_chunk
 from .extract import diff_bits, fingerprint
 from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
 from .patch import (
@@ -19,6 +19,7 @@ from .patchfile import PatchView, parse_patch, patch_parts
 __all__ = [
     "ABSOLUTE",
     "ULP",
+    "ULP2",
     "FULL",
     "PATCH",
     "REMOVE",

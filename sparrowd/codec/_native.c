@@ -27,6 +27,12 @@
  *
  * rice_index, ulp_encode and ulp_streams (below) are the hot loops of encoding.
  *
+ * class_ranks and class_positions are the two scans of the ulp2 value mode
+ * (docs/FORMAT.md): an element's class is the exponent field of its base bit
+ * pattern, `(bits >> shift) & mask`, and a changed position is coded as its
+ * rank among the elements of its class in the segment. Both make one pass over
+ * the base bits of the segment with a counter per class.
+ *
  * No numpy headers: everything goes through the buffer protocol.
  */
 #define PY_SSIZE_T_CLEAN
@@ -581,6 +587,157 @@ done:
     return result;
 }
 
+#define MAX_CLASSES 2048 /* an f64 exponent: 11 bits */
+
+/* One loop per element width, so the load and the shift compile to one instruction each. */
+#define RANKS_LOOP(T)                                                       \
+    do {                                                                    \
+        const T *b = (const T *)bb.buf;                                     \
+        Py_ssize_t j = 0;                                                   \
+        for (Py_ssize_t p = start; p < end; p++) {                          \
+            const unsigned c = (unsigned)((b[p] >> shift) & mask);          \
+            if (p == idx[j]) {                                              \
+                cls[j] = (uint16_t)c;                                       \
+                rank[j] = counts[c];                                        \
+                j++;                                                        \
+            }                                                               \
+            counts[c]++;                                                    \
+        }                                                                   \
+    } while (0)
+
+#define POSITIONS_LOOP(T)                                                   \
+    do {                                                                    \
+        const T *b = (const T *)bb.buf;                                     \
+        for (Py_ssize_t p = start; p < stop && found < n; p++) {            \
+            const unsigned c = (unsigned)((b[p] >> shift) & mask);          \
+            if (seen[c]++ == want[c]) {                                     \
+                const int64_t k = first[c]++;                               \
+                pos[found] = p;                                             \
+                perm[found] = k;                                            \
+                found++;                                                    \
+                want[c] = first[c] < last[c] ? ranks[first[c]] : -1;        \
+            }                                                               \
+        }                                                                   \
+    } while (0)
+
+/*
+ * class_ranks(base, itemsize, shift, mask, start, indices, cls_out, rank_out)
+ * For each sorted position p in `indices` (int64, all >= start), the class of base[p] (uint16 into
+ * cls_out) and how many elements of that class lie in [start, p) (int64 into rank_out).
+ */
+static PyObject *class_ranks(PyObject *self, PyObject *args) {
+    Py_buffer bb, ib, cb, rb;
+    int isz, shift;
+    unsigned long mask;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "y*iikny*w*w*", &bb, &isz, &shift, &mask, &start, &ib, &cb, &rb)) return NULL;
+    PyObject *result = NULL;
+    if (!check_width(isz)) goto done;
+    const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
+    if (mask >= MAX_CLASSES || shift < 0 || shift >= 64 || bb.len % isz || (uintptr_t)bb.buf % isz ||
+        ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n * 2 || (uintptr_t)cb.buf % 2 || rb.len != n * 8 ||
+        (uintptr_t)rb.buf % 8 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes, alignment or class mask");
+        goto done;
+    }
+    const int64_t *idx = ib.buf;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (idx[j] < start || idx[j] >= nb || (j && idx[j] <= idx[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "class_ranks: indices must be sorted, unique and inside the base");
+            goto done;
+        }
+    }
+    uint16_t *cls = cb.buf;
+    int64_t *rank = rb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t counts[MAX_CLASSES];
+    memset(counts, 0, sizeof(int64_t) * (mask + 1));
+    const Py_ssize_t end = n ? idx[n - 1] + 1 : start;
+    switch (isz) {
+    case 1: RANKS_LOOP(uint8_t); break;
+    case 2: RANKS_LOOP(uint16_t); break;
+    case 4: RANKS_LOOP(uint32_t); break;
+    default: RANKS_LOOP(uint64_t); break;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&rb);
+    return result;
+}
+
+/*
+ * class_positions(base, itemsize, shift, mask, start, stop, classes, counts, ranks, pos_out, perm_out) -> found
+ * The inverse: `classes` (uint16, ascending) and `counts` (int64) say how many ranks each class has;
+ * `ranks` (int64) holds them class after class, each class's ascending. Scanning base[start:stop),
+ * the elements whose class-rank is wanted are written in position order: their position into
+ * pos_out and the index of their rank in `ranks` into perm_out. Returns how many were found (all of
+ * them, unless a rank is beyond its class's elements: the caller treats that as corrupt input).
+ */
+static PyObject *class_positions(PyObject *self, PyObject *args) {
+    Py_buffer bb, clb, cnb, rb, pb, qb;
+    int isz, shift;
+    unsigned long mask;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "y*iiknny*y*y*w*w*", &bb, &isz, &shift, &mask, &start, &stop, &clb, &cnb, &rb,
+                          &pb, &qb))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t found = 0;
+    if (!check_width(isz)) goto done;
+    const Py_ssize_t nb = bb.len / isz, ncls = clb.len / 2, n = rb.len / 8;
+    if (mask >= MAX_CLASSES || shift < 0 || shift >= 64 || bb.len % isz || (uintptr_t)bb.buf % isz ||
+        start < 0 || stop < start || stop > nb || clb.len % 2 || (uintptr_t)clb.buf % 2 || cnb.len != ncls * 8 ||
+        (uintptr_t)cnb.buf % 8 || rb.len % 8 || (uintptr_t)rb.buf % 8 || pb.len != n * 8 || (uintptr_t)pb.buf % 8 ||
+        qb.len != n * 8 || (uintptr_t)qb.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "class_positions: bad buffer sizes, alignment or range");
+        goto done;
+    }
+    const uint16_t *classes = clb.buf;
+    const int64_t *counts = cnb.buf, *ranks = rb.buf;
+    /* where each class's ranks begin and end in `ranks`; -1: a class with none */
+    static _Thread_local int64_t first[MAX_CLASSES], last[MAX_CLASSES], seen[MAX_CLASSES];
+    int64_t total = 0;
+    for (Py_ssize_t c = 0; c <= (Py_ssize_t)mask; c++) first[c] = last[c] = seen[c] = 0;
+    for (Py_ssize_t i = 0; i < ncls; i++) {
+        if (classes[i] > mask || (i && classes[i] <= classes[i - 1]) || counts[i] < 0 || counts[i] > n - total) {
+            PyErr_SetString(PyExc_ValueError, "class_positions: classes must ascend within the mask, counts fit");
+            goto done;
+        }
+        first[classes[i]] = total;
+        total += counts[i];
+        last[classes[i]] = total;
+    }
+    if (total != n) {
+        PyErr_SetString(PyExc_ValueError, "class_positions: the counts do not add up to the ranks given");
+        goto done;
+    }
+    int64_t *pos = pb.buf, *perm = qb.buf;
+    /* want[c]: the next rank wanted in class c (-1: none left), so the scan makes one compare. */
+    static _Thread_local int64_t want[MAX_CLASSES];
+    for (Py_ssize_t c = 0; c <= (Py_ssize_t)mask; c++) want[c] = first[c] < last[c] ? ranks[first[c]] : -1;
+    Py_BEGIN_ALLOW_THREADS
+    switch (isz) {
+    case 1: POSITIONS_LOOP(uint8_t); break;
+    case 2: POSITIONS_LOOP(uint16_t); break;
+    case 4: POSITIONS_LOOP(uint32_t); break;
+    default: POSITIONS_LOOP(uint64_t); break;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(found);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&clb);
+    PyBuffer_Release(&cnb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&qb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
      "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False, "
@@ -590,6 +747,10 @@ static PyMethodDef methods[] = {
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
+    {"class_ranks", class_ranks, METH_VARARGS,
+     "class_ranks(base, itemsize, shift, mask, start, indices, cls_out, rank_out)"},
+    {"class_positions", class_positions, METH_VARARGS,
+     "class_positions(base, itemsize, shift, mask, start, stop, classes, counts, ranks, pos_out, perm_out) -> found"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,6 +55,11 @@ __all__ = [
     "rice_encode",
     "rice_index",
     "rice_decode",
+    "exponent_field",
+    "ulp2_streams",
+    "ulp2_codes",
+    "class_ranks",
+    "class_positions",
 ]
 
 
@@ -374,3 +379,117 @@ def rice_decode(unary_buf, rem_buf, n: int, k: int) -> np.ndarray:
     if k and n:
         g |= _unpack_fields(rem, n, k)
     return g
+
+
+# ---------------------------------------------------------------- ulp2: positions by exponent class
+
+_EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52, 0x7FF),
+             "F8_E4M3": (3, 0xF), "F8_E5M2": (2, 0x1F)}
+
+
+def exponent_field(dtype: str) -> tuple[int, int]:
+    """``(shift, mask)`` of a float dtype's exponent field: an element's class in ulp2 is
+    ``(bits >> shift) & mask`` of its base bit pattern."""
+    try:
+        return _EXPONENT[dtype]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} has no exponent classes (ulp2 is for float dtypes)") from None
+
+
+def _classes(base: np.ndarray, lo: int, hi: int, shift: int, mask: int) -> np.ndarray:
+    t = base.dtype.type
+    return ((base[lo:hi] >> t(shift)) & t(mask)).astype(np.uint16)
+
+
+def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, *,
+                native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted positions ``indices`` (all >= ``start``) of ``base`` (flat bits): each one's class
+    and its rank among the elements of that class in ``[start, p)``."""
+    n = int(indices.size)
+    cls, rank = np.empty(n, np.uint16), np.empty(n, np.int64)
+    if n == 0:
+        return cls, rank
+    if native and _native is not None:
+        _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, start,
+                            np.ascontiguousarray(indices, np.int64), cls, rank)
+        return cls, rank
+    c = _classes(base, start, int(indices[-1]) + 1, shift, mask)
+    order = np.argsort(c, kind="stable")  # a radix sort for 16-bit keys
+    inverse = np.empty(c.size, np.int64)
+    inverse[order] = np.arange(c.size)
+    first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=mask + 1))])
+    local = np.asarray(indices, np.int64) - start
+    cls[:] = c[local]
+    rank[:] = inverse[local] - first[cls]
+    return cls, rank
+
+
+def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: int, classes: np.ndarray,
+                    counts: np.ndarray, ranks: np.ndarray, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`class_ranks` over ``[start, stop)``: ``ranks`` holds each class's
+    ascending ranks, class after class (``classes`` ascending, ``counts`` per class). Returns the
+    positions in ascending order and, for each, the index of its rank in ``ranks``. FormatError when
+    a rank is beyond the elements of its class (a corrupt chunk, or the wrong base)."""
+    n = int(ranks.size)
+    classes = np.ascontiguousarray(classes, np.uint16)
+    counts = np.ascontiguousarray(counts, np.int64)
+    ranks = np.ascontiguousarray(ranks, np.int64)
+    if classes.size and (int(classes.max()) > mask or np.any(np.diff(classes.astype(np.int64)) <= 0)):
+        raise FormatError("ulp2 segment: classes must ascend inside the exponent field")
+    if int(counts.sum()) != n or np.any(counts < 0):
+        raise FormatError("ulp2 segment: class counts do not add up")
+    if native and _native is not None:
+        pos, perm = np.empty(n, np.int64), np.empty(n, np.int64)
+        found = _native.class_positions(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, start, stop,
+                                        classes, counts, ranks, pos, perm)
+    else:
+        c = _classes(base, start, stop, shift, mask)
+        order = np.argsort(c, kind="stable")
+        first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=mask + 1))])
+        per_class = np.repeat(classes.astype(np.int64), counts)
+        within = first[per_class + 1] - first[per_class]
+        if np.any(ranks >= within) or np.any(ranks < 0):
+            raise FormatError("ulp2 segment: a position rank lies beyond its class (wrong base, or corrupt)")
+        pos = order[first[per_class] + ranks] + start
+        perm = np.argsort(pos, kind="stable")
+        pos = pos[perm]
+        found = n
+    if found != n:
+        raise FormatError("ulp2 segment: a position rank lies beyond its class (wrong base, or corrupt)")
+    return pos, perm
+
+
+def ulp2_streams(z: np.ndarray) -> list[np.ndarray]:
+    """The ``sign``, ``one``, ``mag`` and ``esc`` streams of zigzag ulp codes (ulp2, docs/FORMAT.md):
+    with ``|d| - 1 = (z - 1) >> 1``, ``sign`` packs ``(z - 1) & 1``, ``one`` packs ``|d| == 1``, ``mag``
+    holds ``min(|d| - 2, 255)`` for the others and ``esc`` the byte planes of ``|d| - 2 - 255`` where
+    ``mag`` is 255. Nine in ten distances are one ulp: ``one`` carries most of them in a bit."""
+    t = z.dtype.type
+    with np.errstate(over="ignore"):
+        zm = z - t(1)
+    m = zm >> t(1)
+    one = m == 0
+    big = m[~one] - t(1)
+    narrow = np.minimum(big, ESCAPE).astype(np.uint8)
+    esc = to_planes(big[big >= ESCAPE] - t(ESCAPE))
+    return [np.packbits((zm & t(1)).astype(np.uint8)), np.packbits(one), narrow, esc]
+
+
+def ulp2_codes(sign, one, mag, esc, n: int, itemsize: int) -> np.ndarray:
+    """The inverse of :func:`ulp2_streams`: ``n`` zigzag ulp codes."""
+    s, o = np.frombuffer(sign, np.uint8), np.frombuffer(one, np.uint8)
+    narrow = np.frombuffer(mag, np.uint8)
+    if s.size != (n + 7) // 8 or o.size != (n + 7) // 8:
+        raise FormatError(f"ulp2 values: sign and one bitmaps do not match {n} elements")
+    ones = np.unpackbits(o, count=n).astype(bool)
+    if narrow.size != n - int(np.count_nonzero(ones)):
+        raise FormatError(f"ulp2 values: {narrow.size} magnitudes for {n - int(np.count_nonzero(ones))} elements")
+    u = uint_type(itemsize)
+    t = u.type
+    big = narrow.astype(u)
+    wide = narrow == ESCAPE
+    with np.errstate(over="ignore"):
+        big[wide] = from_planes(esc, int(np.count_nonzero(wide)), itemsize) + t(ESCAPE)
+        m = np.zeros(n, u)
+        m[~ones] = big + t(1)
+        return (m << t(1)) + np.unpackbits(s, count=n).astype(u) + t(1)

@@ -28,6 +28,17 @@ the others. Blob contents (see :mod:`.bits`):
   (``|d| - 1 - 255``, in order) follow in full-width byte planes;
 * dense values: like absolute values, for every element of the range.
 
+An ``ulp2`` segment (format 2) codes the same ulp distances against the base
+the receiver holds. Each changed position is coded as its rank among the
+elements of the segment whose base bit pattern has the same exponent (its
+*class*): elements of small magnitude change far more often under AdamW than
+large ones, so per class the gaps are short and predictable. The header lists
+the classes present (``classes``: ``[class, count, k]``); the blobs are, per
+class, its Rice ``unary`` and ``rem`` streams, then the values of every class
+in turn (class order, then position): ``sign``, ``one`` (a bitmap of the
+distances of exactly one ulp), ``mag`` (``|d| - 2``, clipped to one byte, for
+the others) and ``esc``. Decoding needs the base bits of the segment's range.
+
 A *file chunk* carries a slice of one of the model's non-tensor files
 (``config.json``, the tokenizer) instead: its header is ``{"segments": [],
 "file": [name, start, stop]}`` and the body is those bytes as they are. It
@@ -49,7 +60,10 @@ from ..errors import FormatError, IntegrityError
 from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
     ESCAPE,
+    class_positions,
+    class_ranks,
     dtype_info,
+    exponent_field,
     from_planes,
     rice_decode,
     rice_index,
@@ -57,6 +71,8 @@ from .bits import (
     rotr1,
     to_planes,
     uint_type,
+    ulp2_codes,
+    ulp2_streams,
     ulp_streams,
 )
 
@@ -73,12 +89,15 @@ __all__ = [
     "MAX_CHUNK_RAW",
     "ABSOLUTE",
     "ULP",
+    "ULP2",
+    "is_ulp",
     "SPARSE",
     "DENSE",
 ]
 
 CHUNK_MAGIC = b"SPC1"
 ABSOLUTE, ULP = "absolute", "ulp"
+ULP2 = "ulp2"  # ulp distances, positions and values coded against the base's exponent classes (format 2)
 SPARSE, DENSE = "sparse", "dense"
 # Largest decompressed chunk accepted: far above any sane target, small enough
 # that a hostile frame cannot make a reader allocate without bound.
@@ -107,10 +126,16 @@ class Segment:
     stop: int
     data: np.ndarray
     indices: np.ndarray | None = None
+    base: np.ndarray | None = None  # ulp2, encoding: the base tensor's flat bits (its classes)
 
     @property
     def count(self) -> int:
         return int(self.data.size)
+
+
+def is_ulp(values: str) -> bool:
+    """Values that are zigzag ulp distances once decoded (``ulp``, ``ulp2``)."""
+    return values in (ULP, ULP2)
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,12 +154,15 @@ class Chunk:
 # ---------------------------------------------------------------- encoding
 
 
-STREAMS = ("unary", "rem", "sign", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7")
+STREAMS = ("unary", "rem", "sign", "one", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7")
 _RANK = {name: i for i, name in enumerate(STREAMS)}
 
 
-def segment_streams(kind: str, values: str, itemsize: int) -> tuple[str, ...]:
-    """The streams a segment's blobs belong to, in the order of its ``blobs`` lengths."""
+def segment_streams(kind: str, values: str, itemsize: int, classes: int = 1) -> tuple[str, ...]:
+    """The streams a segment's blobs belong to, in the order of its ``blobs`` lengths (an ulp2
+    segment has a ``unary`` and a ``rem`` blob per class)."""
+    if values == ULP2:
+        return ("unary", "rem") * classes + ("sign", "one", "mag", "esc")
     idx = ("unary", "rem") if kind == SPARSE else ()
     vals = ("sign", "mag", "esc") if values == ULP else tuple(f"p{i}" for i in range(itemsize))
     return idx + vals
@@ -147,18 +175,39 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     return list(to_planes(bits))
 
 
+def _encode_ulp2(seg: Segment, info) -> tuple[list, list[np.ndarray]]:
+    """Classes and blobs of an ulp2 segment (module docstring)."""
+    if seg.base is None:
+        raise ValueError(f"ulp2 segment {seg.name}: the base is needed to encode")
+    shift, mask = exponent_field(seg.dtype)
+    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask)
+    order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
+    cls, rank = cls[order], rank[order]
+    classes, first, counts = np.unique(cls, return_index=True, return_counts=True)
+    table, blobs = [], []
+    for c, f, n in zip(classes.tolist(), first.tolist(), counts.tolist()):
+        k, unary, rem = rice_index(rank[f:f + n], 0)
+        table.append([c, n, k])
+        blobs += [unary, rem]
+    return table, blobs + ulp2_streams(seg.data[order])
+
+
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
     info = dtype_info(seg.dtype)
     if seg.data.dtype != uint_type(info.itemsize):
         raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
     blobs: list[np.ndarray] = []
     k = 0
-    if seg.kind == SPARSE:
+    classes = None
+    if seg.values == ULP2:
+        classes, blobs = _encode_ulp2(seg, info)
+    elif seg.kind == SPARSE:
         k, unary, rem = rice_index(seg.indices, seg.start)
         blobs += [unary, rem]
     elif seg.count != seg.stop - seg.start:
         raise ValueError(f"dense segment {seg.name}: {seg.count} values for range of {seg.stop - seg.start}")
-    blobs += _encode_values(seg, info)
+    if seg.values != ULP2:
+        blobs += _encode_values(seg, info)
     header = {
         "name": seg.name,
         "dtype": seg.dtype,
@@ -170,6 +219,8 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
         "index_k": k,
         "blobs": [int(b.nbytes) for b in blobs],
     }
+    if classes is not None:
+        header["classes"] = classes
     return header, blobs
 
 
@@ -194,7 +245,7 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     body = []
     for i, e in enumerate(encoded):
         seg = e.segment
-        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
+        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize, len(e.header.get("classes", ())))
         body += [(_RANK[st], i, b) for st, b in zip(streams, e.blobs)]
     body.sort(key=lambda x: (x[0], x[1]))
     head = pack({"segments": [e.header for e in encoded]})
@@ -244,24 +295,56 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     info = dtype_info(h["dtype"])
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
-    if kind not in (SPARSE, DENSE) or values not in (ABSOLUTE, ULP):
+    if kind not in (SPARSE, DENSE) or values not in (ABSOLUTE, ULP, ULP2):
         raise FormatError(f"chunk segment {name!r}: unknown encoding {kind}/{values}")
-    if values == ULP and (kind != SPARSE or not info.is_float):
+    if is_ulp(values) and (kind != SPARSE or not info.is_float):
         raise FormatError(f"chunk segment {name!r}: ulp values need a sparse float segment")
     if stop < start or n > stop - start or (kind == DENSE and n != stop - start):
         raise FormatError(f"chunk segment {name!r}: count {n} does not fit range [{start}, {stop})")
-    streams = segment_streams(kind, values, info.itemsize)
+    ncls = 1
+    if values == ULP2:
+        table = h.get("classes")
+        _, mask = exponent_field(h["dtype"])
+        if not isinstance(table, list) or not all(
+                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[0] <= mask and c[2] < 64
+                for c in table) or sum(c[1] for c in table) != n:
+            raise FormatError(f"chunk segment {name!r}: ulp2 needs classes [[class, count, k], ...] adding up to {n}")
+        ncls = len(table)
+    streams = segment_streams(kind, values, info.itemsize, ncls)
     lens = h["blobs"]
     if len(lens) != len(streams) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
         raise FormatError(f"chunk segment {name!r}: expected {len(streams)} blob lengths")
     return streams
 
 
-def _decode_segment(h: dict, blobs: list[memoryview]) -> Segment:
+def _decode_ulp2(h: dict, blobs: list[memoryview], base) -> Segment:
+    name, start, stop, n = h["name"], h["start"], h["stop"], h["count"]
+    w = dtype_info(h["dtype"]).itemsize
+    bits = base(name) if base is not None else None
+    if bits is None:
+        raise FormatError(f"chunk segment {name!r}: ulp2 is coded against the base, which was not given")
+    if bits.dtype.itemsize != w or stop > bits.size:
+        raise FormatError(f"chunk segment {name!r}: the base tensor does not fit the segment")
+    table = h["classes"]
+    ranks = []
+    for i, (_, count, k) in enumerate(table):
+        gaps = rice_decode(blobs[2 * i], blobs[2 * i + 1], count, k)
+        ranks.append(np.cumsum(gaps.astype(np.int64) + 1) - 1)
+    shift, mask = exponent_field(h["dtype"])
+    ranks = np.concatenate(ranks) if ranks else np.empty(0, np.int64)
+    indices, perm = class_positions(bits, start, stop, shift, mask, np.array([c[0] for c in table], np.uint16),
+                                    np.array([c[1] for c in table], np.int64), ranks)
+    grouped = ulp2_codes(*blobs[2 * len(table):], n, w)
+    return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, grouped[perm], indices)
+
+
+def _decode_segment(h: dict, blobs: list[memoryview], base=None) -> Segment:
     info = dtype_info(h["dtype"])
     w = info.itemsize
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
+    if values == ULP2:
+        return _decode_ulp2(h, blobs, base)
     indices = None
     if kind == SPARSE:
         gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
@@ -343,9 +426,12 @@ def decode_file_chunk(data, *, expect_hash: bytes | None = None) -> tuple[tuple[
     return span, body
 
 
-def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
+def decode_chunk(data, *, expect_hash: bytes | None = None, base=None) -> list[Segment]:
     """Decode one chunk; checks its hash first when ``expect_hash`` is given. A file chunk
-    decodes to no segments."""
+    decodes to no segments. ``base``: ``name -> flat bits`` of the base tensors (a mapping or a
+    callable), needed by ulp2 segments only."""
+    if base is not None and not callable(base):
+        base = base.get
     head, buf, pos = _open_chunk(data, expect_hash)
     if _file_span(head) is not None:
         return []
@@ -360,4 +446,4 @@ def decode_chunk(data, *, expect_hash: bytes | None = None) -> list[Segment]:
         blobs[i][j], pos = _take(buf, pos, ln, f"blob {j} of segment {i}")
     if pos != len(buf):
         raise FormatError("chunk: trailing bytes after the last segment")
-    return [_decode_segment(h, b) for h, b in zip(headers, blobs)]
+    return [_decode_segment(h, b, base) for h, b in zip(headers, blobs)]

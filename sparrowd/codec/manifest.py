@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from ..errors import FormatError
 from ..schema import Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from .bits import dtype_info
-from .chunk import ABSOLUTE, ULP
+from .chunk import ABSOLUTE, ULP, ULP2
 
 __all__ = ["TensorEntry", "ChunkEntry", "FileEntry", "Manifest", "check_file_name", "MAX_FILE",
             "PATCH", "FULL", "REMOVE", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "sparrowd-patch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reads; a manifest is written as 1 unless its values are ulp2
 PATCH, FULL, REMOVE = "patch", "full", "remove"
 MAX_MANIFEST = 64 << 20
 MAX_FILE = 256 << 20  # one non-tensor file (a large tokenizer.json is tens of MiB)
@@ -153,7 +153,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         out = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": 2 if self.values == ULP2 else 1,
             "version": self.version,
             "base_version": self.base_version,
             "values": self.values,
@@ -184,11 +184,11 @@ class Manifest:
         )
         if m["format"] != FORMAT_NAME:
             raise FormatError(f"manifest: not a sparrowd patch manifest ({m['format']!r})")
-        if m["format_version"] != FORMAT_VERSION:
+        if m["format_version"] not in (1, FORMAT_VERSION):
             raise FormatError(f"manifest: format version {m['format_version']} is not supported "
-                              f"(this reads {FORMAT_VERSION})")
-        if m["values"] not in (ABSOLUTE, ULP):
-            raise FormatError(f"manifest: unknown value mode {m['values']!r}")
+                              f"(this reads 1 to {FORMAT_VERSION})")
+        if m["values"] not in (ABSOLUTE, ULP, ULP2) or (m["values"] == ULP2) != (m["format_version"] == 2):
+            raise FormatError(f"manifest: value mode {m['values']!r} in format {m['format_version']}")
         meta = m.get("meta") or {}
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise FormatError("manifest: meta must map strings to strings")

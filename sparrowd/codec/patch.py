@@ -30,6 +30,7 @@ from .chunk import (
     DENSE,
     SPARSE,
     ULP,
+    ULP2,
     Chunk,
     EncodedSegment,
     Segment,
@@ -37,6 +38,7 @@ from .chunk import (
     encode_chunk,
     encode_file_chunk,
     encode_segment,
+    is_ulp,
 )
 from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
@@ -71,8 +73,8 @@ class PatchEncoder:
         level: int = DEFAULT_LEVEL,
         meta: Mapping[str, str] | None = None,
     ):
-        if values not in (ABSOLUTE, ULP):
-            raise InputError(f"value mode must be 'absolute' or 'ulp', not {values!r}")
+        if values not in (ABSOLUTE, ULP, ULP2):
+            raise InputError(f"value mode must be 'ulp2', 'ulp' or 'absolute', not {values!r}")
         if chunk_size < MIN_CHUNK_SIZE:
             raise InputError(f"chunk size must be at least {MIN_CHUNK_SIZE} bytes")
         if version < 0 or (base_version is not None and not 0 <= base_version < version):
@@ -126,13 +128,14 @@ class PatchEncoder:
             return []
         info = dtype_info(new.dtype)
         nv = new.bits[indices] if new_values is None else new_values
-        if self.values == ULP and info.is_float:
+        if is_ulp(self.values) and info.is_float:
             ov = old.bits[indices] if old_values is None else old_values
-            data, mode = ulp_encode(ov, nv), ULP
+            data, mode = ulp_encode(ov, nv), self.values
         else:
             data, mode = nv, ABSOLUTE
         self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, old_fp, new_fp, int(indices.size))
-        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
+        base = old.bits if mode == ULP2 else None  # ulp2 codes positions by the base's exponent classes
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, base))
 
     def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
         self._tensors[name] = TensorEntry(
@@ -177,7 +180,7 @@ class PatchEncoder:
     @staticmethod
     def _raw_per_element(seg: Segment) -> float:
         w = seg.data.dtype.itemsize
-        return w if seg.kind == DENSE else (2 + (1 if seg.values == ULP else w))
+        return w if seg.kind == DENSE else (2 + (1 if is_ulp(seg.values) else w))
 
     def _push(self, seg: Segment) -> list[Chunk]:
         out: list[Chunk] = []
@@ -235,8 +238,8 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
         )
     cut = int(seg.indices[k - 1]) + 1
     return (
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k]),
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base),
     )
 
 
@@ -355,7 +358,7 @@ def check_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment
         t = manifest.tensor(s.name)
         if s.dtype != t.dtype:
             raise FormatError(f"chunk segment {s.name!r}: dtype {s.dtype} but the manifest says {t.dtype}")
-        if (t.op == PATCH) != (s.kind == SPARSE) or (s.values == ULP and manifest.values != ULP):
+        if (t.op == PATCH) != (s.kind == SPARSE) or (is_ulp(s.values) and manifest.values != s.values):
             raise FormatError(f"chunk segment {s.name!r}: {s.kind}/{s.values} does not fit "
                               f"a {t.op} of a {manifest.values} patch")
 
@@ -369,7 +372,7 @@ def apply_segments(
         out = targets[s.name]
         if s.kind == DENSE:
             out[s.start : s.stop] = s.data
-        elif s.values == ULP:
+        elif is_ulp(s.values):
             out[s.indices] = ulp_apply(out[s.indices], s.data)
         else:
             out[s.indices] = s.data
@@ -390,12 +393,13 @@ def apply_patch(
     """
     check_base(manifest, base)
     targets = new_targets(manifest, base)
+    bases = {name: t.bits for name, t in base.items()}  # what ulp2 segments are coded against
     it = iter(chunks)
     for entry in manifest.chunks:
         data = next(it, None)
         if data is None:
             raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        apply_segments(manifest, entry, decode_chunk(data, expect_hash=entry.hash), targets)
+        apply_segments(manifest, entry, decode_chunk(data, expect_hash=entry.hash, base=bases), targets)
     check_result(manifest, targets)
     return {
         t.name: None if t.op == REMOVE else RawTensor(t.dtype, t.shape, targets[t.name]) for t in manifest.tensors

@@ -11,6 +11,7 @@ from sparrowd.codec import (
     ABSOLUTE,
     DTYPES,
     ULP,
+    ULP2,
     Manifest,
     RawTensor,
     apply_patch,
@@ -93,7 +94,7 @@ def roundtrip(old: dict, new: dict, values: str, chunk_size: int) -> Manifest:
     shape=st.sampled_from(SHAPES),
     density=st.sampled_from(DENSITIES),
     move=st.sampled_from(["ulp", "random", "special"]),
-    values=st.sampled_from([ULP, ABSOLUTE]),
+    values=st.sampled_from([ULP2, ULP, ABSOLUTE]),
     chunk_size=st.sampled_from([MIN_CHUNK_SIZE, 2 << 20]),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -103,12 +104,12 @@ def test_single_tensor_round_trip(dtype, shape, density, move, values, chunk_siz
     m = roundtrip({"t": a}, {"t": b}, values, chunk_size)
     changed = int(np.count_nonzero(a.bits != b.bits))
     assert m.elements_changed == changed
-    if changed and values == ULP and DTYPES[dtype].is_float:
+    if changed and values in (ULP, ULP2) and DTYPES[dtype].is_float:
         assert m.tensors[0].op == "patch"
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), values=st.sampled_from([ULP, ABSOLUTE]))
+@given(seed=st.integers(0, 2**32 - 1), values=st.sampled_from([ULP2, ULP, ABSOLUTE]))
 def test_added_removed_retyped_reshaped_tensors(seed, values):
     rng = np.random.default_rng(seed)
     a1, b1 = make_pair(rng, "BF16", (40, 30), "1%", "ulp")
@@ -126,10 +127,11 @@ def test_added_removed_retyped_reshaped_tensors(seed, values):
     assert m.tensor("retyped").base_dtype == "I64" and m.tensor("reshaped").base_shape == (4, 6)
 
 
-def test_large_tensor_is_split_across_chunks_and_round_trips():
+@pytest.mark.parametrize("values", [ULP, ULP2])
+def test_large_tensor_is_split_across_chunks_and_round_trips(values):
     rng = np.random.default_rng(3)
     a, b = make_pair(rng, "BF16", (1 << 22,), "1%", "ulp")
-    m = roundtrip({"w": a}, {"w": b}, ULP, 8 << 10)
+    m = roundtrip({"w": a}, {"w": b}, values, 8 << 10)
     assert len(m.chunks) > 4
     ranges = sorted((s[1], s[2]) for c in m.chunks for s in c.segments)
     assert ranges[0][0] == 0 and ranges[-1][1] == a.numel
@@ -197,3 +199,48 @@ def test_chunks_from_another_patch_are_refused(patch):
     m2, chunks2 = encode_patch(new, old, version=3, base_version=2, chunk_size=MIN_CHUNK_SIZE)
     with pytest.raises(IntegrityError):
         apply_patch(m, [c.data for c in chunks2][: len(chunks)] + chunks[len(chunks2):], old)
+
+
+def test_ulp2_is_decoded_against_the_base_and_a_wrong_base_is_caught_before_any_write():
+    from sparrowd.codec import decode_chunk
+
+    rng = np.random.default_rng(11)
+    a, b = make_pair(rng, "BF16", (64, 512), "1%", "ulp")
+    m, chunks = encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP2)
+    assert m.to_bytes()[:200].count(b"format_version") == 1 and Manifest.from_bytes(m.to_bytes()).values == ULP2
+    with pytest.raises(FormatError, match="base"):
+        decode_chunk(chunks[0].data)  # no base given: it cannot be decoded
+    other = RawTensor("BF16", a.shape, b.bits)
+    with pytest.raises(BaseMismatchError):  # the fingerprint check comes before any decoding or write
+        apply_patch(m, [c.data for c in chunks], {"w": other})
+    # Against another base the positions come out elsewhere (or not at all): never silently right.
+    try:
+        segs = decode_chunk(chunks[0].data, base={"w": np.roll(a.bits, 7)})
+        assert not np.array_equal(segs[0].indices, np.flatnonzero(a.bits != b.bits))
+    except FormatError:
+        pass
+
+
+def test_ulp2_native_scans_match_numpy():
+    from sparrowd.codec.bits import _native, class_positions, class_ranks
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    rng = np.random.default_rng(5)
+    for dtype, w in (("BF16", 2), ("F32", 4), ("F16", 2), ("F64", 8), ("F8_E4M3", 1)):
+        base = rng.integers(0, 1 << (8 * w) - 1, size=5000, dtype=np.uint64).astype(uint_type(w))
+        idx = np.sort(rng.choice(np.arange(100, 5000), 300, replace=False)).astype(np.int64)
+        from sparrowd.codec.bits import exponent_field
+
+        shift, mask = exponent_field(dtype)
+        got = [class_ranks(base, 100, idx, shift, mask, native=n) for n in (True, False)]
+        assert all(np.array_equal(x, y) for x, y in zip(*got))
+        cls, rank = got[0]
+        order = np.argsort(cls, kind="stable")
+        classes, counts = np.unique(cls, return_counts=True)
+        back = [class_positions(base, 100, 5000, shift, mask, classes, counts, rank[order], native=n)
+                for n in (True, False)]
+        for pos, perm in back:
+            assert np.array_equal(pos, idx) and np.array_equal(order[perm], np.arange(idx.size))
+        with pytest.raises(FormatError):  # a rank beyond its class
+            class_positions(base, 100, 5000, shift, mask, classes, counts, rank[order] + 10_000)
