@@ -30,6 +30,8 @@ def register(sub) -> None:
     c.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     c.add_argument("--size-mib", type=int, default=512,
                    help="bf16 bytes of each side of the throughput pair (default 512)")
+    c.add_argument("--model", choices=("5m", "27m"), default="5m",
+                   help="the transformer trained for the real deltas: 5.3M or 27.4M parameters (default 5m)")
     c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
@@ -45,7 +47,7 @@ def register(sub) -> None:
 def cmd_codec(args) -> int:
     from sparrowd.bench.codec import run
 
-    return run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json)
+    return run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json, model=args.model)
 
 
 def register_swarm(bs) -> None:

@@ -33,6 +33,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -45,10 +46,15 @@ __all__ = ["run"]
 TORCH_MISSING = "sparrowd bench codec needs torch: pip install 'sparrowd[torch]'"
 
 # The model and its data.
-VOCAB = 4096
-D_MODEL = 256
-LAYERS = 4
-HEADS = 4
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+
+
+MODELS = {"5m": Shape(4096, 256, 4, 4), "27m": Shape(8192, 512, 6, 8)}  # 5.3M and 27.4M parameters
 SEQ = 128
 BATCH = 8
 SUCCESSORS = 4  # each token of the Markov chain has this many possible next tokens
@@ -69,6 +75,7 @@ ZSTD_LEVEL = 3
 TARGET_ULP_BITS = 11.0
 TARGET_ABS_BITS = 21.0
 TARGET_ENCODE_RATIO = 1.25
+TARGET_ULP2_BITS = 7.0
 DENSITY_RANGE = (0.003, 0.03)
 
 GB = 1e9
@@ -81,22 +88,22 @@ class BitExactError(AssertionError):
 # ---------------------------------------------------------------- model and data
 
 
-def _build_model(torch):
+def _build_model(torch, shape: Shape):
     nn, F = torch.nn, torch.nn.functional
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln1 = nn.LayerNorm(D_MODEL)
-            self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
-            self.proj = nn.Linear(D_MODEL, D_MODEL)
-            self.ln2 = nn.LayerNorm(D_MODEL)
-            self.fc = nn.Linear(D_MODEL, 4 * D_MODEL)
-            self.out = nn.Linear(4 * D_MODEL, D_MODEL)
+            self.ln1 = nn.LayerNorm(shape.d_model)
+            self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model)
+            self.proj = nn.Linear(shape.d_model, shape.d_model)
+            self.ln2 = nn.LayerNorm(shape.d_model)
+            self.fc = nn.Linear(shape.d_model, 4 * shape.d_model)
+            self.out = nn.Linear(4 * shape.d_model, shape.d_model)
 
         def forward(self, x):
             b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, shape.heads, d // shape.heads).permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
             return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -104,17 +111,18 @@ def _build_model(torch):
     class GPT(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tok = nn.Embedding(VOCAB, D_MODEL)
-            self.pos = nn.Embedding(SEQ, D_MODEL)
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.ln_f = nn.LayerNorm(D_MODEL)
-            self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+            self.tok = nn.Embedding(shape.vocab, shape.d_model)
+            self.pos = nn.Embedding(SEQ, shape.d_model)
+            self.blocks = nn.ModuleList(Block() for _ in range(shape.layers))
+            self.ln_f = nn.LayerNorm(shape.d_model)
+            self.head = nn.Linear(shape.d_model, shape.vocab, bias=False)
             for name, p in self.named_parameters():
                 if name.endswith("bias"):
                     nn.init.zeros_(p)
                 elif p.dim() >= 2:
                     # GPT-2 init: residual projections scaled down by depth.
-                    std = INIT_STD / math.sqrt(2 * LAYERS) if name.endswith(("proj.weight", "out.weight")) else INIT_STD
+                    residual = name.endswith(("proj.weight", "out.weight"))
+                    std = INIT_STD / math.sqrt(2 * shape.layers) if residual else INIT_STD
                     nn.init.normal_(p, 0.0, std)
 
         def forward(self, idx):
@@ -126,14 +134,14 @@ def _build_model(torch):
     return GPT()
 
 
-def _markov_table(rng) -> np.ndarray:
-    return rng.integers(0, VOCAB, size=(VOCAB, SUCCESSORS))
+def _markov_table(rng, vocab: int) -> np.ndarray:
+    return rng.integers(0, vocab, size=(vocab, SUCCESSORS))
 
 
 def _batch(rng, table: np.ndarray) -> np.ndarray:
     """``BATCH`` sequences of ``SEQ + 1`` tokens from the Markov chain."""
     out = np.empty((BATCH, SEQ + 1), dtype=np.int64)
-    out[:, 0] = rng.integers(0, VOCAB, size=BATCH)
+    out[:, 0] = rng.integers(0, table.shape[0], size=BATCH)
     pick = rng.choice(SUCCESSORS, size=(BATCH, SEQ), p=SUCCESSOR_P)
     for t in range(SEQ):
         out[:, t + 1] = table[out[:, t], pick[:, t]]
@@ -149,17 +157,18 @@ def _snapshot(torch, model) -> dict[str, RawTensor]:
     return snap
 
 
-def _train(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
+def _train(torch, steps: int, lr: float, rng, shape: Shape = MODELS["5m"]
+           ) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
     """Warm up, then ``steps`` steps at ``lr``; returns params, ``steps + 1`` snapshots, losses."""
-    model = _build_model(torch)
+    model = _build_model(torch, shape)
     nparams = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=WEIGHT_DECAY)
-    table = _markov_table(rng)
+    table = _markov_table(rng, shape.vocab)
 
     def step() -> float:
         tok = torch.from_numpy(_batch(rng, table))
         logits = model(tok[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tok[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab), tok[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -195,28 +204,34 @@ def _binary_entropy(p: float) -> float:
 
 def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
     """Bytes of the naive and gap-coded zstd baselines, and the index entropy bound in bits."""
-    naive, gap, bound = [], [], 0.0
+    naive, gap, bound, by_exp = [], [], 0.0, 0.0
     for name in sorted(new):
         o, n = old[name].bits, new[name].bits
-        idx = np.flatnonzero(o != n)
+        changed = o != n
+        idx = np.flatnonzero(changed)
         if idx.size == 0:
             continue
         vals = n[idx].astype("<u2").tobytes()
         naive += [idx.astype("<i4").tobytes(), vals]
         gap += [np.diff(idx, prepend=-1).astype("<u4").tobytes(), vals]
         bound += n.size * _binary_entropy(idx.size / n.size)
+        # The bound once each position is conditioned on its base element's exponent (what ulp2 codes by).
+        exp = ((o >> np.uint16(7)) & np.uint16(0xFF)).astype(np.int64)
+        per, hits = np.bincount(exp, minlength=256), np.bincount(exp, weights=changed, minlength=256)
+        by_exp += sum(c * _binary_entropy(h / c) for c, h in zip(per.tolist(), hits.tolist()) if c)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     return {
         "naive_bytes": len(cctx.compress(b"".join(naive))),
         "gap_bytes": len(cctx.compress(b"".join(gap))),
         "index_entropy_bits": bound,
+        "index_entropy_exp_bits": by_exp,
     }
 
 
 def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> dict:
     total = sum(t.numel for t in new.values())
     row = {"elements": total}
-    for mode in ("ulp", "absolute"):
+    for mode in ("ulp2", "ulp", "absolute"):
         manifest, chunks = encode_patch(old, new, version=1, base_version=0, values=mode)
         _check_exact(manifest, chunks, old, new, f"{what} ({mode})")
         row["changed"] = manifest.elements_changed
@@ -229,16 +244,19 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
 def _bits_per_changed(row: dict) -> dict:
     c = max(1, row["changed"])
     return {
+        "ulp2": 8 * row["ulp2_bytes"] / c,
         "ulp": 8 * row["ulp_bytes"] / c,
         "absolute": 8 * row["absolute_bytes"] / c,
         "naive": 8 * row["naive_bytes"] / c,
         "gap": 8 * row["gap_bytes"] / c,
         "index_entropy": row["index_entropy_bits"] / c,
+        "index_entropy_exp": row["index_entropy_exp_bits"] / c,
     }
 
 
 def _aggregate(rows: list[dict]) -> dict:
-    keys = ("elements", "changed", "ulp_bytes", "absolute_bytes", "naive_bytes", "gap_bytes", "index_entropy_bits")
+    keys = ("elements", "changed", "ulp2_bytes", "ulp_bytes", "absolute_bytes", "naive_bytes", "gap_bytes",
+            "index_entropy_bits", "index_entropy_exp_bits")
     agg = {k: sum(r[k] for r in rows) for k in keys}
     agg["density"] = agg["changed"] / max(1, agg["elements"])
     return agg
@@ -286,14 +304,21 @@ def _throughput(torch, size_mib: int, rng) -> dict:
     def read_compare() -> int:
         return sum(int(np.count_nonzero(old[k].bits != new[k].bits)) for k in old)
 
-    def encoder(threads: int):
-        return lambda: encode_patch(old, new, version=1, base_version=0, values="ulp", threads=threads)
+    def encoder(threads: int, values: str = "ulp"):
+        return lambda: encode_patch(old, new, version=1, base_version=0, values=values, threads=threads)
 
-    (t_read, seen), (t_enc2, (manifest, chunks)), (t_enc1, _) = _best_of(read_compare, encoder(2), encoder(1))
+    (t_read, seen), (t_enc2, (manifest, chunks)), (t_enc1, _), (t_enc2v2, (m2, chunks2)) = _best_of(
+        read_compare, encoder(2), encoder(1), encoder(2, "ulp2"))
     if seen != moved or manifest.elements_changed != moved:
         raise BitExactError(f"synthetic pair: moved {moved} elements, compare saw {seen}, "
                             f"the patch carries {manifest.elements_changed}")
-    ((t_dec, _),) = _best_of(lambda: [decode_chunk(c.data) for c in chunks])
+    bases = {k: t.bits for k, t in old.items()}
+    (t_dec, _), (t_dec2, _) = _best_of(lambda: [decode_chunk(c.data) for c in chunks],
+                                      lambda: [decode_chunk(c.data, base=bases) for c in chunks2])
+    got2 = apply_patch(m2, [c.data for c in chunks2], old)
+    if any(not np.array_equal(got2[k].bits, t.bits) for k, t in new.items()):
+        raise BitExactError("synthetic pair: ulp2 differs after apply_patch")
+    del got2
     t_apply = []  # the first call pays for faulting in fresh memory for the result; later ones reuse it
     for _ in range(REPEATS):
         t0 = time.perf_counter()
@@ -304,7 +329,8 @@ def _throughput(torch, size_mib: int, rng) -> dict:
                 raise BitExactError(f"synthetic pair: tensor {name!r} differs after apply_patch")
         del got
     times = {"read_compare": t_read, "encode_2_threads": t_enc2, "encode_1_thread": t_enc1,
-             "decode": t_dec, "apply_patch_first": t_apply[0], "apply_patch": min(t_apply)}
+             "encode_ulp2_2_threads": t_enc2v2, "decode": t_dec, "decode_ulp2": t_dec2,
+             "apply_patch_first": t_apply[0], "apply_patch": min(t_apply)}
     return {
         "side_bytes": side,
         "tensors": len(new),
@@ -313,10 +339,12 @@ def _throughput(torch, size_mib: int, rng) -> dict:
         "patch_bytes": manifest.patch_bytes,
         "chunks": len(chunks),
         "ulp_bits_per_changed": 8 * manifest.patch_bytes / moved,
+        "ulp2_bits_per_changed": 8 * m2.patch_bytes / moved,
         "seconds": times,
         "gb_per_s": {k: side / GB / v for k, v in times.items()},
         "encode_over_read": t_enc2 / t_read,
         "encode_1_thread_over_read": t_enc1 / t_read,
+        "encode_ulp2_over_read": t_enc2v2 / t_read,
     }
 
 
@@ -341,18 +369,20 @@ def _print_real(real: dict) -> None:
           f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
           f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} tokens of a random Markov chain")
-    print("   bits per changed element (codec: ulp / absolute; baselines: zstd-3 of int32 or gap indices + raw bf16;")
-    print("   index H: binary-entropy bound of the positions alone)\n")
-    head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp':>7} {'absolute':>9} " \
-           f"{'naive':>7} {'gap':>7} {'index H':>8}"
+    print("   bits per changed element (codec: ulp2 / ulp / absolute; baselines: zstd-3 of int32 or gap indices + raw")
+    print("   bf16; index H: binary-entropy bound of the positions alone, per tensor; H|exp: the same given each")
+    print("   element's base exponent, the context ulp2 codes positions by)\n")
+    head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'ulp':>6} {'absolute':>9} " \
+           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6}"
     print(head)
     print("   " + "-" * (len(head) - 3))
 
     def line(label, loss, row):
         b = _bits_per_changed(row)
         lo = f"{loss:7.4f}" if loss is not None else " " * 7
-        print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp']:>7.2f} "
-              f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f}")
+        print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp2']:>6.2f} {b['ulp']:>6.2f} "
+              f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f} "
+              f"{b['index_entropy_exp']:>6.2f}")
 
     for i, row in enumerate(real["steps"], 1):
         line(str(i), row["loss"], row)
@@ -367,7 +397,7 @@ def _print_throughput(tp: dict) -> None:
     print(f"\n2. throughput: {tp['side_bytes'] / (1 << 20):,.0f} MiB of bf16 per side in {tp['tensors']} tensors "
           f"of {TENSOR_MIB} MiB, {tp['density']:.2%} of elements moved +-1 ulp")
     print(f"   patch: {tp['chunks']} chunks, {tp['patch_bytes'] / (1 << 20):.2f} MiB, "
-          f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp)")
+          f"{tp['ulp_bits_per_changed']:.2f} bits per changed element (ulp; ulp2 {tp['ulp2_bits_per_changed']:.2f})")
     print(f"   best of {REPEATS} rounds, taking turns; GB/s = 1e9 bytes of one side per second. "
           "apply_patch copies the base into a fresh")
     print("   result and fingerprints base and result; its first call also faults in that memory\n")
@@ -375,7 +405,9 @@ def _print_throughput(tp: dict) -> None:
         ("read+compare (numpy, baseline)", "read_compare"),
         ("diff+encode ulp, 2 threads", "encode_2_threads"),
         ("diff+encode ulp, 1 thread", "encode_1_thread"),
+        ("diff+encode ulp2, 2 threads", "encode_ulp2_2_threads"),
         ("decode all chunks", "decode"),
+        ("decode all chunks, ulp2 (1 core)", "decode_ulp2"),
         ("apply_patch, first call", "apply_patch_first"),
         ("apply_patch", "apply_patch"),
     ]
@@ -397,6 +429,12 @@ def _targets(real: dict, tp: dict) -> list[dict]:
         {"name": "absolute bits per changed element" + near, "value": agg["absolute"], "limit": TARGET_ABS_BITS},
         {"name": "diff+encode / read+compare (2 threads)", "value": tp["encode_over_read"],
          "limit": TARGET_ENCODE_RATIO},
+        {"name": "ulp2 bits per changed element" + near, "value": agg["ulp2"], "limit": TARGET_ULP2_BITS},
+        {"name": "ulp2 diff+encode / read+compare (2 threads)", "value": tp["encode_ulp2_over_read"],
+         "limit": TARGET_ENCODE_RATIO},
+        # a rate: the value is its inverse (seconds per GB of model), so the same "<=" reads it
+        {"name": "ulp2 decode, s per GB of model (1 core; 1 GB/s = 1.0)", "value": 1 / tp["gb_per_s"]["decode_ulp2"],
+         "limit": 1.0},
     ]
 
 
@@ -407,7 +445,8 @@ def _print_targets(targets: list[dict]) -> None:
         print(f"   {t['name']:<52} {t['value']:>7.2f}  <= {t['limit']:<5g} {verdict}")
 
 
-def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | None = None) -> int:
+def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | None = None,
+        model: str = "5m") -> int:
     """Run the benchmark, print the report, optionally write JSON; returns 0 (2 without torch)."""
     try:
         import torch
@@ -425,14 +464,16 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
           f"numpy {machine['numpy']}, torch {machine['torch']} ({machine['torch_threads']} threads)")
 
     t0 = time.perf_counter()
-    nparams, snaps, losses = _train(torch, steps, lr, rng)
+    shape = MODELS[model]
+    nparams, snaps, losses = _train(torch, steps, lr, rng, shape)
     rows = []
     for i in range(steps):
         row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}")
         row["loss"] = losses[i]
         rows.append(row)
     real = {
-        "model": {"parameters": nparams, "layers": LAYERS, "d_model": D_MODEL, "heads": HEADS, "vocab": VOCAB,
+        "model": {"parameters": nparams, "layers": shape.layers, "d_model": shape.d_model, "heads": shape.heads,
+                  "vocab": shape.vocab,
                   "seq": SEQ, "batch": BATCH, "lr": lr, "weight_decay": WEIGHT_DECAY,
                   "warmup_steps": WARMUP_STEPS, "warmup_lr": WARMUP_LR},
         "steps": rows,
