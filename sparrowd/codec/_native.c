@@ -29,9 +29,10 @@
  *
  * class_ranks and class_positions are the two scans of the ulp2 value mode
  * (docs/FORMAT.md): an element's class is the exponent field of its base bit
- * pattern, `(bits >> shift) & mask`, and a changed position is coded as its
- * rank among the elements of its class in the segment. Both make one pass over
- * the base bits of the segment with a counter per class.
+ * pattern relative to the segment's `lo`, clamped to 16 classes, and a changed
+ * position is coded as its rank among the elements of its class in the
+ * segment. Both make one pass over the base bits of the segment with a counter
+ * per class (AVX2: a popcount per class per 32 elements).
  *
  * No numpy headers: everything goes through the buffer protocol.
  */
@@ -587,57 +588,189 @@ done:
     return result;
 }
 
-#define MAX_CLASSES 2048 /* an f64 exponent: 11 bits */
+#define NCLASS 16 /* classes: the exponent relative to the segment's `lo`, clamped to [0, 15] */
 
-/* One loop per element width, so the load and the shift compile to one instruction each. */
-#define RANKS_LOOP(T)                                                       \
-    do {                                                                    \
-        const T *b = (const T *)bb.buf;                                     \
-        Py_ssize_t j = 0;                                                   \
-        for (Py_ssize_t p = start; p < end; p++) {                          \
-            const unsigned c = (unsigned)((b[p] >> shift) & mask);          \
-            if (p == idx[j]) {                                              \
-                cls[j] = (uint16_t)c;                                       \
-                rank[j] = counts[c];                                        \
-                j++;                                                        \
-            }                                                               \
-            counts[c]++;                                                    \
-        }                                                                   \
-    } while (0)
+static inline unsigned klass(uint64_t bits, int shift, uint64_t mask, int64_t lo) {
+    const int64_t e = (int64_t)((bits >> shift) & mask) - lo;
+    return e < 0 ? 0 : e > NCLASS - 1 ? NCLASS - 1 : (unsigned)e;
+}
 
-#define POSITIONS_LOOP(T)                                                   \
-    do {                                                                    \
-        const T *b = (const T *)bb.buf;                                     \
-        for (Py_ssize_t p = start; p < stop && found < n; p++) {            \
-            const unsigned c = (unsigned)((b[p] >> shift) & mask);          \
-            if (seen[c]++ == want[c]) {                                     \
-                const int64_t k = first[c]++;                               \
-                pos[found] = p;                                             \
-                perm[found] = k;                                            \
-                found++;                                                    \
-                want[c] = first[c] < last[c] ? ranks[first[c]] : -1;        \
-            }                                                               \
-        }                                                                   \
-    } while (0)
+static inline uint64_t load_at(const void *b, int isz, Py_ssize_t i) {
+    switch (isz) {
+    case 1: return ((const uint8_t *)b)[i];
+    case 2: return ((const uint16_t *)b)[i];
+    case 4: return ((const uint32_t *)b)[i];
+    default: return ((const uint64_t *)b)[i];
+    }
+}
+
+struct classing {
+    const void *base;
+    int isz, shift;
+    uint64_t mask;
+    int64_t lo;
+};
+
+/* Scalar scans, element by element (any width; the tails of the vector scans). */
+#define RANKS_SCALAR(T)                                                                                      \
+    static Py_ssize_t ranks_##T(const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx, \
+                                Py_ssize_t j, uint8_t *cls, int64_t *rank, int64_t *counts) {               \
+        const T *b = (const T *)k->base;                                                                     \
+        for (; p < end; p++) {                                                                               \
+            const unsigned c = klass(b[p], k->shift, k->mask, k->lo);                                        \
+            if (p == idx[j]) cls[j] = (uint8_t)c, rank[j] = counts[c], j++;                                  \
+            counts[c]++;                                                                                     \
+        }                                                                                                    \
+        return j;                                                                                            \
+    }
+RANKS_SCALAR(uint8_t)
+RANKS_SCALAR(uint16_t)
+RANKS_SCALAR(uint32_t)
+RANKS_SCALAR(uint64_t)
+
+static Py_ssize_t ranks_scalar(const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx,
+                               Py_ssize_t j, uint8_t *cls, int64_t *rank, int64_t *counts) {
+    if (p >= end) return j;
+    switch (k->isz) {
+    case 1: return ranks_uint8_t(k, p, end, idx, j, cls, rank, counts);
+    case 2: return ranks_uint16_t(k, p, end, idx, j, cls, rank, counts);
+    case 4: return ranks_uint32_t(k, p, end, idx, j, cls, rank, counts);
+    default: return ranks_uint64_t(k, p, end, idx, j, cls, rank, counts);
+    }
+}
+
+/* A positions scan: per class the next wanted rank (-1: none left) and where it sits in `ranks`. */
+struct wanted {
+    const int64_t *ranks;
+    int64_t first[NCLASS], last[NCLASS], want[NCLASS], seen[NCLASS];
+    int64_t *pos, *perm;
+    Py_ssize_t found, n;
+};
+
+static inline void hit(struct wanted *w, unsigned c, Py_ssize_t p) {
+    const int64_t k = w->first[c]++;
+    w->pos[w->found] = p, w->perm[w->found] = k, w->found++;
+    w->want[c] = w->first[c] < w->last[c] ? w->ranks[w->first[c]] : -1;
+}
+
+static Py_ssize_t positions_scalar(const struct classing *k, struct wanted *w, Py_ssize_t p, Py_ssize_t stop) {
+    for (; p < stop && w->found < w->n; p++) {
+        const unsigned c = klass(load_at(k->base, k->isz, p), k->shift, k->mask, k->lo);
+        if (w->seen[c]++ == w->want[c]) hit(w, c, p);
+    }
+    return p;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+/*
+ * Two-byte floats (bf16, f16) with AVX2, 32 elements per step: their classes are computed in two
+ * 16-lane vectors and packed to bytes; one compare per class gives a 32-bit mask of the step's
+ * elements in that class, whose popcount moves the class's counter. Only a step that holds a
+ * changed (or a wanted) element looks inside it: a rank is the counter plus the popcount of the
+ * mask below the element; a wanted rank is found with pdep.
+ */
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline void class_masks(const uint16_t *b,
+                                                                                 const struct classing *k,
+                                                                                 uint32_t m[NCLASS]) {
+    const __m128i sh = _mm_cvtsi32_si128(k->shift);
+    const __m256i mask = _mm256_set1_epi16((short)k->mask), lo = _mm256_set1_epi16((short)k->lo);
+    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi16(NCLASS - 1);
+    __m256i c0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)b), sh), mask);
+    __m256i c1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), sh), mask);
+    c0 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c0, lo), zero), top);
+    c1 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c1, lo), zero), top);
+    const __m256i c = _mm256_permute4x64_epi64(_mm256_packus_epi16(c0, c1), 0xD8);
+    for (int q = 0; q < NCLASS; q++)
+        m[q] = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c, _mm256_set1_epi8((char)q)));
+}
+
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t ranks_avx2(const struct classing *k,
+                                                                              Py_ssize_t p, Py_ssize_t end,
+                                                                              const int64_t *idx, Py_ssize_t n,
+                                                                              uint8_t *cls, int64_t *rank,
+                                                                              int64_t *counts) {
+    Py_ssize_t j = 0;
+    const uint16_t *b = (const uint16_t *)k->base;
+    uint32_t m[NCLASS];
+    for (; p + 32 <= end; p += 32) {
+        class_masks(b + p, k, m);
+        for (; j < n && idx[j] < p + 32; j++) {
+            const unsigned c = klass(b[idx[j]], k->shift, k->mask, k->lo);
+            cls[j] = (uint8_t)c;
+            rank[j] = counts[c] + __builtin_popcount(m[c] & ((1u << (idx[j] - p)) - 1));
+        }
+        for (int q = 0; q < NCLASS; q++) counts[q] += __builtin_popcount(m[q]);
+    }
+    return ranks_scalar(k, p, end, idx, j, cls, rank, counts);
+}
+
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t positions_avx2(const struct classing *k,
+                                                                                  struct wanted *w, Py_ssize_t p,
+                                                                                  Py_ssize_t stop) {
+    const uint16_t *b = (const uint16_t *)k->base;
+    uint32_t m[NCLASS];
+    for (; p + 32 <= stop && w->found < w->n; p += 32) {
+        class_masks(b + p, k, m);
+        const Py_ssize_t before = w->found;
+        for (int q = 0; q < NCLASS; q++) {
+            const int64_t pc = __builtin_popcount(m[q]);
+            while (w->want[q] >= 0 && w->want[q] < w->seen[q] + pc) {
+                const uint32_t bit = (uint32_t)_pdep_u32(1u << (w->want[q] - w->seen[q]), m[q]);
+                hit(w, (unsigned)q, p + __builtin_ctz(bit));
+            }
+            w->seen[q] += pc;
+        }
+        /* the step's hits came class by class: put them in position order (a few at most) */
+        for (Py_ssize_t a = before + 1; a < w->found; a++) {
+            const int64_t pa = w->pos[a], qa = w->perm[a];
+            Py_ssize_t z = a;
+            for (; z > before && w->pos[z - 1] > pa; z--) w->pos[z] = w->pos[z - 1], w->perm[z] = w->perm[z - 1];
+            w->pos[z] = pa, w->perm[z] = qa;
+        }
+    }
+    return positions_scalar(k, w, p, stop);
+}
+
+static int class_simd(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+           __builtin_cpu_supports("popcnt");
+}
+#else
+static int class_simd(void) { return 0; }
+#endif
+
+static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift, unsigned long long mask,
+                          long long lo) {
+    if (!check_width(isz)) return 0;
+    if (shift < 0 || shift >= 64 || mask > 0xFFFF || bb->len % isz || (uintptr_t)bb->buf % isz) {
+        PyErr_SetString(PyExc_ValueError, "classes: bad base buffer, shift or mask");
+        return 0;
+    }
+    k->base = bb->buf, k->isz = isz, k->shift = shift, k->mask = mask, k->lo = lo;
+    return 1;
+}
 
 /*
- * class_ranks(base, itemsize, shift, mask, start, indices, cls_out, rank_out)
- * For each sorted position p in `indices` (int64, all >= start), the class of base[p] (uint16 into
- * cls_out) and how many elements of that class lie in [start, p) (int64 into rank_out).
+ * class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, portable=False)
+ * For each sorted position p in `indices` (int64, all >= start), its class (uint8 into cls_out) and
+ * how many elements of that class lie in [start, p) (int64 into rank_out).
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
     Py_buffer bb, ib, cb, rb;
-    int isz, shift;
-    unsigned long mask;
+    int isz, shift, portable_ = 0;
+    unsigned long long mask;
+    long long lo;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "y*iikny*w*w*", &bb, &isz, &shift, &mask, &start, &ib, &cb, &rb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*iiKLny*w*w*|p", &bb, &isz, &shift, &mask, &lo, &start, &ib, &cb, &rb,
+                          &portable_))
+        return NULL;
     PyObject *result = NULL;
-    if (!check_width(isz)) goto done;
+    struct classing k;
+    if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
-    if (mask >= MAX_CLASSES || shift < 0 || shift >= 64 || bb.len % isz || (uintptr_t)bb.buf % isz ||
-        ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n * 2 || (uintptr_t)cb.buf % 2 || rb.len != n * 8 ||
-        (uintptr_t)rb.buf % 8 || start < 0) {
-        PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes, alignment or class mask");
+    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes or alignment");
         goto done;
     }
     const int64_t *idx = ib.buf;
@@ -647,19 +780,18 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    uint16_t *cls = cb.buf;
-    int64_t *rank = rb.buf;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t counts[MAX_CLASSES];
-    memset(counts, 0, sizeof(int64_t) * (mask + 1));
-    const Py_ssize_t end = n ? idx[n - 1] + 1 : start;
-    switch (isz) {
-    case 1: RANKS_LOOP(uint8_t); break;
-    case 2: RANKS_LOOP(uint16_t); break;
-    case 4: RANKS_LOOP(uint32_t); break;
-    default: RANKS_LOOP(uint64_t); break;
+    if (n) {
+        int64_t counts[NCLASS] = {0};
+        const Py_ssize_t end = idx[n - 1] + 1;
+        Py_BEGIN_ALLOW_THREADS
+#if defined(__GNUC__) && defined(__x86_64__)
+        if (isz == 2 && !portable_ && class_simd())
+            ranks_avx2(&k, start, end, idx, n, cb.buf, rb.buf, counts);
+        else
+#endif
+            ranks_scalar(&k, start, end, idx, 0, cb.buf, rb.buf, counts);
+        Py_END_ALLOW_THREADS
     }
-    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&bb);
@@ -670,67 +802,60 @@ done:
 }
 
 /*
- * class_positions(base, itemsize, shift, mask, start, stop, classes, counts, ranks, pos_out, perm_out) -> found
- * The inverse: `classes` (uint16, ascending) and `counts` (int64) say how many ranks each class has;
- * `ranks` (int64) holds them class after class, each class's ascending. Scanning base[start:stop),
- * the elements whose class-rank is wanted are written in position order: their position into
- * pos_out and the index of their rank in `ranks` into perm_out. Returns how many were found (all of
- * them, unless a rank is beyond its class's elements: the caller treats that as corrupt input).
+ * class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out,
+ *                 portable=False) -> found
+ * The inverse: `counts` (int64, one per class) say how many ranks each class has; `ranks` (int64)
+ * holds them class after class, each class's ascending. Scanning base[start:stop), the elements
+ * whose class-rank is wanted are written in position order: their position into pos_out and the
+ * index of their rank in `ranks` into perm_out. Returns how many were found (all, unless a rank
+ * lies beyond its class's elements: the caller treats that as corrupt input or a wrong base).
  */
 static PyObject *class_positions(PyObject *self, PyObject *args) {
-    Py_buffer bb, clb, cnb, rb, pb, qb;
-    int isz, shift;
-    unsigned long mask;
+    Py_buffer bb, cnb, rb, pb, qb;
+    int isz, shift, portable_ = 0;
+    unsigned long long mask;
+    long long lo;
     Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "y*iiknny*y*y*w*w*", &bb, &isz, &shift, &mask, &start, &stop, &clb, &cnb, &rb,
-                          &pb, &qb))
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*y*w*w*|p", &bb, &isz, &shift, &mask, &lo, &start, &stop, &cnb, &rb, &pb,
+                          &qb, &portable_))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t found = 0;
-    if (!check_width(isz)) goto done;
-    const Py_ssize_t nb = bb.len / isz, ncls = clb.len / 2, n = rb.len / 8;
-    if (mask >= MAX_CLASSES || shift < 0 || shift >= 64 || bb.len % isz || (uintptr_t)bb.buf % isz ||
-        start < 0 || stop < start || stop > nb || clb.len % 2 || (uintptr_t)clb.buf % 2 || cnb.len != ncls * 8 ||
-        (uintptr_t)cnb.buf % 8 || rb.len % 8 || (uintptr_t)rb.buf % 8 || pb.len != n * 8 || (uintptr_t)pb.buf % 8 ||
-        qb.len != n * 8 || (uintptr_t)qb.buf % 8) {
+    struct classing k;
+    struct wanted w;
+    if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
+    const Py_ssize_t nb = bb.len / isz, n = rb.len / 8;
+    if (start < 0 || stop < start || stop > nb || cnb.len != NCLASS * 8 || (uintptr_t)cnb.buf % 8 || rb.len % 8 ||
+        (uintptr_t)rb.buf % 8 || pb.len != n * 8 || (uintptr_t)pb.buf % 8 || qb.len != n * 8 ||
+        (uintptr_t)qb.buf % 8) {
         PyErr_SetString(PyExc_ValueError, "class_positions: bad buffer sizes, alignment or range");
         goto done;
     }
-    const uint16_t *classes = clb.buf;
-    const int64_t *counts = cnb.buf, *ranks = rb.buf;
-    /* where each class's ranks begin and end in `ranks`; -1: a class with none */
-    static _Thread_local int64_t first[MAX_CLASSES], last[MAX_CLASSES], seen[MAX_CLASSES];
+    const int64_t *counts = cnb.buf;
     int64_t total = 0;
-    for (Py_ssize_t c = 0; c <= (Py_ssize_t)mask; c++) first[c] = last[c] = seen[c] = 0;
-    for (Py_ssize_t i = 0; i < ncls; i++) {
-        if (classes[i] > mask || (i && classes[i] <= classes[i - 1]) || counts[i] < 0 || counts[i] > n - total) {
-            PyErr_SetString(PyExc_ValueError, "class_positions: classes must ascend within the mask, counts fit");
+    for (int q = 0; q < NCLASS; q++) {
+        if (counts[q] < 0 || counts[q] > n - total) {
+            PyErr_SetString(PyExc_ValueError, "class_positions: the counts do not fit the ranks given");
             goto done;
         }
-        first[classes[i]] = total;
-        total += counts[i];
-        last[classes[i]] = total;
+        w.first[q] = total, total += counts[q], w.last[q] = total, w.seen[q] = 0;
     }
     if (total != n) {
         PyErr_SetString(PyExc_ValueError, "class_positions: the counts do not add up to the ranks given");
         goto done;
     }
-    int64_t *pos = pb.buf, *perm = qb.buf;
-    /* want[c]: the next rank wanted in class c (-1: none left), so the scan makes one compare. */
-    static _Thread_local int64_t want[MAX_CLASSES];
-    for (Py_ssize_t c = 0; c <= (Py_ssize_t)mask; c++) want[c] = first[c] < last[c] ? ranks[first[c]] : -1;
+    w.ranks = rb.buf, w.pos = pb.buf, w.perm = qb.buf, w.found = 0, w.n = n;
+    for (int q = 0; q < NCLASS; q++) w.want[q] = w.first[q] < w.last[q] ? w.ranks[w.first[q]] : -1;
     Py_BEGIN_ALLOW_THREADS
-    switch (isz) {
-    case 1: POSITIONS_LOOP(uint8_t); break;
-    case 2: POSITIONS_LOOP(uint16_t); break;
-    case 4: POSITIONS_LOOP(uint32_t); break;
-    default: POSITIONS_LOOP(uint64_t); break;
-    }
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (isz == 2 && !portable_ && class_simd())
+        positions_avx2(&k, &w, start, stop);
+    else
+#endif
+        positions_scalar(&k, &w, start, stop);
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(found);
+    result = PyLong_FromSsize_t(w.found);
 done:
     PyBuffer_Release(&bb);
-    PyBuffer_Release(&clb);
     PyBuffer_Release(&cnb);
     PyBuffer_Release(&rb);
     PyBuffer_Release(&pb);
@@ -748,9 +873,10 @@ static PyMethodDef methods[] = {
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,
-     "class_ranks(base, itemsize, shift, mask, start, indices, cls_out, rank_out)"},
+     "class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, portable=False)"},
     {"class_positions", class_positions, METH_VARARGS,
-     "class_positions(base, itemsize, shift, mask, start, stop, classes, counts, ranks, pos_out, perm_out) -> found"},
+     "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, "
+     "portable=False) -> found"},
     {NULL, NULL, 0, NULL},
 };
 

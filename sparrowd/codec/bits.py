@@ -60,6 +60,8 @@ __all__ = [
     "ulp2_codes",
     "class_ranks",
     "class_positions",
+    "class_lo",
+    "NCLASS",
 ]
 
 
@@ -396,57 +398,69 @@ def exponent_field(dtype: str) -> tuple[int, int]:
         raise FormatError(f"dtype {dtype} has no exponent classes (ulp2 is for float dtypes)") from None
 
 
-def _classes(base: np.ndarray, lo: int, hi: int, shift: int, mask: int) -> np.ndarray:
+NCLASS = 16  # ulp2 classes: the exponent relative to the segment's ``lo``, clamped to [0, 15]
+
+
+def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> int:
+    """The ``lo`` of a segment's classes: 12 below the commonest exponent of its base (a sample of
+    at most 64 Ki elements), so that the 16 classes span the exponents where nearly every element
+    and every change lies (one class for everything below, one for everything above)."""
+    step = max(1, (stop - start) // 65536)
+    sample = (base[start:stop:step] >> base.dtype.type(shift)) & base.dtype.type(mask)
+    if sample.size == 0:
+        return 0
+    return max(0, int(np.bincount(sample.astype(np.int64)).argmax()) - 12)
+
+
+def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: int) -> np.ndarray:
     t = base.dtype.type
-    return ((base[lo:hi] >> t(shift)) & t(mask)).astype(np.uint16)
+    e = ((base[lo_i:hi_i] >> t(shift)) & t(mask)).astype(np.int64) - lo
+    return np.clip(e, 0, NCLASS - 1).astype(np.uint8)
 
 
-def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, *,
+def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int, *,
                 native: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """For sorted positions ``indices`` (all >= ``start``) of ``base`` (flat bits): each one's class
     and its rank among the elements of that class in ``[start, p)``."""
     n = int(indices.size)
-    cls, rank = np.empty(n, np.uint16), np.empty(n, np.int64)
+    cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
     if n == 0:
         return cls, rank
     if native and _native is not None:
-        _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, start,
+        _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start,
                             np.ascontiguousarray(indices, np.int64), cls, rank)
         return cls, rank
-    c = _classes(base, start, int(indices[-1]) + 1, shift, mask)
-    order = np.argsort(c, kind="stable")  # a radix sort for 16-bit keys
+    c = _classes(base, start, int(indices[-1]) + 1, shift, mask, lo)
+    order = np.argsort(c, kind="stable")  # a radix sort for 8-bit keys
     inverse = np.empty(c.size, np.int64)
     inverse[order] = np.arange(c.size)
-    first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=mask + 1))])
+    first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=NCLASS))])
     local = np.asarray(indices, np.int64) - start
     cls[:] = c[local]
     rank[:] = inverse[local] - first[cls]
     return cls, rank
 
 
-def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: int, classes: np.ndarray,
-                    counts: np.ndarray, ranks: np.ndarray, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: int, lo: int, counts: np.ndarray,
+                    ranks: np.ndarray, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of :func:`class_ranks` over ``[start, stop)``: ``ranks`` holds each class's
-    ascending ranks, class after class (``classes`` ascending, ``counts`` per class). Returns the
+    ascending ranks, class after class (``counts``: how many per class, 16 of them). Returns the
     positions in ascending order and, for each, the index of its rank in ``ranks``. FormatError when
     a rank is beyond the elements of its class (a corrupt chunk, or the wrong base)."""
     n = int(ranks.size)
-    classes = np.ascontiguousarray(classes, np.uint16)
     counts = np.ascontiguousarray(counts, np.int64)
     ranks = np.ascontiguousarray(ranks, np.int64)
-    if classes.size and (int(classes.max()) > mask or np.any(np.diff(classes.astype(np.int64)) <= 0)):
-        raise FormatError("ulp2 segment: classes must ascend inside the exponent field")
-    if int(counts.sum()) != n or np.any(counts < 0):
+    if counts.size != NCLASS or int(counts.sum()) != n or np.any(counts < 0):
         raise FormatError("ulp2 segment: class counts do not add up")
     if native and _native is not None:
         pos, perm = np.empty(n, np.int64), np.empty(n, np.int64)
-        found = _native.class_positions(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, start, stop,
-                                        classes, counts, ranks, pos, perm)
+        found = _native.class_positions(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
+                                        counts, ranks, pos, perm)
     else:
-        c = _classes(base, start, stop, shift, mask)
+        c = _classes(base, start, stop, shift, mask, lo)
         order = np.argsort(c, kind="stable")
-        first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=mask + 1))])
-        per_class = np.repeat(classes.astype(np.int64), counts)
+        first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=NCLASS))])
+        per_class = np.repeat(np.arange(NCLASS), counts)
         within = first[per_class + 1] - first[per_class]
         if np.any(ranks >= within) or np.any(ranks < 0):
             raise FormatError("ulp2 segment: a position rank lies beyond its class (wrong base, or corrupt)")

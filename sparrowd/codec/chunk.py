@@ -60,6 +60,8 @@ from ..errors import FormatError, IntegrityError
 from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
     ESCAPE,
+    NCLASS,
+    class_lo,
     class_positions,
     class_ranks,
     dtype_info,
@@ -180,7 +182,8 @@ def _encode_ulp2(seg: Segment, info) -> tuple[list, list[np.ndarray]]:
     if seg.base is None:
         raise ValueError(f"ulp2 segment {seg.name}: the base is needed to encode")
     shift, mask = exponent_field(seg.dtype)
-    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask)
+    lo = class_lo(seg.base, seg.start, seg.stop, shift, mask)
+    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask, lo)
     order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
     cls, rank = cls[order], rank[order]
     classes, first, counts = np.unique(cls, return_index=True, return_counts=True)
@@ -189,7 +192,7 @@ def _encode_ulp2(seg: Segment, info) -> tuple[list, list[np.ndarray]]:
         k, unary, rem = rice_index(rank[f:f + n], 0)
         table.append([c, n, k])
         blobs += [unary, rem]
-    return table, blobs + ulp2_streams(seg.data[order])
+    return lo, table, blobs + ulp2_streams(seg.data[order])
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
@@ -200,7 +203,7 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
     k = 0
     classes = None
     if seg.values == ULP2:
-        classes, blobs = _encode_ulp2(seg, info)
+        lo, classes, blobs = _encode_ulp2(seg, info)
     elif seg.kind == SPARSE:
         k, unary, rem = rice_index(seg.indices, seg.start)
         blobs += [unary, rem]
@@ -220,7 +223,7 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
         "blobs": [int(b.nbytes) for b in blobs],
     }
     if classes is not None:
-        header["classes"] = classes
+        header["class_lo"], header["classes"] = lo, classes
     return header, blobs
 
 
@@ -305,10 +308,12 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     if values == ULP2:
         table = h.get("classes")
         _, mask = exponent_field(h["dtype"])
-        if not isinstance(table, list) or not all(
-                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[0] <= mask and c[2] < 64
-                for c in table) or sum(c[1] for c in table) != n:
-            raise FormatError(f"chunk segment {name!r}: ulp2 needs classes [[class, count, k], ...] adding up to {n}")
+        if not (isinstance(table, list) and NonNegInt(h.get("class_lo")) and h["class_lo"] <= mask and all(
+                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[2] < 64 for c in table)
+                and [c[0] for c in table] == sorted({c[0] for c in table}) and all(c[0] < NCLASS for c in table)
+                and sum(c[1] for c in table) == n):
+            raise FormatError(f"chunk segment {name!r}: ulp2 needs class_lo and classes [[class, count, k], ...] "
+                              f"(ascending, below {NCLASS}) adding up to {n}")
         ncls = len(table)
     streams = segment_streams(kind, values, info.itemsize, ncls)
     lens = h["blobs"]
@@ -332,8 +337,9 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base) -> Segment:
         ranks.append(np.cumsum(gaps.astype(np.int64) + 1) - 1)
     shift, mask = exponent_field(h["dtype"])
     ranks = np.concatenate(ranks) if ranks else np.empty(0, np.int64)
-    indices, perm = class_positions(bits, start, stop, shift, mask, np.array([c[0] for c in table], np.uint16),
-                                    np.array([c[1] for c in table], np.int64), ranks)
+    counts = np.zeros(NCLASS, np.int64)
+    counts[[c[0] for c in table]] = [c[1] for c in table]
+    indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks)
     grouped = ulp2_codes(*blobs[2 * len(table):], n, w)
     return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, grouped[perm], indices)
 
