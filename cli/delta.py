@@ -6,7 +6,7 @@ import argparse
 import json
 
 from sparrowd.checkpoint import open_checkpoint
-from sparrowd.codec import ABSOLUTE, ULP
+from sparrowd.codec import ABSOLUTE, ULP, ULP2
 from sparrowd.delta import apply_file, diff_files, export_patch, inspect_patch
 from sparrowd.units import format_bytes, parse_size
 
@@ -40,9 +40,11 @@ def register(sub) -> None:
     d.add_argument("old", metavar="OLD", help="base checkpoint: a .safetensors file or a model folder")
     d.add_argument("new", metavar="NEW", help="new checkpoint, same kind as OLD")
     d.add_argument("-o", "--output", required=True, metavar="PATCH", help="patch file to write (.sprw)")
-    d.add_argument("--values", choices=(ULP, ABSOLUTE), default=ULP,
+    d.add_argument("--values", choices=(ULP, ULP2, ABSOLUTE), default=ULP,
                    help="value mode: 'ulp' stores integer distances between bit patterns (smaller, needs the exact "
-                        "base), 'absolute' stores the new bits (idempotent). Default: ulp")
+                        "base), 'ulp2' (format 2) codes them and their positions against the base's exponents "
+                        "(about 30%% smaller again; decoding needs the base), 'absolute' stores the new bits "
+                        "(idempotent). Default: ulp")
     d.add_argument("--version", type=_nonneg, default=1, metavar="N", help="version the patch produces (default 1)")
     d.add_argument("--base-version", type=_nonneg, default=None, metavar="M",
                    help="version the patch applies to (default N-1)")
@@ -72,6 +74,7 @@ def register(sub) -> None:
                                   "patched tensor, <name>.full per tensor written whole; versions in the metadata.")
     e.add_argument("patch", metavar="PATCH")
     e.add_argument("-o", "--output", required=True, metavar="DECODED")
+    e.add_argument("--base", metavar="CHECKPOINT", help="the base checkpoint (needed for an ulp2 patch)")
     e.set_defaults(func=cmd_export)
 
 
@@ -120,6 +123,6 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
-    m = export_patch(args.patch, args.output)
+    m = export_patch(args.patch, args.output, base=args.base)
     print(f"wrote {args.output}: decoded version {m.version} ({len(m.tensors)} tensors)")
     return 0

@@ -43,9 +43,9 @@ from .codec import (
     parse_patch,
     patch_parts,
 )
-from .codec.chunk import ULP
+from .codec.chunk import ULP, ULP2
 from .decoded import DECODED_FORMAT, decode_patch, write_decoded
-from .errors import FormatError
+from .errors import FormatError, InputError
 
 __all__ = ["diff_files", "apply_file", "open_patch", "inspect_patch", "export_patch", "PatchStats", "DECODED_FORMAT"]
 
@@ -232,13 +232,21 @@ def inspect_patch(path: str | os.PathLike, *, verify: bool = True) -> PatchStats
         )
 
 
-def export_patch(path: str | os.PathLike, out: str | os.PathLike) -> Manifest:
+def export_patch(path: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None) -> Manifest:
     """Write the decoded patch in the safetensors layout (see docs/FORMAT.md and
     :mod:`sparrowd.decoded`): ``<name>.indices`` and ``<name>.values`` per patched tensor,
-    ``<name>.full`` per tensor written whole, and a table of every touched tensor."""
-    with open_patch(path) as view:
+    ``<name>.full`` per tensor written whole, and a table of every touched tensor. ``base``: the
+    base checkpoint, which an ulp2 patch is decoded against."""
+    with open_patch(path) as view, ExitStack() as stack:
         m = view.manifest
-        d = decode_patch(m, view.chunks)
+        if m.values == ULP2 and base is None:
+            raise InputError(f"{path} is an ulp2 patch: its positions are coded against the base; give --base")
+        bits = None
+        if base is not None:
+            ck = stack.enter_context(open_checkpoint(base))
+            check_base(m, ck)
+            bits = {name: t.bits for name, t in ck.items()}
+        d = decode_patch(m, view.chunks, bits)
     with atomic_file(Path(out)) as tmp:
         write_decoded(d, tmp)
     return m

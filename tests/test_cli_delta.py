@@ -28,7 +28,7 @@ def listing(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()}
 
 
-@pytest.mark.parametrize("values", ["ulp", "absolute"])
+@pytest.mark.parametrize("values", ["ulp2", "ulp", "absolute"])
 def test_diff_apply_round_trip_single_file(files, values):
     d, s0, s1 = files
     r = sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw", "--values", values)
@@ -165,3 +165,20 @@ def test_outputs_follow_the_umask(files):
     mask = os.umask(0)
     os.umask(mask)
     assert (d / "p.sprw").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_an_ulp2_patch_is_exported_against_its_base_only(files):
+    d, s0, s1 = files
+    assert sparrowd("delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p.sprw",
+                    "--values", "ulp2").returncode == 0
+    r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors")
+    assert r.returncode != 0 and "give --base" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (d / "dec.safetensors").exists()
+    r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors", "--base", d / "v1.safetensors")
+    assert r.returncode != 0 and "base" in r.stderr  # the wrong base: refused by fingerprint
+    r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors", "--base", d / "v0.safetensors")
+    assert r.returncode == 0, r.stderr
+    with safe_open(str(d / "dec.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["tensors"])
+    r = sparrowd("delta", "inspect", d / "p.sprw")
+    assert r.returncode == 0 and "ulp2" in r.stdout

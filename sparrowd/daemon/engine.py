@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..codec.chunk import ULP2
 from ..decoded import decode_patch, write_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
 from ..errors import FormatError, SparrowError
@@ -344,6 +345,9 @@ class EngineServer:
     def _decode_now(self, key: Key) -> tuple[int, int]:
         """In a worker thread: the object's chunks, decoded into a sealed memfd."""
         vs = self.swarm.versions[key]
+        if vs.manifest.values == ULP2:
+            raise SparrowError(f"{key} is an ulp2 patch, coded against its base: the engine socket does not decode "
+                               f"those yet (publish with values 'ulp')")
         t0 = time.perf_counter()
         chunks = (self.swarm.store.chunk_path(key, i).read_bytes() for i in range(vs.total))
         d = decode_patch(vs.manifest, chunks)
