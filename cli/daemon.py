@@ -108,7 +108,8 @@ def register(sub) -> None:
     pb.add_argument("--state-dir", metavar="DIR",
                     help=f"with --checkpoint: where the last published checkpoint is kept "
                          f"(default {default_data_dir() / 'published'})")
-    pb.add_argument("--values", choices=("ulp", "absolute"), default="ulp", help="value mode (default ulp)")
+    pb.add_argument("--values", choices=("ulp", "ulp2", "absolute"), default="ulp",
+                    help="value mode (default ulp; ulp2 needs rollout nodes with --current on, see docs/FORMAT.md)")
     pb.add_argument("--daemon", metavar="URL", default=os.environ.get("SPARROWD_DAEMON", "http://127.0.0.1:7070"),
                     help="the trainer's daemon (default $SPARROWD_DAEMON or http://127.0.0.1:7070)")
     pb.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),

@@ -70,6 +70,7 @@ from .codec.chunk import DENSE, decode_file_chunk, is_ulp
 from .codec.extract import fingerprint
 from .codec.manifest import MAX_FILE, check_file_name
 from .codec.patch import check_segments
+from .decoded import decoded_from, write_decoded
 from .errors import FormatError, IntegrityError, SparrowError
 from .schema import pack, unpack
 
@@ -428,9 +429,12 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
 
 
 def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], patch: Manifest, read: ReadChunk,
-                   progress: Progress | None) -> None:
-    """Decode the patch against the folder's bits: each changed element's new bits, journaled."""
+                   progress: Progress | None, decoded: Path | None = None) -> None:
+    """Decode the patch against the folder's bits: each changed element's new bits, journaled.
+    ``decoded``: also write the patch there in the decoded layout (sparrowd.decoded), for engines
+    that cannot decode it themselves (an ulp2 patch is coded against the base this folder holds)."""
     reader = _Shards(folder, places, guard=False)  # reads only, through the same mappings
+    parts: dict[str, list] = {}
     try:
         for i, entry in enumerate(patch.chunks):
             data = read(i)
@@ -440,6 +444,9 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
             else:
                 segments = decode_chunk(data, expect_hash=entry.hash, base=reader.view)
                 check_segments(patch, entry, segments)
+                if decoded is not None:
+                    for s in segments:
+                        parts.setdefault(s.name, []).append(s)
                 for s in segments:
                     if s.kind == DENSE:
                         journal.add("dense", s.name, s.start, s.stop, None, s.data)
@@ -450,6 +457,9 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
                         journal.add("sparse", s.name, s.start, s.stop, s.indices, s.data)
             if progress is not None:
                 progress(i + 1, len(patch.chunks))
+        if decoded is not None:
+            with atomic_file(decoded) as tmp:
+                write_decoded(decoded_from(patch, parts), tmp)
     finally:
         reader.close()
 
@@ -609,16 +619,19 @@ class CurrentFolder:
                 shutil.rmtree(old, ignore_errors=True)
             return anchor.version
 
-    def apply(self, patch: Manifest, read: ReadChunk, progress: Progress | None = None) -> int:
+    def apply(self, patch: Manifest, read: ReadChunk, progress: Progress | None = None,
+              decoded: Path | None = None) -> int:
         """Move the folder one version, in place (module docstring). FolderBusy while an engine is
-        loading from it; LayoutChange for a patch that adds, removes or reshapes tensors."""
+        loading from it; LayoutChange for a patch that adds, removes or reshapes tensors.
+        ``decoded``: also write the patch in the decoded layout there (before the folder moves)."""
         with self._mutex:
             folder = self.folder
             if folder is None:
                 raise SparrowError("no current folder to update")
             with _locked(folder, shared=False, wait=False):
                 try:
-                    return update_folder(folder, patch, read, self.journal, guard=self.guard, progress=progress)
+                    return update_folder(folder, patch, read, self.journal, guard=self.guard, progress=progress,
+                                         decoded=decoded)
                 except FolderDamaged as e:  # written, yet not the manifest's bits: start again from an anchor
                     self._discard(folder)
                     raise IntegrityError(f"{e}; the folder is removed and rebuilt from an anchor") from None
@@ -629,7 +642,7 @@ class FolderDamaged(IntegrityError):
 
 
 def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: Path, *, guard: bool = False,
-                  progress: Progress | None = None) -> int:
+                  progress: Progress | None = None, decoded: Path | None = None) -> int:
     """Journal ``patch`` against the folder's bits, then replay the journal into it (module
     docstring). The folder must hold the patch's base; LayoutChange for a patch that adds,
     removes or reshapes tensors (only an anchor moves such a folder on)."""
@@ -651,7 +664,7 @@ def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: 
         "tensors": {t.name: t.result_fp for t in patch.tensors},
         "files": {f.name: f.hash.hex() for f in patch.files}})
     try:
-        _journal_patch(journal, folder, places, patch, read, progress)
+        _journal_patch(journal, folder, places, patch, read, progress, decoded)
         journal.commit()
     except BaseException:
         journal.abandon()

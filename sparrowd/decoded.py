@@ -28,7 +28,7 @@ from .codec.chunk import ULP, is_ulp
 from .codec.patch import check_segments
 from .errors import FormatError
 
-__all__ = ["Write", "Decoded", "decode_patch", "write_decoded", "read_decoded", "DECODED_FORMAT"]
+__all__ = ["Write", "Decoded", "decode_patch", "decoded_from", "write_decoded", "read_decoded", "DECODED_FORMAT"]
 
 DECODED_FORMAT = "sparrowd-decoded/1"
 
@@ -68,6 +68,11 @@ def decode_patch(manifest: Manifest, chunks, base=None) -> Decoded:
         check_segments(manifest, entry, segments)
         for s in segments:
             parts.setdefault(s.name, []).append(s)
+    return decoded_from(manifest, parts)
+
+
+def decoded_from(manifest: Manifest, parts: dict[str, list]) -> Decoded:
+    """One write per touched tensor from its decoded segments (``name -> [Segment]``, any order)."""
     writes = []
     for t in manifest.tensors:
         if t.op == REMOVE:

@@ -59,7 +59,7 @@ import blake3
 import numpy as np
 
 from .codec.bits import RawTensor
-from .codec.chunk import ULP, ULP2
+from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
 from .current import model_files
@@ -167,10 +167,6 @@ class Publisher:
             raise InputError("Publisher needs token_file, the swarm token's file")
         if anchor_every < 0:
             raise InputError("anchor_every must be 0 (no periodic anchors) or more")
-        if values == ULP2:
-            raise InputError("values='ulp2' does not go through the swarm yet: a rollout daemon's engine socket "
-                             "decodes without the base it is coded against. Use 'ulp' here; `sparrowd delta` "
-                             "writes and applies ulp2 patches")
         if compare not in ("auto", "torch"):
             raise InputError("compare must be 'auto' (the fused C pass on the CPU, torch on devices) or 'torch'")
         self.compare = compare

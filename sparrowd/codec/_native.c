@@ -606,6 +606,7 @@ static inline uint64_t load_at(const void *b, int isz, Py_ssize_t i) {
 
 struct classing {
     const void *base;
+    const void *old; /* class_ranks: the base's bits at the indices, when `base` holds new bits there */
     int isz, shift;
     uint64_t mask;
     int64_t lo;
@@ -615,11 +616,14 @@ struct classing {
 #define RANKS_SCALAR(T)                                                                                      \
     static Py_ssize_t ranks_##T(const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx, \
                                 Py_ssize_t j, uint8_t *cls, int64_t *rank, int64_t *counts) {               \
-        const T *b = (const T *)k->base;                                                                     \
+        const T *b = (const T *)k->base, *old = (const T *)k->old;                                           \
         for (; p < end; p++) {                                                                               \
-            const unsigned c = klass(b[p], k->shift, k->mask, k->lo);                                        \
-            if (p == idx[j]) cls[j] = (uint8_t)c, rank[j] = counts[c], j++;                                  \
-            counts[c]++;                                                                                     \
+            if (p == idx[j]) {                                                                               \
+                const unsigned c = klass(old ? old[j] : b[p], k->shift, k->mask, k->lo);                     \
+                cls[j] = (uint8_t)c, rank[j] = counts[c]++, j++;                                             \
+            } else {                                                                                         \
+                counts[klass(b[p], k->shift, k->mask, k->lo)]++;                                             \
+            }                                                                                                \
         }                                                                                                    \
         return j;                                                                                            \
     }
@@ -692,10 +696,18 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t ranks_avx2(con
     Py_ssize_t j = 0;
     const uint16_t *b = (const uint16_t *)k->base;
     uint32_t m[NCLASS];
+    const uint16_t *old = (const uint16_t *)k->old;
     for (; p + 32 <= end; p += 32) {
         class_masks(b + p, k, m);
+        const Py_ssize_t first = j;
+        if (old) /* the step's changed elements belong to their base bits' class, not the new bits' */
+            for (Py_ssize_t i = first; i < n && idx[i] < p + 32; i++) {
+                const uint32_t bit = 1u << (idx[i] - p);
+                m[klass(b[idx[i]], k->shift, k->mask, k->lo)] &= ~bit;
+                m[klass(old[i], k->shift, k->mask, k->lo)] |= bit;
+            }
         for (; j < n && idx[j] < p + 32; j++) {
-            const unsigned c = klass(b[idx[j]], k->shift, k->mask, k->lo);
+            const unsigned c = klass(old ? old[j] : b[idx[j]], k->shift, k->mask, k->lo);
             cls[j] = (uint8_t)c;
             rank[j] = counts[c] + __builtin_popcount(m[c] & ((1u << (idx[j] - p)) - 1));
         }
@@ -747,32 +759,36 @@ static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift,
         PyErr_SetString(PyExc_ValueError, "classes: bad base buffer, shift or mask");
         return 0;
     }
-    k->base = bb->buf, k->isz = isz, k->shift = shift, k->mask = mask, k->lo = lo;
+    k->base = bb->buf, k->old = NULL, k->isz = isz, k->shift = shift, k->mask = mask, k->lo = lo;
     return 1;
 }
 
 /*
- * class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, portable=False)
+ * class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, old=None, portable=False)
  * For each sorted position p in `indices` (int64, all >= start), its class (uint8 into cls_out) and
- * how many elements of that class lie in [start, p) (int64 into rank_out).
+ * how many elements of that class lie in [start, p) (int64 into rank_out). `old`, when given, holds
+ * the base's bits at the indices, for a `base` that already holds the new bits there (a kept copy
+ * the diff brought up to date).
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
-    Py_buffer bb, ib, cb, rb;
+    Py_buffer bb, ib, cb, rb, ob = {0};
     int isz, shift, portable_ = 0;
     unsigned long long mask;
     long long lo;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "y*iiKLny*w*w*|p", &bb, &isz, &shift, &mask, &lo, &start, &ib, &cb, &rb,
+    if (!PyArg_ParseTuple(args, "y*iiKLny*w*w*|z*p", &bb, &isz, &shift, &mask, &lo, &start, &ib, &cb, &rb, &ob,
                           &portable_))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
     if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
-    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 || start < 0) {
+    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 || start < 0 ||
+        (ob.buf != NULL && (ob.len != n * isz || (uintptr_t)ob.buf % isz))) {
         PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes or alignment");
         goto done;
     }
+    k.old = ob.buf;
     const int64_t *idx = ib.buf;
     for (Py_ssize_t j = 0; j < n; j++) {
         if (idx[j] < start || idx[j] >= nb || (j && idx[j] <= idx[j - 1])) {
@@ -798,6 +814,7 @@ done:
     PyBuffer_Release(&ib);
     PyBuffer_Release(&cb);
     PyBuffer_Release(&rb);
+    if (ob.buf != NULL) PyBuffer_Release(&ob);
     return result;
 }
 
@@ -873,7 +890,7 @@ static PyMethodDef methods[] = {
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,
-     "class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, portable=False)"},
+     "class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, old=None, portable=False)"},
     {"class_positions", class_positions, METH_VARARGS,
      "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, "
      "portable=False) -> found"},

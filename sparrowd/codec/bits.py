@@ -418,19 +418,24 @@ def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: 
     return np.clip(e, 0, NCLASS - 1).astype(np.uint8)
 
 
-def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int, *,
-                native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int,
+                old: np.ndarray | None = None, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """For sorted positions ``indices`` (all >= ``start``) of ``base`` (flat bits): each one's class
-    and its rank among the elements of that class in ``[start, p)``."""
+    and its rank among the elements of that class in ``[start, p)``. ``old``: the base's bits at
+    ``indices``, for a ``base`` that already holds the new bits there (the Publisher's kept copies,
+    which its diff brings up to date as it compares)."""
     n = int(indices.size)
     cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
     if n == 0:
         return cls, rank
     if native and _native is not None:
         _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start,
-                            np.ascontiguousarray(indices, np.int64), cls, rank)
+                            np.ascontiguousarray(indices, np.int64), cls, rank,
+                            None if old is None else np.ascontiguousarray(old, base.dtype))
         return cls, rank
     c = _classes(base, start, int(indices[-1]) + 1, shift, mask, lo)
+    if old is not None:
+        c[np.asarray(indices, np.int64) - start] = _classes(np.asarray(old, base.dtype), 0, n, shift, mask, lo)
     order = np.argsort(c, kind="stable")  # a radix sort for 8-bit keys
     inverse = np.empty(c.size, np.int64)
     inverse[order] = np.arange(c.size)

@@ -129,6 +129,7 @@ class Segment:
     data: np.ndarray
     indices: np.ndarray | None = None
     base: np.ndarray | None = None  # ulp2, encoding: the base tensor's flat bits (its classes)
+    base_values: np.ndarray | None = None  # ulp2, encoding: the base's bits at `indices`, when `base` has moved
 
     @property
     def count(self) -> int:
@@ -183,7 +184,7 @@ def _encode_ulp2(seg: Segment, info) -> tuple[list, list[np.ndarray]]:
         raise ValueError(f"ulp2 segment {seg.name}: the base is needed to encode")
     shift, mask = exponent_field(seg.dtype)
     lo = class_lo(seg.base, seg.start, seg.stop, shift, mask)
-    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask, lo)
+    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask, lo, seg.base_values)
     order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
     cls, rank = cls[order], rank[order]
     classes, first, counts = np.unique(cls, return_index=True, return_counts=True)

@@ -128,14 +128,18 @@ class PatchEncoder:
             return []
         info = dtype_info(new.dtype)
         nv = new.bits[indices] if new_values is None else new_values
+        ov = None
         if is_ulp(self.values) and info.is_float:
             ov = old.bits[indices] if old_values is None else old_values
             data, mode = ulp_encode(ov, nv), self.values
         else:
             data, mode = nv, ABSOLUTE
         self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, old_fp, new_fp, int(indices.size))
-        base = old.bits if mode == ULP2 else None  # ulp2 codes positions by the base's exponent classes
-        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, base))
+        if mode != ULP2:
+            return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
+        # ulp2 codes positions by the base's exponent classes: the base's bits, and its bits at the changed
+        # positions as given (a kept copy may already hold the new ones there).
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ov))
 
     def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
         self._tensors[name] = TensorEntry(
@@ -238,8 +242,10 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
         )
     cut = int(seg.indices[k - 1]) + 1
     return (
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base),
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base,
+                None if seg.base_values is None else seg.base_values[:k]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base,
+                None if seg.base_values is None else seg.base_values[k:]),
     )
 
 

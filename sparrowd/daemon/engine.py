@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..codec.chunk import ULP2
-from ..decoded import decode_patch, write_decoded
+from ..decoded import decode_patch, read_decoded, write_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
 from ..errors import FormatError, SparrowError
-from ..swarm.chain import Key, engine_plan
+from ..swarm.chain import Key, Obj, engine_plan
+from .folder import decoded_path
 from .logs import event
 
 __all__ = ["EngineServer"]
@@ -250,7 +251,15 @@ class EngineServer:
     # ------------------------------------------------------------ requests
 
     def plan(self, version: int) -> tuple[int | None, list[int]]:
-        return engine_plan(version, {k: vs.obj for k, vs in self.swarm.versions.items()})
+        return engine_plan(version, {k: self._usable(vs) for k, vs in self.swarm.versions.items()})
+
+    def _usable(self, vs) -> Obj:
+        """An ulp2 patch is coded against its base: it is there for engines once the node's current
+        folder, which holds that base, has decoded it (sparrowd.daemon.folder)."""
+        obj = vs.obj
+        if obj.complete and vs.manifest.values == ULP2 and self.daemon.keeper is not None:
+            return Obj(obj.base, decoded_path(self.daemon.data_dir, vs.version).exists())
+        return obj
 
     async def _ready(self, me: Engine, wait: float, until: int | None = None) -> dict:
         """What the engine loads next; waits up to ``wait`` s for something, or, given ``until``,
@@ -342,15 +351,25 @@ class EngineServer:
             self._decoded.pop(key, None)
             raise SparrowError(f"cannot decode: {e}") from None
 
+    def _decoded_by_folder(self, key: Key):
+        path = decoded_path(self.daemon.data_dir, key.version)
+        if self.daemon.keeper is None:
+            raise SparrowError(f"{key} is an ulp2 patch, coded against its base: this node decodes those in its "
+                               f"current folder, which it keeps only with --current on")
+        try:
+            return read_decoded(path)
+        except FileNotFoundError:
+            raise SparrowError(f"{key} is an ulp2 patch that this node's current folder has not decoded") from None
+
     def _decode_now(self, key: Key) -> tuple[int, int]:
         """In a worker thread: the object's chunks, decoded into a sealed memfd."""
         vs = self.swarm.versions[key]
-        if vs.manifest.values == ULP2:
-            raise SparrowError(f"{key} is an ulp2 patch, coded against its base: the engine socket does not decode "
-                               f"those yet (publish with values 'ulp')")
         t0 = time.perf_counter()
-        chunks = (self.swarm.store.chunk_path(key, i).read_bytes() for i in range(vs.total))
-        d = decode_patch(vs.manifest, chunks)
+        if vs.manifest.values == ULP2:
+            d = self._decoded_by_folder(key)
+        else:
+            chunks = (self.swarm.store.chunk_path(key, i).read_bytes() for i in range(vs.total))
+            d = decode_patch(vs.manifest, chunks)
         fd = os.memfd_create(f"sparrowd-{key.tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             write_decoded(d, f"/proc/self/fd/{fd}")

@@ -21,17 +21,34 @@ import logging
 import signal
 import time
 
+from ..codec.chunk import ULP2
 from ..current import CurrentFolder, FolderBusy, LayoutChange
 from ..errors import SparrowError
 from ..swarm.chain import Key, engine_plan
 from .logs import event
 
-__all__ = ["FolderKeeper"]
+__all__ = ["FolderKeeper", "decoded_path", "drop_decoded"]
 
 log = logging.getLogger("sparrowd.current")
 
 BUSY_RETRY = 0.5  # an engine is loading from the folder
 MAX_BACKOFF = 30.0
+
+
+def decoded_path(data_dir, version: int):
+    """Where the folder leaves a version it decoded for the engines (ulp2 patches)."""
+    return data_dir / "decoded" / f"{version}.safetensors"
+
+
+def drop_decoded(data_dir, keep: set[int]) -> None:
+    """Decoded versions whose patch the node no longer holds go."""
+    d = data_dir / "decoded"
+    if not d.is_dir():
+        return
+    for p in d.iterdir():
+        v = p.name.split(".")[0]
+        if not (v.isdigit() and int(v) in keep and p.suffix == ".safetensors"):
+            p.unlink(missing_ok=True)
 
 
 class FolderKeeper:
@@ -97,6 +114,7 @@ class FolderKeeper:
 
     async def _step(self) -> float:
         held = {k: vs.obj for k, vs in self.swarm.versions.items()}
+        drop_decoded(self.daemon.data_dir, {k.version for k in held if not k.anchor})
         at = -1 if self.version is None else self.version
         anchor, patches = engine_plan(-1 if self._need_anchor else at, held)
         if self._need_anchor and (anchor is None or anchor <= at):
@@ -114,7 +132,15 @@ class FolderKeeper:
                 if key.anchor:
                     v = await asyncio.to_thread(self.folder.build, vs.manifest, self._reader(key), self._progress)
                 else:
-                    v = await asyncio.to_thread(self.folder.apply, vs.manifest, self._reader(key), self._progress)
+                    # An ulp2 patch is coded against the base only this folder holds: engines get it decoded
+                    # here, written before the folder moves past its base.
+                    decoded = decoded_path(self.daemon.data_dir, key.version) if vs.manifest.values == ULP2 else None
+                    if decoded is not None:
+                        decoded.parent.mkdir(exist_ok=True)
+                    v = await asyncio.to_thread(self.folder.apply, vs.manifest, self._reader(key), self._progress,
+                                                decoded)
+                    if decoded is not None:
+                        await self.swarm.notify()
                 self.progress = None
                 self._need_anchor = False
                 self.updates += 1

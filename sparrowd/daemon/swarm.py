@@ -36,7 +36,7 @@ import aiohttp
 import blake3
 from aiohttp import web
 
-from ..codec.chunk import ULP2, check_chunk_frame
+from ..codec.chunk import check_chunk_frame
 from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
@@ -216,6 +216,10 @@ class Swarm:
         async with self._waiters:
             self._waiters.notify_all()
 
+    async def notify(self) -> None:
+        """Something other parts wait on changed (the current folder decoded a version for engines)."""
+        await self._notify()
+
     # ------------------------------------------------------------ what the node reports
 
     def held(self) -> list[int]:
@@ -336,9 +340,6 @@ class Swarm:
         m = Manifest.from_bytes(data)
         key = Key(m.version, m.base_version is None)
         check_kind(m, key.anchor)
-        if m.values == ULP2:
-            raise FormatError("ulp2 patches do not go through the swarm yet (rollout engines decode without the "
-                              "base they are coded against); publish with values 'ulp'")
         vs = self._version(key)
         if vs.manifest is not None:
             if vs.manifest.to_bytes() == m.to_bytes():

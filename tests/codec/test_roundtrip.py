@@ -249,3 +249,9 @@ def test_ulp2_native_scans_match_numpy(dtype):
             assert np.array_equal(pos, idx) and np.array_equal(order[perm], np.arange(idx.size))
         with pytest.raises(FormatError):  # a rank beyond its class
             class_positions(base, lo_i, 5000, shift, mask, lo, counts, rank[order] + 10_000)
+        # A base that already holds the new bits at the changed positions, with the old ones given.
+        moved = base.copy()
+        moved[idx] = rng.integers(0, 1 << (8 * w) - 1, size=idx.size, dtype=np.uint64).astype(uint_type(w))
+        for n in (True, False):
+            c2, r2 = class_ranks(moved, lo_i, idx, shift, mask, lo, base[idx], native=n)
+            assert np.array_equal(c2, cls) and np.array_equal(r2, rank)

@@ -141,3 +141,43 @@ def test_a_daemon_killed_while_versions_arrive_restarts_on_a_whole_version(clust
     wait_for(lambda: current(node, cluster.token)["version"] == v, 30, f"the folder at {v}")
     assert_folder(node.data_dir / "current", bits[v], src)
     pub.close()
+
+
+def test_an_ulp2_chain_reaches_the_folder_and_an_engine_bit_for_bit(cluster, tmp_path):
+    """ulp2 patches are coded against the base: the rollout node decodes them in its current folder
+    (which holds that base) and hands its engine the decoded versions through the socket."""
+    from sparrowd.integrations.engine import EngineClient, sync
+    from sparrowd.integrations.torch import PatchApplier
+    from tests.models import assert_serves, bf16_model
+
+    src = model_folder(tmp_path)
+    cluster.trainer()
+    node = cluster.rollout("r1", "us", extra=("--current", "on"))
+    plain = cluster.rollout("r2", "us")  # no current folder: it relays ulp2, its engine cannot take it
+    wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
+    model, opt = trained_setup(4)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, values="ulp2", model_files=src)
+    pub.start(model, version=0)
+    engine = bf16_model(served_bits(model))
+    client = EngineClient(node.data_dir / "engine.sock", token_file=cluster.token_file, engine="e", version=0)
+    applier = PatchApplier(engine, version=0)
+    for v in (1, 2, 3):
+        train(model, opt)
+        stats = pub.publish(model, version=v)
+        assert stats.elements_changed > 0
+    while applier.version < 3:
+        sync(client, applier, wait=10)
+    assert_serves(engine, served_bits(model))
+    wait_for(lambda: (current(node, cluster.token) or {}).get("version") == 3, 30, "the folder at 3")
+    assert_folder(node.data_dir / "current", served_bits(model), src)
+    stored = (node.data_dir / "versions" / "3" / "statements")
+    assert any(b"ulp2" in f.read_bytes() for f in stored.glob("*.sig"))
+    client.close()
+    # The node without a folder holds the chain (to relay it) but says why its engine cannot have it.
+    wait_for(lambda: 3 in plain.node(cluster.token)["versions"], 30, "r2 to hold version 3")
+    other = EngineClient(plain.data_dir / "engine.sock", token_file=cluster.token_file, engine="e2", version=0)
+    with pytest.raises(Exception, match="--current on"):
+        sync(other, PatchApplier(bf16_model(bits0 := served_bits(trained_setup(4)[0])), version=0), wait=5)
+    other.close()
+    pub.close()
+    del bits0
