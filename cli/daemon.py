@@ -160,6 +160,20 @@ def register(sub) -> None:
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.set_defaults(func=cmd_status)
 
+    w = sub.add_parser("wait", help="block until a version is held (or applied) across the swarm",
+                       description="Wait until VERSION is held by every live node but the trainer (--applied: "
+                                   "applied by every attached engine), as the tracker hears it: nodes report as "
+                                   "soon as a version completes, so this returns when the transfer ends. Exits 0 "
+                                   "then, 1 with the missing nodes after --timeout.")
+    w.add_argument("version", type=int, metavar="VERSION")
+    add_tracker_args(w)
+    w.add_argument("--applied", action="store_true", help="wait for the engines to have applied it")
+    w.add_argument("--engines", action="store_true", help="count only the nodes with an engine attached")
+    w.add_argument("--nodes", metavar="ID,ID", help="only these nodes count (a node that is not live is missing)")
+    w.add_argument("--fraction", type=float, metavar="F", help="settle for this share of the nodes (0 < F <= 1)")
+    w.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="default 60")
+    w.set_defaults(func=cmd_wait)
+
 
 # ---------------------------------------------------------------- run
 
@@ -307,6 +321,25 @@ def cmd_status(args) -> int:
         print(json.dumps(snap, indent=2))
     else:
         print(render_status(snap))
+    return 0
+
+
+def cmd_wait(args) -> int:
+    import time
+
+    from sparrowd.daemon.calls import wait_arrival
+
+    if args.version < 0 or args.timeout < 0 or (args.fraction is not None and not 0 < args.fraction <= 1):
+        raise InputError("VERSION and --timeout must be 0 or more, --fraction in (0, 1]")
+    fetch_status(args.tracker, args.token_file)  # the same checks and errors as status
+    token, _ = read_token(Path(args.token_file).expanduser())
+    t0 = time.monotonic()
+    a = wait_arrival(args.tracker, token, args.version, applied=args.applied, engines=args.engines,
+                     nodes=args.nodes.split(",") if args.nodes else None, fraction=args.fraction,
+                     timeout=args.timeout)
+    what = "applied on" if args.applied else "held by"
+    print(f"version {args.version} {what} {_count(len(a['reached']), 'node')} "
+          f"({a['needed']} needed) after {time.monotonic() - t0:.2f} s")
     return 0
 
 

@@ -63,7 +63,7 @@ from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
 from .current import model_files
-from .daemon.calls import check_start, http_call, published_state, tracker_status
+from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError
 from .swarm.chain import Key
@@ -460,6 +460,17 @@ class Publisher:
         raise InputError(f"the trainer's daemon has version {latest} as its latest, this publisher has "
                          f"{self.version}: the chain was changed by someone else, or the daemon lost its data dir; "
                          f"start again from the daemon's latest version")
+
+    def wait(self, version: int | None = None, *, applied: bool = False, nodes: list[str] | None = None,
+             fraction: float | None = None, timeout: float = 60.0) -> dict:
+        """Block until ``version`` (default: the last published) is held by every live rollout node,
+        or with ``applied`` applied by every engine; ``nodes`` names the ones that count, ``fraction``
+        settles for that share. Returns as soon as the tracker hears it (nodes report at once);
+        SparrowError naming the missing nodes after ``timeout``."""
+        self._check_started()
+        v = self.version if version is None else version
+        return wait_arrival(self.daemon, self._token, v, applied=applied, nodes=nodes, fraction=fraction,
+                            timeout=timeout)
 
     def status(self) -> dict:
         """The swarm's status snapshot from the trainer's daemon, which hosts the tracker

@@ -39,6 +39,7 @@ from ..schema import pack, unpack
 from ..swarm.chain import Key
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_name
 from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
+from ..swarm.waits import arrival
 from . import sdnotify
 from .bodies import read_limited
 from .engine import EngineServer
@@ -67,6 +68,7 @@ log = logging.getLogger("sparrowd.daemon")
 RUNTIME_FILE = "daemon.json"
 MAX_BODY = 1 << 20
 SHUTDOWN_GRACE = 3.0  # seconds in-flight requests get to finish when the daemon stops
+MAX_WAIT = 60.0  # the longest one /v1/tracker/wait long poll holds; clients poll again
 MAX_INFLIGHT_PER_PEER = 32  # a node needs one long poll, a few have-pushes and up to 8 chunk requests
 MAX_INFLIGHT_PER_ADDRESS = 1024  # many daemons may share an address (NAT, a proxy, one box)
 SWEEP_EVERY = 1.0
@@ -139,6 +141,7 @@ class Daemon:
         self.engines: EngineServer | None = None
         self._last_unauthorized_log: dict[str, float] = {}
         self._inflight: collections.Counter = collections.Counter()
+        self._tracker_event = asyncio.Event()  # set (and replaced) whenever the lease table changes
 
     # ------------------------------------------------------------ state other parts read
 
@@ -226,6 +229,7 @@ class Daemon:
             table = LeaseTable(s.lease_ttl, now=time.time(), store=self._store)
             self.tracker = TrackerService(table, tracker_id=self.node_id, peer_limit=s.peer_limit,
                                           trainer_key=signer.public)
+            self.tracker.on_change = self._tracker_touched
             latest = self.swarm.latest()
             if latest is not None:
                 table.set_latest_version(latest)
@@ -251,6 +255,7 @@ class Daemon:
                 web.post("/v1/tracker/renew", self._tracker_call("renew")),
                 web.post("/v1/tracker/leave", self._tracker_call("leave")),
                 web.get("/v1/tracker/status", self._tracker_status),
+                web.get("/v1/tracker/wait", self._tracker_wait),
                 web.post("/v1/publish/{key}/chunk/{index}", self._publish_chunk),
                 web.post("/v1/publish/manifest", self._publish_manifest),
                 web.get("/v1/publish/state", self._publish_state),
@@ -462,6 +467,39 @@ class Daemon:
         if (refused := self._local_only(request)) is not None:
             return refused
         return web.json_response(self.swarm.published())
+
+    def _tracker_touched(self) -> None:
+        self._tracker_event.set()
+        self._tracker_event = asyncio.Event()
+
+    async def _tracker_wait(self, request: web.Request) -> web.Response:
+        """Long poll: until version V is held by (or, ``applied=1``, applied on) every live node that
+        counts (``swarm.waits``), or ``timeout`` seconds (at most MAX_WAIT); the answer says which."""
+        q = request.query
+        try:
+            version = int(q["version"])
+            timeout = min(float(q.get("timeout", "30")), MAX_WAIT)
+            fraction = float(q["fraction"]) if "fraction" in q else None
+            names = [n for n in q["nodes"].split(",") if n] if q.get("nodes") else None
+            flags = {k: q.get(k, "0") in ("1", "true") for k in ("applied", "engines")}
+            if version < 0 or timeout < 0 or (fraction is not None and not 0 < fraction <= 1) or (
+                    names is not None and (len(names) > 10_000 or any(len(n) > 64 for n in names))):
+                raise ValueError
+        except (KeyError, ValueError):
+            return web.json_response({"error": "give version=N, and optionally timeout=SECONDS, applied=1, "
+                                               "engines=1, nodes=ID,ID, fraction=F (0 < F <= 1)"}, status=400)
+        deadline = time.monotonic() + timeout
+        while True:
+            changed = self._tracker_event
+            a = arrival(self.tracker.status()["nodes"], version, names=names, fraction=fraction, **flags)
+            left = deadline - time.monotonic()
+            if a.done or left <= 0 or self.stopping.is_set():
+                return web.json_response(a.to_json())
+            try:  # a renewal wakes it; a lease going stale is seen within a second
+                async with asyncio.timeout(min(left, 1.0)):
+                    await changed.wait()
+            except TimeoutError:
+                pass
 
     async def _tracker_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.tracker.status())

@@ -8,12 +8,13 @@ URL: refused token, the daemon's own error text, or unreachable.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 from ..errors import SparrowError
 
-__all__ = ["http_call", "tracker_status", "published_state", "check_start"]
+__all__ = ["http_call", "tracker_status", "published_state", "check_start", "wait_arrival"]
 
 
 def http_call(url: str, token: str | None, *, method: str = "GET", timeout: float = 5.0, data=None,
@@ -71,3 +72,29 @@ def check_start(state: dict, version: int) -> None:
     if latest is not None and latest != version:
         raise SparrowError(f"the trainer's daemon has published up to version {latest}: start from the weights of "
                            f"version {latest}, or give the daemon a fresh data dir")
+
+
+def wait_arrival(tracker: str, token: str, version: int, *, applied: bool = False, engines: bool = False,
+                 nodes: list[str] | None = None, fraction: float | None = None, timeout: float = 60.0) -> dict:
+    """Block until version ``version`` is held by (``applied``: applied on) every live node that
+    counts (``sparrowd.swarm.waits``), through the tracker's long poll; returns its answer
+    (``reached``, ``missing``, ``needed``). SparrowError naming the missing nodes after ``timeout``."""
+    from urllib.parse import urlencode
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        q = {"version": version, "timeout": f"{min(left, 30.0):.3f}", "applied": int(applied), "engines": int(engines)}
+        if nodes is not None:
+            q["nodes"] = ",".join(nodes)
+        if fraction is not None:
+            q["fraction"] = fraction
+        a = http_call(f"{tracker.rstrip('/')}/v1/tracker/wait?{urlencode(q)}", token, timeout=min(left, 30.0) + 10)
+        if not isinstance(a, dict) or "done" not in a:
+            raise SparrowError(f"{tracker}: the reply to a wait is not an answer")
+        if a["done"]:
+            return a
+        if time.monotonic() >= deadline:
+            what = "applied on" if applied else "held by"
+            raise SparrowError(f"version {version}: not {what} {', '.join(a['missing']) or 'any node'} after "
+                               f"{timeout:g} s ({len(a['reached'])} of the {a['needed']} needed have it)")

@@ -61,6 +61,11 @@ class TrackerService:
         self.trainer_key = trainer_key
         self.clock = clock
         self.rng = rng or random.Random()
+        self.on_change: Callable[[], None] | None = None  # the table changed: waiters look again
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _lease_reply(self, node: Node, now: float) -> dict:
         peers = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
@@ -82,6 +87,7 @@ class TrackerService:
         node = self.table.join(m["node_id"], m["role"], m["region"], m["address"], now)
         event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
               address=node.address, epoch=node.epoch)
+        self._changed()
         return self._lease_reply(node, now)
 
     def renew(self, msg) -> dict:
@@ -111,18 +117,22 @@ class TrackerService:
         except LeaseGone as e:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))
             raise
+        self._changed()
         return self._lease_reply(node, self.clock())
 
     def leave(self, msg) -> dict:
         m = fields(msg, LEAVE, what="leave")
         node = self.table.leave(m["node_id"], m["epoch"], self.clock())
         event(log, logging.INFO, "node left", node_id=node.node_id, region=node.region, epoch=node.epoch)
+        self._changed()
         return {}
 
     def sweep(self) -> list[Node]:
         gone = self.table.expire(self.clock())
         for n in gone:
             event(log, logging.WARNING, "lease expired", node_id=n.node_id, region=n.region, epoch=n.epoch)
+        if gone:
+            self._changed()
         return gone
 
     def status(self) -> dict:

@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..daemon.calls import http_call
+from ..daemon.calls import http_call, wait_arrival
 from ..errors import SparrowError
 from .vllm import VllmPatcher, worker_rank
 from .vllm_plugin import register_engines
@@ -292,16 +292,7 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         """Until every live rollout node with an engine attached holds ``version`` (the tracker's
         view, which nodes update as versions complete)."""
         timeout = self.info.hold_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            nodes = [n for n in self.publisher.status()["nodes"]
-                     if n["role"] == "rollout" and n["state"] == "up" and n.get("engine_version") is not None]
-            missing = [n["node_id"] for n in nodes if version not in n["versions"]]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise SparrowError(f"version {version}: not held by {', '.join(missing)} after {timeout:g} s")
-            time.sleep(0.05)
+        wait_arrival(self.publisher.daemon, self.publisher._token, version, engines=True, timeout=timeout)
 
     def _update(self, client, version: int) -> float:
         return move_server(client, version, timeout=self.info.update_timeout)
