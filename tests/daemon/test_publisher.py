@@ -393,9 +393,3 @@ def test_an_interrupt_while_the_manifest_is_sent_leaves_the_chain_consistent(clu
         assert np.array_equal(state[k].bits, t.bits), k
     pub.close()
 
-
-def test_ulp2_is_refused_until_engines_can_decode_it(tmp_path):
-    from tests.daemon.harness import make_token
-
-    with pytest.raises(InputError, match="ulp2"):
-        Publisher(token_file=make_token(tmp_path / "t"), values="ulp2")
