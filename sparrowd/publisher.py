@@ -461,16 +461,17 @@ class Publisher:
                          f"{self.version}: the chain was changed by someone else, or the daemon lost its data dir; "
                          f"start again from the daemon's latest version")
 
-    def wait(self, version: int | None = None, *, applied: bool = False, nodes: list[str] | None = None,
-             fraction: float | None = None, timeout: float = 60.0) -> dict:
-        """Block until ``version`` (default: the last published) is held by every live rollout node,
-        or with ``applied`` applied by every engine; ``nodes`` names the ones that count, ``fraction``
-        settles for that share. Returns as soon as the tracker hears it (nodes report at once);
-        SparrowError naming the missing nodes after ``timeout``."""
-        self._check_started()
+    def wait(self, version: int | None = None, *, applied: bool = False, engines: bool = False,
+             nodes: list[str] | None = None, fraction: float | None = None, timeout: float = 60.0) -> dict:
+        """Block until ``version`` (default: the last published) is held by every live rollout node
+        (``engines``: every one with an engine attached), or with ``applied`` applied by every engine;
+        ``nodes`` names the ones that count, ``fraction`` settles for that share. Returns as soon as the
+        tracker hears it (nodes report at once); SparrowError naming the missing nodes after ``timeout``."""
         v = self.version if version is None else version
-        return wait_arrival(self.daemon, self._token, v, applied=applied, nodes=nodes, fraction=fraction,
-                            timeout=timeout)
+        if v is None:
+            raise InputError("give the version to wait for (nothing was published from here yet)")
+        return wait_arrival(self.daemon, self._token, v, applied=applied, engines=engines, nodes=nodes,
+                            fraction=fraction, timeout=timeout)
 
     def status(self) -> dict:
         """The swarm's status snapshot from the trainer's daemon, which hosts the tracker

@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..daemon.calls import http_call, wait_arrival
+from ..daemon.calls import http_call
 from ..errors import SparrowError
 from .vllm import VllmPatcher, worker_rank
 from .vllm_plugin import register_engines
@@ -292,7 +292,7 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         """Until every live rollout node with an engine attached holds ``version`` (the tracker's
         view, which nodes update as versions complete)."""
         timeout = self.info.hold_timeout if timeout is None else timeout
-        wait_arrival(self.publisher.daemon, self.publisher._token, version, engines=True, timeout=timeout)
+        self.publisher.wait(version, engines=True, timeout=timeout)
 
     def _update(self, client, version: int) -> float:
         return move_server(client, version, timeout=self.info.update_timeout)
