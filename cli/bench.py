@@ -140,6 +140,15 @@ def register_serve(bs) -> None:
     s.add_argument("--gap-s", type=float, default=6.0, help="seconds between published versions (default 6)")
 
 
+def add_wan_flags(s, d) -> None:
+    """The emulated WAN's flags (bench rl, bench coldstart); ``d`` is the benchmark's default config."""
+    s.add_argument("--link-rate", default=d.link_rate,
+                   help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
+    s.add_argument("--trainer-rate", default=d.trainer_rate,
+                   help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
+    s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
+
+
 def register_rl(bs) -> None:
     from sparrowd.bench.rl import RLConfig
 
@@ -158,11 +167,7 @@ def register_rl(bs) -> None:
     s.add_argument("--steps", type=int, help=f"RL steps per strategy (default {d.steps}; --quick 3)")
     s.add_argument("--on-policy", action="store_true",
                    help="generation k waits for version k-1 (default: one-step off-policy, as SparrowRL)")
-    s.add_argument("--link-rate", default=d.link_rate,
-                   help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
-    s.add_argument("--trainer-rate", default=d.trainer_rate,
-                   help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
-    s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
+    add_wan_flags(s, d)
     s.add_argument("--strategies", default=",".join(d.strategies),
                    help="which of full, star, swarm, ideal to run, in order (default all)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
@@ -208,12 +213,8 @@ def register_coldstart(bs) -> None:
     s.add_argument("--versions", type=int, default=d.versions, help=f"versions published (default {d.versions})")
     s.add_argument("--anchor-every", type=int, default=d.anchor_every,
                    help=f"the trainer's anchor cadence (default {d.anchor_every})")
-    s.add_argument("--trainer-rate", default=d.trainer_rate,
-                   help=f"the trainer's uplink, bytes/s (default {d.trainer_rate})")
     s.add_argument("--node-rate", default=d.node_rate, help=f"each box's uplink (default {d.node_rate})")
-    s.add_argument("--link-rate", default=d.link_rate,
-                   help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
-    s.add_argument("--rtt", type=float, default=d.rtt, help=f"round-trip time between regions, s (default {d.rtt})")
+    add_wan_flags(s, d)
     s.add_argument("--no-star", action="store_true", help="skip the plain-download comparison (it takes "
                                                           "boxes x model / uplink)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")

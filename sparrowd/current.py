@@ -54,9 +54,8 @@ import os
 import shutil
 import signal
 import struct
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -515,8 +514,8 @@ def _replay(folder: Path, journal: Path, *, guard: bool) -> int:
 
 
 class CurrentFolder:
-    """``DATA/current`` and its journal. Not thread-safe: one updater (the daemon's driver, which
-    runs these calls in a worker thread one at a time)."""
+    """``DATA/current`` and its journal. One updater at a time: the daemon's driver, which runs
+    these calls in a worker thread one after the other."""
 
     def __init__(self, data_dir: Path, *, shard_bytes: int = SHARD_BYTES):
         self.data_dir = Path(data_dir)
@@ -525,7 +524,6 @@ class CurrentFolder:
         self.journal = self.data_dir / "current.journal"
         self.shard_bytes = shard_bytes
         self.guard = _leases_possible()
-        self._mutex = threading.Lock()
 
     @property
     def folder(self) -> Path | None:
@@ -546,27 +544,26 @@ class CurrentFolder:
         """After a start: finish a committed update (replay the journal), drop half-built folders
         and copies, and check every tensor against the fingerprints (``verify``). Returns the
         version the folder holds; a folder that fails its check is removed (None)."""
-        with self._mutex:
-            self.folders.mkdir(parents=True, exist_ok=True)
-            for p in self.folders.iterdir():
-                if p.name.startswith("."):
-                    shutil.rmtree(p, ignore_errors=True)
-            self.journal.with_name(f".{self.journal.name}.tmp").unlink(missing_ok=True)
-            folder = self.folder
-            if folder is None:
-                self.journal.unlink(missing_ok=True)
-                return None
-            for p in folder.glob(".*.cow"):
-                p.unlink()
-            try:
-                if self.journal.exists():
-                    _replay(folder, self.journal, guard=self.guard)
-                if verify:
-                    self._verify(folder)
-            except (IntegrityError, FormatError, OSError, ValueError, KeyError) as e:
-                self._discard(folder)
-                raise IntegrityError(f"{folder}: {e}; the folder is rebuilt from an anchor") from None
-            return self.version()
+        self.folders.mkdir(parents=True, exist_ok=True)
+        for p in self.folders.iterdir():
+            if p.name.startswith("."):
+                shutil.rmtree(p, ignore_errors=True)
+        self.journal.with_name(f".{self.journal.name}.tmp").unlink(missing_ok=True)
+        folder = self.folder
+        if folder is None:
+            self.journal.unlink(missing_ok=True)
+            return None
+        for p in folder.glob(".*.cow"):
+            p.unlink()
+        try:
+            if self.journal.exists():
+                _replay(folder, self.journal, guard=self.guard)
+            if verify:
+                self._verify(folder)
+        except (IntegrityError, FormatError, OSError, ValueError, KeyError) as e:
+            self._discard(folder)
+            raise IntegrityError(f"{folder}: {e}; the folder is rebuilt from an anchor") from None
+        return self.version()
 
     def _discard(self, folder: Path) -> None:
         self.journal.unlink(missing_ok=True)
@@ -594,47 +591,45 @@ class CurrentFolder:
 
     def build(self, anchor: Manifest, read: ReadChunk, progress: Progress | None = None) -> int:
         """Rebuild from an anchor beside the current folder, then swing ``current`` to it."""
-        with self._mutex:
-            self.folders.mkdir(parents=True, exist_ok=True)
-            n = max((int(p.name) for p in self.folders.iterdir() if p.name.isdigit()), default=0) + 1
-            tmp = self.folders / f".{n}.tmp"
+        self.folders.mkdir(parents=True, exist_ok=True)
+        n = max((int(p.name) for p in self.folders.iterdir() if p.name.isdigit()), default=0) + 1
+        tmp = self.folders / f".{n}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build_folder(tmp, anchor, read, shard_bytes=self.shard_bytes, progress=progress)
+            os.replace(tmp, self.folders / str(n))
+            _fsync_dir(self.folders)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                build_folder(tmp, anchor, read, shard_bytes=self.shard_bytes, progress=progress)
-                os.replace(tmp, self.folders / str(n))
-                _fsync_dir(self.folders)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            old = self.folder
-            # An engine loading from the old folder finishes first: its later opens would land in the new one.
-            with _locked(old, shared=False, wait=True) if old is not None else _nothing():
-                link_tmp = self.data_dir / ".current.tmp"
-                link_tmp.unlink(missing_ok=True)
-                os.symlink(f"folders/{n}", link_tmp)
-                os.replace(link_tmp, self.link)
-                _fsync_dir(self.data_dir)
-                self.journal.unlink(missing_ok=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            return anchor.version
+            raise
+        old = self.folder
+        # An engine loading from the old folder finishes first: its later opens would land in the new one.
+        with _locked(old, shared=False, wait=True) if old is not None else nullcontext():
+            link_tmp = self.data_dir / ".current.tmp"
+            link_tmp.unlink(missing_ok=True)
+            os.symlink(f"folders/{n}", link_tmp)
+            os.replace(link_tmp, self.link)
+            _fsync_dir(self.data_dir)
+            self.journal.unlink(missing_ok=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return anchor.version
 
     def apply(self, patch: Manifest, read: ReadChunk, progress: Progress | None = None,
               decoded: Path | None = None) -> int:
         """Move the folder one version, in place (module docstring). FolderBusy while an engine is
         loading from it; LayoutChange for a patch that adds, removes or reshapes tensors.
         ``decoded``: also write the patch in the decoded layout there (before the folder moves)."""
-        with self._mutex:
-            folder = self.folder
-            if folder is None:
-                raise SparrowError("no current folder to update")
-            with _locked(folder, shared=False, wait=False):
-                try:
-                    return update_folder(folder, patch, read, self.journal, guard=self.guard, progress=progress,
-                                         decoded=decoded)
-                except FolderDamaged as e:  # written, yet not the manifest's bits: start again from an anchor
-                    self._discard(folder)
-                    raise IntegrityError(f"{e}; the folder is removed and rebuilt from an anchor") from None
+        folder = self.folder
+        if folder is None:
+            raise SparrowError("no current folder to update")
+        with _locked(folder, shared=False, wait=False):
+            try:
+                return update_folder(folder, patch, read, self.journal, guard=self.guard, progress=progress,
+                                     decoded=decoded)
+            except FolderDamaged as e:  # written, yet not the manifest's bits: start again from an anchor
+                self._discard(folder)
+                raise IntegrityError(f"{e}; the folder is removed and rebuilt from an anchor") from None
 
 
 class FolderDamaged(IntegrityError):
@@ -673,8 +668,3 @@ def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: 
         return _replay(folder, journal_path, guard=guard)
     except IntegrityError as e:
         raise FolderDamaged(str(e)) from None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalSwarm", "LocalDaemon", "free_port"]
+__all__ = ["LocalSwarm", "LocalDaemon", "free_port", "wait_for"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,6 +30,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05, detail=None):
+    """Poll ``pred`` until it is truthy and return that; after ``timeout`` s a TimeoutError naming
+    ``what`` (and what ``detail()`` reports seeing, if given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            seen = f"; seen: {detail()}" if detail is not None else ""
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}{seen}")
+        time.sleep(every)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ..daemon.calls import http_call
 from ..errors import SparrowError
 from ..units import format_bytes, parse_size
 from . import write_json
-from .handover import _FileServer, _Procs, _wan, address, wait
+from .handover import FileServer, Procs, address, download, start_wan, wait
 from .swarm import metric
 
 __all__ = ["ColdstartConfig", "run"]
@@ -86,11 +86,11 @@ def _folder_of(state, folder: Path) -> None:
         (folder / name).write_text(text)
 
 
-def _swarm(cfg: ColdstartConfig, root: Path, state, model_bytes: int) -> dict:
+def _swarm(cfg: ColdstartConfig, root: Path, state) -> dict:
     from ..localswarm import free_port
     from ..publisher import Publisher
 
-    procs = _Procs(root)
+    procs = Procs(root)
     try:
         token_file = root / "swarm.token"
         token_file.write_text(f"bench-{time.time_ns()}-coldstart-token\n")
@@ -106,7 +106,7 @@ def _swarm(cfg: ColdstartConfig, root: Path, state, model_bytes: int) -> dict:
             p = free_port(host)
             proxies.append({"listen": [address(r, 1, i), p], "target": [host, p], "region": r})
             boxes.append((i, r, host, p))
-        _wan(procs, root, proxies, cfg)
+        start_wan(procs, root, proxies, cfg)
         procs.daemon("--role", "trainer", "--region", "r0", "--listen", f"{t_host}:{port}", "--advertise",
                      f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file", str(token_file),
                      "--node-id", "trainer", "--upload-rate", cfg.trainer_rate, "--lease-ttl", "3",
@@ -168,20 +168,19 @@ def _swarm(cfg: ColdstartConfig, root: Path, state, model_bytes: int) -> dict:
 def _star(cfg: ColdstartConfig, root: Path, state) -> dict:
     """Every box downloads the checkpoint folder from the trainer over HTTP (the uplink shaped)."""
     from ..localswarm import free_port
-    from .handover import _download
 
-    procs = _Procs(root)
+    procs = Procs(root)
     try:
         host, proxy = address(0, 0, 100), address(0, 1, 100)
         port = free_port(host)
-        _wan(procs, root, [{"listen": [proxy, port], "target": [host, port], "region": 0}], cfg)
+        start_wan(procs, root, [{"listen": [proxy, port], "target": [host, port], "region": 0}], cfg)
         served = root / "served"
         _folder_of(state, served / "latest")
         names = sorted(p.name for p in (served / "latest").iterdir())
-        _FileServer(served, host, port, parse_size(cfg.trainer_rate)).start()
+        FileServer(served, host, port, parse_size(cfg.trainer_rate)).start()
         start = time.perf_counter()
         with ThreadPoolExecutor(cfg.boxes) as pool:
-            futures = [pool.submit(_download, proxy, port, address(1 + i % cfg.regions, 2, i), "latest", names,
+            futures = [pool.submit(download, proxy, port, address(1 + i % cfg.regions, 2, i), "latest", names,
                                    root / f"box{i}") for i in range(cfg.boxes)]
             sizes = [f.result() for f in futures]
         return {"seconds": time.perf_counter() - start, "trainer_upload": sum(sizes)}
@@ -203,7 +202,7 @@ def run(cfg: ColdstartConfig | None = None, *, json_path: str | None = None) -> 
     with tempfile.TemporaryDirectory(prefix="sparrowd-coldstart-") as tmp:
         root = Path(tmp)
         (root / "swarm").mkdir()
-        s = _swarm(cfg, root / "swarm", state, model_bytes)
+        s = _swarm(cfg, root / "swarm", state)
         out["swarm"] = s
         print(f"swarm: every box ready in {s['seconds']:.1f} s = {s['seconds'] / bound:.2f}x the bound; trainer "
               f"uploaded {s['trainer_upload'] / model_bytes:.2f}x the model (boxes ready from "

@@ -30,10 +30,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..localswarm import wait_for as wait
 from ..units import parse_size
 from .swarm import metric
 
-__all__ = ["STRATEGIES", "Strategy", "address", "save_bf16", "wait"]
+__all__ = ["STRATEGIES", "Strategy", "Procs", "FileServer", "address", "download", "save_bf16", "start_wan",
+           "wait"]
 
 
 def address(region: int, kind: int, j: int) -> str:
@@ -49,7 +51,7 @@ def save_bf16(model, folder: Path) -> None:
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
 
 
-class _Procs:
+class Procs:
     """Child processes of one strategy, stopped together."""
 
     def __init__(self, root: Path):
@@ -77,18 +79,7 @@ class _Procs:
         self.procs = []
 
 
-def wait(pred, timeout: float, what: str, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
-def _wan(procs: _Procs, root: Path, proxies: list[dict], cfg, blocked=()) -> None:
+def start_wan(procs: Procs, root: Path, proxies: list[dict], cfg, blocked=()) -> None:
     (root / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": cfg.rtt,
                                                "link_rate": parse_size(cfg.link_rate), "blocked": blocked}))
     p = procs.start([sys.executable, "-m", "sparrowd.bench.wan", str(root / "wan.json")], "wan",
@@ -97,7 +88,7 @@ def _wan(procs: _Procs, root: Path, proxies: list[dict], cfg, blocked=()) -> Non
         raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
 
 
-class _FileServer:
+class FileServer:
     """The trainer's checkpoints over HTTP, its uplink shaped to ``rate`` bytes/s (all downloads
     share it), in a thread of its own."""
 
@@ -107,7 +98,7 @@ class _FileServer:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._ready = threading.Event()
 
-    def start(self) -> "_FileServer":
+    def start(self) -> "FileServer":
         self._thread.start()
         self._ready.wait(10)
         return self
@@ -149,7 +140,7 @@ class _FileServer:
         self._loop.run_until_complete(main())
 
 
-def _download(host: str, port: int, source: str, remote: str, names: list[str], dest: Path) -> int:
+def download(host: str, port: int, source: str, remote: str, names: list[str], dest: Path) -> int:
     """Files of a checkpoint folder, fetched from ``source`` (a rollout region's address)."""
     dest.mkdir(parents=True, exist_ok=True)
     total = 0
@@ -183,7 +174,7 @@ class Strategy:
         self.cfg = world.cfg
         self.root = world.root / self.name
         self.root.mkdir()
-        self.procs = _Procs(self.root)
+        self.procs = Procs(self.root)
         self.held: dict[int, float] = {}  # version -> when every rollout box held it
         self.published: dict[int, float] = {}
 
@@ -243,7 +234,7 @@ class _Sparrow(Strategy):
             self.nodes.append((i, r, host, p))
         regions = sorted({r for _, r, _, _ in self.nodes})
         blocked = [[a, b] for a in regions for b in regions if a < b] if self.star else []
-        _wan(self.procs, root, proxies, cfg, blocked)
+        start_wan(self.procs, root, proxies, cfg, blocked)
         self.direct = f"http://{t_host}:{port}"
         self.procs.daemon("--role", "trainer", "--region", "r0", "--listen", f"{t_host}:{port}", "--advertise",
                           f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file", str(token_file),
@@ -337,11 +328,11 @@ class _Full(Strategy):
         host, proxy = address(0, 0, 100), address(0, 1, 100)
         self.port = free_port(host)
         self.proxy = proxy
-        _wan(self.procs, self.root, [{"listen": [proxy, self.port], "target": [host, self.port], "region": 0}],
+        start_wan(self.procs, self.root, [{"listen": [proxy, self.port], "target": [host, self.port], "region": 0}],
              cfg)
         self.served = self.root / "served"
         self.served.mkdir()
-        self.files = _FileServer(self.served, host, self.port, parse_size(cfg.trainer_rate)).start()
+        self.files = FileServer(self.served, host, self.port, parse_size(cfg.trainer_rate)).start()
         self.downloads = ThreadPoolExecutor(cfg.servers)
         self.pending: dict[int, list] = {}
         self.bytes = 0
@@ -354,7 +345,7 @@ class _Full(Strategy):
         save_bf16(model, folder)
         names = sorted(p.name for p in folder.iterdir())
         self.published[version] = time.monotonic()
-        futures = [self.downloads.submit(_download, self.proxy, self.port, address(self.w.region_of(i), 2, i),
+        futures = [self.downloads.submit(download, self.proxy, self.port, address(self.w.region_of(i), 2, i),
                                          f"v{version}", names, self.root / f"box{i}" / f"v{version}")
                    for i in range(self.cfg.servers)]
         self.pending[version] = futures

@@ -390,8 +390,8 @@ _EXPONENT = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF), "F64": (52
 
 
 def exponent_field(dtype: str) -> tuple[int, int]:
-    """``(shift, mask)`` of a float dtype's exponent field: an element's class in ulp2 is
-    ``(bits >> shift) & mask`` of its base bit pattern."""
+    """``(shift, mask)`` of a float dtype's exponent field, ``(bits >> shift) & mask``; an element's
+    ulp2 class is that of its base bit pattern less the segment's ``class_lo``, clamped to 16."""
     try:
         return _EXPONENT[dtype]
     except KeyError:

@@ -21,7 +21,7 @@ from ..swarm.chain import Key, producible
 from ..swarm.signing import Verifier, load_or_create_key
 from .store import ChunkStore
 
-__all__ = ["checkout", "producible_versions", "describe"]
+__all__ = ["checkout", "describe"]
 
 
 def _verifier(data_dir: Path) -> Verifier:
@@ -41,12 +41,6 @@ def _open(data_dir: Path) -> ChunkStore:
     if not (data_dir / "versions").is_dir():
         raise InputError(f"{data_dir}: not a sparrowd data dir (no versions/ in it)")
     return ChunkStore(data_dir, readonly=True)
-
-
-def producible_versions(data_dir: Path) -> dict[int, tuple[int, list[int]]]:
-    store = _open(data_dir)
-    held = store.load(_verifier(Path(data_dir)))
-    return producible({k: vs.obj for k, vs in held.items()})
 
 
 def describe(plan: dict[int, tuple[int, list[int]]]) -> str:

@@ -211,14 +211,12 @@ class Swarm:
         self.gen += 1
         self._changed.set()
 
-    async def _notify(self) -> None:
+    async def notify(self) -> None:
+        """Wake everything waiting on ``changed`` (also the current folder, once it decoded a version
+        for the engines)."""
         self._touch()
         async with self._waiters:
             self._waiters.notify_all()
-
-    async def notify(self) -> None:
-        """Something other parts wait on changed (the current folder decoded a version for engines)."""
-        await self._notify()
 
     # ------------------------------------------------------------ what the node reports
 
@@ -321,7 +319,7 @@ class Swarm:
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         vs.have.add(index)
         self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
-        await self._notify()
+        await self.notify()
         return {"index": index, "new": True}
 
     def published(self) -> dict:
@@ -364,7 +362,7 @@ class Swarm:
         event(log, logging.INFO, "anchor published" if key.anchor else "version published", version=m.version,
               chunks=len(m.chunks), bytes=m.patch_bytes, base_version=m.base_version)
         self._retire()
-        await self._notify()
+        await self.notify()
         return {"version": m.version, "anchor": key.anchor, "chunks": len(m.chunks), "new": True}
 
     # ------------------------------------------------------------ serving side
@@ -419,7 +417,7 @@ class Swarm:
         if new_have != remote.have:
             remote.have = new_have
             if self.signer is not None:
-                await self._notify()  # wake this peer's long poll: it may be offered more now
+                await self.notify()  # wake this peer's long poll: it may be offered more now
         await self.changed(m["after"], min(float(m["wait"] or 0), 15.0))
         out = []
         for k in sorted(self.versions):
@@ -510,7 +508,7 @@ class Swarm:
                     for ss in self.superseed.values():
                         ss.forget(pid, unclaimed_only=True)
                 self.unchoked = unchoked
-                await self._notify()  # peers waiting in an exchange learn their new choke state now
+                await self.notify()  # peers waiting in an exchange learn their new choke state now
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ fetching side
@@ -733,7 +731,7 @@ class Swarm:
                       chunks=vs.total, position=self.position())
                 self._retire()
                 self.daemon.report_changed()
-            await self._notify()
+            await self.notify()
             self._tell_peers()
         except IntegrityError as e:
             self._ban(ps, str(e))

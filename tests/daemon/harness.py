@@ -6,19 +6,13 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sparrowd.localswarm import free_port, wait_for  # noqa: F401  (the tests import them from here)
 
 
 def make_token(path: Path) -> Path:
@@ -26,18 +20,6 @@ def make_token(path: Path) -> Path:
     path.chmod(0o600)
     return path
 
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.05, detail=None):
-    """Poll ``pred`` until it is truthy; on timeout, ``detail()`` (if given) says what was seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            seen = f"; seen: {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
-        time.sleep(every)
 
 
 def get(url: str, token: str | None, *, method: str = "GET", data: bytes | None = None,
