@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..localswarm import wait_for as wait
+from ..localswarm import wait_for
 from ..units import parse_size
 from .swarm import metric
 
@@ -77,6 +77,11 @@ class Procs:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self.procs = []
+
+
+def wait(pred, timeout: float, what: str, every: float = 0.02):
+    """``localswarm.wait_for`` polling every 20 ms: the waits that bench rl times."""
+    return wait_for(pred, timeout, what, every)
 
 
 def start_wan(procs: Procs, root: Path, proxies: list[dict], cfg, blocked=()) -> None:
