@@ -7,8 +7,9 @@ What it measures, all in one run so every figure stands beside its baseline:
    from a fixed random Markov chain, then ``steps`` AdamW steps at ``lr``. The
    bf16 cast of every parameter is snapshotted before and after each of those
    steps; each consecutive pair is one delta. Per delta: the changed fraction
-   (density) and the codec's bits per changed element in both value modes
-   (``ulp`` and ``absolute``), checked bit-exact through ``apply_patch``.
+   (density) and the codec's bits per changed element in each value mode
+   (``ulp2``, ``ulp`` and ``absolute``), counting the whole ``.sprw`` file
+   (header, manifest and chunks), checked bit-exact through ``apply_patch``.
 2. **Baselines for the same deltas.** ``naive``: int32 indices plus raw bf16
    values, zstd level 3; ``gap``: the same with gap-coded indices; and the
    binary-entropy bound of the indices alone (``sum n_t * H(changed_t / n_t)``).
@@ -40,6 +41,7 @@ import zstandard
 
 from sparrowd.bench import write_json
 from sparrowd.codec import RawTensor, apply_patch, decode_chunk, encode_patch
+from sparrowd.codec.patchfile import HEADER_SIZE
 
 __all__ = ["run"]
 
@@ -228,6 +230,11 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
     }
 
 
+def file_bytes(manifest) -> int:
+    """Bytes of the whole ``.sprw`` file: header, manifest and chunks."""
+    return HEADER_SIZE + len(manifest.to_bytes()) + manifest.patch_bytes
+
+
 def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> dict:
     total = sum(t.numel for t in new.values())
     row = {"elements": total}
@@ -235,7 +242,7 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
         manifest, chunks = encode_patch(old, new, version=1, base_version=0, values=mode)
         _check_exact(manifest, chunks, old, new, f"{what} ({mode})")
         row["changed"] = manifest.elements_changed
-        row[f"{mode}_bytes"] = manifest.patch_bytes
+        row[f"{mode}_bytes"] = file_bytes(manifest)
     row.update(_baselines(old, new))
     row["density"] = row["changed"] / total
     return row
@@ -338,8 +345,8 @@ def _throughput(torch, size_mib: int, rng) -> dict:
         "density": moved / (side // 2),
         "patch_bytes": manifest.patch_bytes,
         "chunks": len(chunks),
-        "ulp_bits_per_changed": 8 * manifest.patch_bytes / moved,
-        "ulp2_bits_per_changed": 8 * m2.patch_bytes / moved,
+        "ulp_bits_per_changed": 8 * file_bytes(manifest) / moved,
+        "ulp2_bits_per_changed": 8 * file_bytes(m2) / moved,
         "seconds": times,
         "gb_per_s": {k: side / GB / v for k, v in times.items()},
         "encode_over_read": t_enc2 / t_read,
@@ -369,7 +376,8 @@ def _print_real(real: dict) -> None:
           f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
           f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} tokens of a random Markov chain")
-    print("   bits per changed element (codec: ulp2 / ulp / absolute; baselines: zstd-3 of int32 or gap indices + raw")
+    print("   bits per changed element (codec: ulp2 / ulp / absolute, the whole .sprw file; baselines: zstd-3 of int32")
+    print("   or gap indices + raw")
     print("   bf16; index H: binary-entropy bound of the positions alone, per tensor; H|exp: the same given each")
     print("   element's base exponent, the context ulp2 codes positions by)\n")
     head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'ulp':>6} {'absolute':>9} " \

@@ -32,7 +32,7 @@
  * pattern relative to the segment's `lo`, clamped to 16 classes, and a changed
  * position is coded as its rank among the elements of its class in the
  * segment. Both make one pass over the base bits of the segment with a counter
- * per class (AVX2: a popcount per class per 32 elements).
+ * per class (AVX2: byte-lane counters per block of 256 elements).
  *
  * No numpy headers: everything goes through the buffer protocol.
  */
@@ -615,10 +615,10 @@ struct classing {
 /* Scalar scans, element by element (any width; the tails of the vector scans). */
 #define RANKS_SCALAR(T)                                                                                      \
     static Py_ssize_t ranks_##T(const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx, \
-                                Py_ssize_t j, uint8_t *cls, int64_t *rank, int64_t *counts) {               \
+                                Py_ssize_t j, Py_ssize_t n, uint8_t *cls, int64_t *rank, int64_t *counts) { \
         const T *b = (const T *)k->base, *old = (const T *)k->old;                                           \
         for (; p < end; p++) {                                                                               \
-            if (p == idx[j]) {                                                                               \
+            if (j < n && p == idx[j]) {                                                                      \
                 const unsigned c = klass(old ? old[j] : b[p], k->shift, k->mask, k->lo);                     \
                 cls[j] = (uint8_t)c, rank[j] = counts[c]++, j++;                                             \
             } else {                                                                                         \
@@ -633,13 +633,13 @@ RANKS_SCALAR(uint32_t)
 RANKS_SCALAR(uint64_t)
 
 static Py_ssize_t ranks_scalar(const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx,
-                               Py_ssize_t j, uint8_t *cls, int64_t *rank, int64_t *counts) {
+                               Py_ssize_t j, Py_ssize_t n, uint8_t *cls, int64_t *rank, int64_t *counts) {
     if (p >= end) return j;
     switch (k->isz) {
-    case 1: return ranks_uint8_t(k, p, end, idx, j, cls, rank, counts);
-    case 2: return ranks_uint16_t(k, p, end, idx, j, cls, rank, counts);
-    case 4: return ranks_uint32_t(k, p, end, idx, j, cls, rank, counts);
-    default: return ranks_uint64_t(k, p, end, idx, j, cls, rank, counts);
+    case 1: return ranks_uint8_t(k, p, end, idx, j, n, cls, rank, counts);
+    case 2: return ranks_uint16_t(k, p, end, idx, j, n, cls, rank, counts);
+    case 4: return ranks_uint32_t(k, p, end, idx, j, n, cls, rank, counts);
+    default: return ranks_uint64_t(k, p, end, idx, j, n, cls, rank, counts);
     }
 }
 
@@ -667,25 +667,52 @@ static Py_ssize_t positions_scalar(const struct classing *k, struct wanted *w, P
 
 #if defined(__GNUC__) && defined(__x86_64__)
 /*
- * Two-byte floats (bf16, f16) with AVX2, 32 elements per step: their classes are computed in two
- * 16-lane vectors and packed to bytes; one compare per class gives a 32-bit mask of the step's
- * elements in that class, whose popcount moves the class's counter. Only a step that holds a
- * changed (or a wanted) element looks inside it: a rank is the counter plus the popcount of the
- * mask below the element; a wanted rank is found with pdep.
+ * Two-byte floats (bf16, f16) with AVX2, a block of 256 elements at a time. The block's classes
+ * are computed 16 lanes at a time and packed to bytes (cb, in element order); a class's count over
+ * the block is a byte-lane accumulator of compares (8 classes per pass, in registers) summed with
+ * psadbw. Only a class that has a changed (or wanted) element in the block looks inside it again:
+ * a rank is the class's count before the block plus the popcount of its compare mask before the
+ * element; a wanted rank is found with pdep.
  */
-__attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline void class_masks(const uint16_t *b,
-                                                                                 const struct classing *k,
-                                                                                 uint32_t m[NCLASS]) {
+#define BLOCK 256
+
+__attribute__((target("avx2"))) static inline void block_classes(const uint16_t *b, const struct classing *k,
+                                                                   uint8_t cb[BLOCK]) {
     const __m128i sh = _mm_cvtsi32_si128(k->shift);
     const __m256i mask = _mm256_set1_epi16((short)k->mask), lo = _mm256_set1_epi16((short)k->lo);
     const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi16(NCLASS - 1);
-    __m256i c0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)b), sh), mask);
-    __m256i c1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), sh), mask);
-    c0 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c0, lo), zero), top);
-    c1 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c1, lo), zero), top);
-    const __m256i c = _mm256_permute4x64_epi64(_mm256_packus_epi16(c0, c1), 0xD8);
-    for (int q = 0; q < NCLASS; q++)
-        m[q] = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c, _mm256_set1_epi8((char)q)));
+    for (int s = 0; s < BLOCK; s += 32) {
+        __m256i c0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + s)), sh), mask);
+        __m256i c1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + s + 16)), sh), mask);
+        c0 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c0, lo), zero), top);
+        c1 = _mm256_min_epi16(_mm256_max_epi16(_mm256_sub_epi16(c1, lo), zero), top);
+        _mm256_store_si256((__m256i *)(cb + s), _mm256_permute4x64_epi64(_mm256_packus_epi16(c0, c1), 0xD8));
+    }
+}
+
+__attribute__((target("avx2"))) static inline int64_t sum_bytes(__m256i v) {
+    const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+    const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
+}
+
+/* How many of the block's elements fall in each class. */
+__attribute__((target("avx2"))) static inline void block_counts(const uint8_t cb[BLOCK], int64_t cnt[NCLASS]) {
+    for (int h = 0; h < NCLASS; h += 8) {
+        __m256i acc[8];
+        for (int q = 0; q < 8; q++) acc[q] = _mm256_setzero_si256();
+        for (int s = 0; s < BLOCK; s += 32) {
+            const __m256i c = _mm256_load_si256((const __m256i *)(cb + s));
+            for (int q = 0; q < 8; q++) acc[q] = _mm256_sub_epi8(acc[q], _mm256_cmpeq_epi8(c, _mm256_set1_epi8((char)(h + q))));
+        }
+        for (int q = 0; q < 8; q++) cnt[h + q] = sum_bytes(acc[q]);
+    }
+}
+
+/* The 32-bit mask of class q among the block's elements [32s, 32s + 32). */
+__attribute__((target("avx2"))) static inline uint32_t step_mask(const uint8_t cb[BLOCK], int s, unsigned q) {
+    return (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_load_si256((const __m256i *)(cb + 32 * s)), _mm256_set1_epi8((char)q)));
 }
 
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t ranks_avx2(const struct classing *k,
@@ -694,51 +721,65 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t ranks_avx2(con
                                                                               uint8_t *cls, int64_t *rank,
                                                                               int64_t *counts) {
     Py_ssize_t j = 0;
-    const uint16_t *b = (const uint16_t *)k->base;
-    uint32_t m[NCLASS];
-    const uint16_t *old = (const uint16_t *)k->old;
-    for (; p + 32 <= end; p += 32) {
-        class_masks(b + p, k, m);
-        const Py_ssize_t first = j;
-        if (old) /* the step's changed elements belong to their base bits' class, not the new bits' */
-            for (Py_ssize_t i = first; i < n && idx[i] < p + 32; i++) {
-                const uint32_t bit = 1u << (idx[i] - p);
-                m[klass(b[idx[i]], k->shift, k->mask, k->lo)] &= ~bit;
-                m[klass(old[i], k->shift, k->mask, k->lo)] |= bit;
-            }
-        for (; j < n && idx[j] < p + 32; j++) {
-            const unsigned c = klass(old ? old[j] : b[idx[j]], k->shift, k->mask, k->lo);
+    const uint16_t *b = (const uint16_t *)k->base, *old = (const uint16_t *)k->old;
+    _Alignas(32) uint8_t cb[BLOCK];
+    int64_t cnt[NCLASS];
+    for (; p + BLOCK <= end; p += BLOCK) {
+        block_classes(b + p, k, cb);
+        Py_ssize_t stop = j;
+        while (stop < n && idx[stop] < p + BLOCK) stop++;
+        if (old) /* the block's changed elements belong to their base bits' class, not the new bits' */
+            for (Py_ssize_t i = j; i < stop; i++) cb[idx[i] - p] = (uint8_t)klass(old[i], k->shift, k->mask, k->lo);
+        for (; j < stop; j++) {
+            const int off = (int)(idx[j] - p), step = off >> 5;
+            const unsigned c = cb[off];
+            int64_t r = counts[c];
+            for (int s = 0; s < step; s++) r += __builtin_popcount(step_mask(cb, s, c));
             cls[j] = (uint8_t)c;
-            rank[j] = counts[c] + __builtin_popcount(m[c] & ((1u << (idx[j] - p)) - 1));
+            rank[j] = r + __builtin_popcount(step_mask(cb, step, c) & ((1u << (off & 31)) - 1));
         }
-        for (int q = 0; q < NCLASS; q++) counts[q] += __builtin_popcount(m[q]);
+        block_counts(cb, cnt);
+        for (int q = 0; q < NCLASS; q++) counts[q] += cnt[q];
     }
-    return ranks_scalar(k, p, end, idx, j, cls, rank, counts);
+    return ranks_scalar(k, p, end, idx, j, n, cls, rank, counts);
 }
 
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t positions_avx2(const struct classing *k,
                                                                                   struct wanted *w, Py_ssize_t p,
                                                                                   Py_ssize_t stop) {
     const uint16_t *b = (const uint16_t *)k->base;
-    uint32_t m[NCLASS];
-    for (; p + 32 <= stop && w->found < w->n; p += 32) {
-        class_masks(b + p, k, m);
-        const Py_ssize_t before = w->found;
+    _Alignas(32) uint8_t cb[BLOCK];
+    int64_t cnt[NCLASS], slot[BLOCK];
+    for (; p + BLOCK <= stop && w->found < w->n; p += BLOCK) {
+        block_classes(b + p, k, cb);
+        block_counts(cb, cnt);
+        uint64_t hits[BLOCK / 64] = {0};
         for (int q = 0; q < NCLASS; q++) {
-            const int64_t pc = __builtin_popcount(m[q]);
-            while (w->want[q] >= 0 && w->want[q] < w->seen[q] + pc) {
-                const uint32_t bit = (uint32_t)_pdep_u32(1u << (w->want[q] - w->seen[q]), m[q]);
-                hit(w, (unsigned)q, p + __builtin_ctz(bit));
+            if (w->want[q] >= 0 && w->want[q] < w->seen[q] + cnt[q]) {
+                int64_t seen = w->seen[q];
+                for (int s = 0; s < BLOCK / 32 && w->want[q] >= 0 && w->want[q] < w->seen[q] + cnt[q]; s++) {
+                    const uint32_t m = step_mask(cb, s, (unsigned)q);
+                    const int64_t pc = __builtin_popcount(m);
+                    while (w->want[q] >= 0 && w->want[q] < seen + pc) {
+                        if (w->want[q] < seen) { /* ranks not ascending: corrupt, the class stops here */
+                            w->want[q] = -1;
+                            break;
+                        }
+                        const int off = 32 * s + __builtin_ctz((uint32_t)_pdep_u32(1u << (w->want[q] - seen), m));
+                        hits[off >> 6] |= 1ull << (off & 63), slot[off] = w->first[q]++;
+                        w->want[q] = w->first[q] < w->last[q] ? w->ranks[w->first[q]] : -1;
+                    }
+                    seen += pc;
+                }
             }
-            w->seen[q] += pc;
+            w->seen[q] += cnt[q];
         }
-        /* the step's hits came class by class: put them in position order (a few at most) */
-        for (Py_ssize_t a = before + 1; a < w->found; a++) {
-            const int64_t pa = w->pos[a], qa = w->perm[a];
-            Py_ssize_t z = a;
-            for (; z > before && w->pos[z - 1] > pa; z--) w->pos[z] = w->pos[z - 1], w->perm[z] = w->perm[z - 1];
-            w->pos[z] = pa, w->perm[z] = qa;
-        }
+        /* the block's hits came class by class: write them out in position order */
+        for (int h = 0; h < BLOCK / 64; h++)
+            for (uint64_t bits = hits[h]; bits; bits &= bits - 1) {
+                const int off = 64 * h + __builtin_ctzll(bits);
+                w->pos[w->found] = p + off, w->perm[w->found] = slot[off], w->found++;
+            }
     }
     return positions_scalar(k, w, p, stop);
 }
@@ -764,56 +805,71 @@ static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift,
 }
 
 /*
- * class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, old=None, portable=False)
- * For each sorted position p in `indices` (int64, all >= start), its class (uint8 into cls_out) and
- * how many elements of that class lie in [start, p) (int64 into rank_out). `old`, when given, holds
- * the base's bits at the indices, for a `base` that already holds the new bits there (a kept copy
- * the diff brought up to date).
+ * class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every,
+ *             old=None, portable=False)
+ * Scans base[start:stop). For each sorted position p in `indices` (int64, all in [start, stop)), its
+ * class (uint8 into cls_out) and how many elements of that class lie in [start, p) (int64 into
+ * rank_out). census_out (int64, 16 per row) gets the class counts over [start, start + r * every) in
+ * row r, for every r with r * every < stop - start, and over all of [start, stop) in the last row
+ * (`every`: a positive multiple of 256). `old`, when given, holds the base's bits at the indices,
+ * for a `base` that already holds the new bits there (a kept copy the diff brought up to date).
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
-    Py_buffer bb, ib, cb, rb, ob = {0};
+    Py_buffer bb, ib, cb, rb, sb, ob = {0};
     int isz, shift, portable_ = 0;
     unsigned long long mask;
     long long lo;
-    Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "y*iiKLny*w*w*|z*p", &bb, &isz, &shift, &mask, &lo, &start, &ib, &cb, &rb, &ob,
-                          &portable_))
+    Py_ssize_t start, stop, every;
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*p", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
+                          &sb, &every, &ob, &portable_))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
     if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
+    const Py_ssize_t rows = start < stop && every > 0 ? (stop - start + every - 1) / every + 1 : 1;
     if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 || start < 0 ||
-        (ob.buf != NULL && (ob.len != n * isz || (uintptr_t)ob.buf % isz))) {
-        PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes or alignment");
+        stop < start || stop > nb || every <= 0 || every % 256 || sb.len != rows * NCLASS * 8 ||
+        (uintptr_t)sb.buf % 8 || (ob.buf != NULL && (ob.len != n * isz || (uintptr_t)ob.buf % isz))) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: bad buffer sizes, alignment, range or census interval");
         goto done;
     }
-    k.old = ob.buf;
     const int64_t *idx = ib.buf;
     for (Py_ssize_t j = 0; j < n; j++) {
-        if (idx[j] < start || idx[j] >= nb || (j && idx[j] <= idx[j - 1])) {
-            PyErr_SetString(PyExc_ValueError, "class_ranks: indices must be sorted, unique and inside the base");
+        if (idx[j] < start || idx[j] >= stop || (j && idx[j] <= idx[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "class_ranks: indices must be sorted, unique and inside the range");
             goto done;
         }
     }
-    if (n) {
-        int64_t counts[NCLASS] = {0};
-        const Py_ssize_t end = idx[n - 1] + 1;
-        Py_BEGIN_ALLOW_THREADS
+    int64_t counts[NCLASS] = {0}, *census = sb.buf;
+    uint8_t *cls = cb.buf;
+    int64_t *rank = rb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t j = 0, r = 0;
+    for (Py_ssize_t p = start; p < stop; p += every) { /* one census interval at a time */
+        const Py_ssize_t end = p + every < stop ? p + every : stop;
+        Py_ssize_t m = j;
+        while (m < n && idx[m] < end) m++;
+        struct classing kk = k;
+        kk.old = ob.buf != NULL ? (const char *)ob.buf + j * isz : NULL;
+        memcpy(census + NCLASS * r++, counts, sizeof counts);
 #if defined(__GNUC__) && defined(__x86_64__)
         if (isz == 2 && !portable_ && class_simd())
-            ranks_avx2(&k, start, end, idx, n, cb.buf, rb.buf, counts);
+            ranks_avx2(&kk, p, end, idx + j, m - j, cls + j, rank + j, counts);
         else
 #endif
-            ranks_scalar(&k, start, end, idx, 0, cb.buf, rb.buf, counts);
-        Py_END_ALLOW_THREADS
+            ranks_scalar(&kk, p, end, idx + j, 0, m - j, cls + j, rank + j, counts);
+        j = m;
     }
+    memcpy(census + NCLASS * r, counts, sizeof counts);
+    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&bb);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&cb);
     PyBuffer_Release(&rb);
+    PyBuffer_Release(&sb);
     if (ob.buf != NULL) PyBuffer_Release(&ob);
     return result;
 }
@@ -890,7 +946,8 @@ static PyMethodDef methods[] = {
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,
-     "class_ranks(base, itemsize, shift, mask, lo, start, indices, cls_out, rank_out, old=None, portable=False)"},
+     "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
+     "old=None, portable=False)"},
     {"class_positions", class_positions, METH_VARARGS,
      "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, "
      "portable=False) -> found"},

@@ -56,6 +56,8 @@ __all__ = [
     "rice_index",
     "rice_decode",
     "exponent_field",
+    "CENSUS",
+    "class_scan",
     "ulp2_streams",
     "ulp2_codes",
     "class_ranks",
@@ -418,31 +420,47 @@ def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: 
     return np.clip(e, 0, NCLASS - 1).astype(np.uint8)
 
 
-def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int,
-                old: np.ndarray | None = None, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """For sorted positions ``indices`` (all >= ``start``) of ``base`` (flat bits): each one's class
-    and its rank among the elements of that class in ``[start, p)``. ``old``: the base's bits at
-    ``indices``, for a ``base`` that already holds the new bits there (the Publisher's kept copies,
-    which its diff brings up to date as it compares)."""
+CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of the scans' 256-element blocks)
+
+
+def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shift: int, mask: int, lo: int,
+               old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pass over ``base[start:stop)`` (flat bits). For sorted positions ``indices`` (all in the
+    range): each one's class and its rank among the elements of that class in ``[start, p)``; and the
+    class *census*, ``(rows, 16)`` int64 counts over ``[start, start + r * every)`` in row ``r`` for
+    every ``r * every < stop - start``, over all of ``[start, stop)`` in the last row. ``old``: the
+    base's bits at ``indices``, for a ``base`` that already holds the new bits there (the Publisher's
+    kept copies, which its diff brings up to date as it compares)."""
     n = int(indices.size)
+    rows = (stop - start + every - 1) // every + 1 if stop > start else 1
     cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
-    if n == 0:
-        return cls, rank
+    census = np.zeros((rows, NCLASS), np.int64)
     if native and _native is not None:
-        _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start,
-                            np.ascontiguousarray(indices, np.int64), cls, rank,
+        _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
+                            np.ascontiguousarray(indices, np.int64), cls, rank, census, every,
                             None if old is None else np.ascontiguousarray(old, base.dtype))
-        return cls, rank
-    c = _classes(base, start, int(indices[-1]) + 1, shift, mask, lo)
+        return cls, rank, census
+    c = _classes(base, start, stop, shift, mask, lo)
+    local = np.asarray(indices, np.int64) - start
     if old is not None:
-        c[np.asarray(indices, np.int64) - start] = _classes(np.asarray(old, base.dtype), 0, n, shift, mask, lo)
+        c[local] = _classes(np.asarray(old, base.dtype), 0, n, shift, mask, lo)
     order = np.argsort(c, kind="stable")  # a radix sort for 8-bit keys
     inverse = np.empty(c.size, np.int64)
     inverse[order] = np.arange(c.size)
     first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=NCLASS))])
-    local = np.asarray(indices, np.int64) - start
     cls[:] = c[local]
     rank[:] = inverse[local] - first[cls]
+    per = np.bincount(np.arange(c.size) // every * NCLASS + c, minlength=(rows - 1) * NCLASS)
+    census[1:] = np.cumsum(per.reshape(rows - 1, NCLASS), axis=0)
+    return cls, rank, census
+
+
+def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int,
+                old: np.ndarray | None = None, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`class_scan` up to the last of ``indices``, without the census."""
+    stop = int(indices[-1]) + 1 if indices.size else start
+    cls, rank, _ = class_scan(base, start, stop, indices, shift, mask, lo, old, native=native)
     return cls, rank
 
 

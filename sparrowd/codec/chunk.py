@@ -50,7 +50,7 @@ A chunk is named by the BLAKE3 hash of its compressed bytes.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import blake3
 import numpy as np
@@ -59,11 +59,12 @@ import zstandard
 from ..errors import FormatError, IntegrityError
 from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
+    CENSUS,
     ESCAPE,
     NCLASS,
     class_lo,
     class_positions,
-    class_ranks,
+    class_scan,
     dtype_info,
     exponent_field,
     from_planes,
@@ -80,6 +81,9 @@ from .bits import (
 
 __all__ = [
     "Segment",
+    "Ranked",
+    "rank_changes",
+    "join_ranks",
     "Chunk",
     "encode_chunk",
     "encode_segment",
@@ -129,11 +133,72 @@ class Segment:
     data: np.ndarray
     indices: np.ndarray | None = None
     base: np.ndarray | None = None  # ulp2, encoding: the base tensor's flat bits (its classes)
-    base_values: np.ndarray | None = None  # ulp2, encoding: the base's bits at `indices`, when `base` has moved
+    ranked: Ranked | None = None  # ulp2, encoding: the changes' classes and ranks (rank_changes)
 
     @property
     def count(self) -> int:
         return int(self.data.size)
+
+
+@dataclass(frozen=True, eq=False)
+class Ranked:
+    """A tensor's changed positions ranked within their exponent classes by one scan of its base,
+    done where the diff is (its worker threads), so that encoding a segment only offsets ranks.
+
+    ``lo``: the tensor's class ``lo`` (bits.class_lo); ``cls`` and ``rank``: each of the segment's
+    changes' class and its rank among its class's elements from element 0 of the tensor; ``census``:
+    the class counts every ``CENSUS`` elements from 0 (bits.class_scan); ``indices`` and ``old``: all
+    the tensor's changed positions and, where ``base`` already holds the new bits there, the base's
+    bits at them (to count the stretch between a census row and a segment's start)."""
+
+    lo: int
+    cls: np.ndarray
+    rank: np.ndarray
+    census: np.ndarray
+    indices: np.ndarray
+    old: np.ndarray | None = None
+
+    def split(self, k: int) -> tuple[Ranked, Ranked]:
+        head = replace(self, cls=self.cls[:k], rank=self.rank[:k])
+        return head, replace(self, cls=self.cls[k:], rank=self.rank[k:])
+
+    def counts_before(self, base: np.ndarray, x: int, shift: int, mask: int) -> np.ndarray:
+        """Each class's count of elements in ``[0, x)``."""
+        row = x // CENSUS
+        a = row * CENSUS
+        counts = self.census[row].copy()
+        if a < x:
+            i, j = np.searchsorted(self.indices, [a, x])
+            old = None if self.old is None else self.old[i:j]
+            counts += class_scan(base, a, x, self.indices[i:j], shift, mask, self.lo, old)[2][-1]
+        return counts
+
+
+def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
+                 start: int = 0, stop: int | None = None) -> tuple:
+    """Scan ``base[start:stop)`` (a whole tensor, or a part starting at a multiple of ``CENSUS``) for
+    the classes and ranks of its changed ``indices`` (all inside the part); :func:`join_ranks` puts
+    a tensor's parts together. ``old``: as for :class:`Ranked`."""
+    shift, mask = exponent_field(dtype)
+    stop = base.size if stop is None else stop
+    if start % CENSUS:
+        raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
+    lo = class_lo(base, 0, base.size, shift, mask)  # the same for every part of the tensor
+    return (lo, *class_scan(base, start, stop, indices, shift, mask, lo, old))
+
+
+def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None) -> Ranked:
+    """One :class:`Ranked` from the :func:`rank_changes` of a tensor's consecutive parts."""
+    offset = np.zeros(NCLASS, np.int64)
+    ranks, rows = [], []
+    for lo, cls, rank, census in parts:
+        ranks.append(rank + offset[cls])
+        rows.append(census[:-1] + offset)
+        offset = offset + census[-1]
+    rows.append(offset[None])
+    cls = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    rank = np.concatenate(ranks) if len(ranks) > 1 else ranks[0]
+    return Ranked(parts[0][0], cls, rank, np.concatenate(rows), indices, old)
 
 
 def is_ulp(values: str) -> bool:
@@ -178,22 +243,24 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     return list(to_planes(bits))
 
 
-def _encode_ulp2(seg: Segment, info) -> tuple[list, list[np.ndarray]]:
+def _encode_ulp2(seg: Segment, info) -> tuple[int, list, list[np.ndarray]]:
     """Classes and blobs of an ulp2 segment (module docstring)."""
-    if seg.base is None:
-        raise ValueError(f"ulp2 segment {seg.name}: the base is needed to encode")
+    r = seg.ranked
+    if seg.base is None or r is None:
+        raise ValueError(f"ulp2 segment {seg.name}: the base and the changes' ranks are needed to encode")
     shift, mask = exponent_field(seg.dtype)
-    lo = class_lo(seg.base, seg.start, seg.stop, shift, mask)
-    cls, rank = class_ranks(seg.base, seg.start, seg.indices, shift, mask, lo, seg.base_values)
-    order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
-    cls, rank = cls[order], rank[order]
-    classes, first, counts = np.unique(cls, return_index=True, return_counts=True)
-    table, blobs = [], []
-    for c, f, n in zip(classes.tolist(), first.tolist(), counts.tolist()):
+    rank = r.rank - r.counts_before(seg.base, seg.start, shift, mask)[r.cls] if seg.start else r.rank
+    order = np.argsort(r.cls, kind="stable")  # class by class; positions (and ranks) ascend within each
+    rank = rank[order]
+    counts = np.bincount(r.cls, minlength=NCLASS)
+    table, blobs, f = [], [], 0
+    for c in np.flatnonzero(counts).tolist():
+        n = int(counts[c])
         k, unary, rem = rice_index(rank[f:f + n], 0)
         table.append([c, n, k])
         blobs += [unary, rem]
-    return lo, table, blobs + ulp2_streams(seg.data[order])
+        f += n
+    return r.lo, table, blobs + ulp2_streams(seg.data[order])
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:

@@ -33,12 +33,15 @@ from .chunk import (
     ULP2,
     Chunk,
     EncodedSegment,
+    Ranked,
     Segment,
     decode_chunk,
     encode_chunk,
     encode_file_chunk,
     encode_segment,
     is_ulp,
+    join_ranks,
+    rank_changes,
 )
 from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
@@ -121,9 +124,13 @@ class PatchEncoder:
         new_fp: bytes,
         old_values: np.ndarray | None = None,
         new_values: np.ndarray | None = None,
+        ranked: Ranked | None = None,
     ) -> list[Chunk]:
         """Add a same-shape tensor whose changed ``indices`` (and, optionally, the
-        old and new bits there) were found elsewhere, e.g. on a GPU."""
+        old and new bits there) were found elsewhere, e.g. on a GPU. ``ranked``: for ulp2,
+        the changes' classes and ranks if the diff worked them out already (:func:`rank_changes`);
+        otherwise they are, here. ``old.bits`` is the base, or the base with the new bits at
+        ``indices`` when ``old_values`` gives the old ones."""
         if indices.size == 0:
             return []
         info = dtype_info(new.dtype)
@@ -139,7 +146,9 @@ class PatchEncoder:
             return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
         # ulp2 codes positions by the base's exponent classes: the base's bits, and its bits at the changed
         # positions as given (a kept copy may already hold the new ones there).
-        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ov))
+        if ranked is None:
+            ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov)], indices, ov)
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked))
 
     def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
         self._tensors[name] = TensorEntry(
@@ -241,11 +250,10 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
             Segment(seg.name, seg.dtype, DENSE, seg.values, cut, seg.stop, seg.data[k:]),
         )
     cut = int(seg.indices[k - 1]) + 1
+    r = (None, None) if seg.ranked is None else seg.ranked.split(k)
     return (
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base,
-                None if seg.base_values is None else seg.base_values[:k]),
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base,
-                None if seg.base_values is None else seg.base_values[k:]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base, r[0]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base, r[1]),
     )
 
 
@@ -253,9 +261,19 @@ def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
 
 
-def _diff_whole(old: np.ndarray, new: np.ndarray):
+def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None):
+    """A worker's job: diff and fingerprint a whole tensor, and for ulp2 (``rank_dtype``) rank the
+    changes within their classes while the base is at hand."""
     idx, ov, nv, fo, fn = diff_fingerprint(old, new)
-    return idx, ov, nv, (fo, fn)
+    part = rank_changes(old, rank_dtype, idx) if rank_dtype and idx.size else None
+    return idx, ov, nv, (fo, fn), part
+
+
+def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None):
+    """The same for the part ``[lo, hi)`` of a large tensor (no fingerprints: they need the whole)."""
+    idx, ov, nv = diff_values(old, new, lo, hi)
+    part = rank_changes(old, rank_dtype, idx, start=lo, stop=hi) if rank_dtype and idx.size else None
+    return idx, ov, nv, part
 
 
 def _fingerprints(pool: ThreadPoolExecutor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
@@ -295,26 +313,36 @@ def encode_patch(
             if not _same_layout(o, n):
                 jobs.append((name, None))
                 continue
+            rank = n.dtype if values == ULP2 and dtype_info(n.dtype).is_float else None
             ranges = split_ranges(n.numel)
             if len(ranges) == 1:  # one job diffs and fingerprints in a single read of both sides
-                jobs.append((name, [pool.submit(_diff_whole, o.bits, n.bits)]))
+                jobs.append((name, [pool.submit(_diff_whole, o.bits, n.bits, rank)]))
             else:
-                jobs.append((name, [pool.submit(diff_values, o.bits, n.bits, lo, hi) for lo, hi in ranges]))
+                jobs.append((name, [pool.submit(_diff_part, o.bits, n.bits, lo, hi, rank) for lo, hi in ranges]))
         for name, parts in jobs:
             o, n = old.get(name), new.get(name)
             if parts is None:
                 chunks += enc.add(name, o, n)
                 changed = n.numel if n is not None else 0
+                if on_tensor:
+                    on_tensor(name, changed)
+                continue
+            res = [p.result() for p in parts]
+            if len(res) == 1:
+                (idx, ov, nv, fps, part), = res
+                ranked = join_ranks([part], idx) if part is not None else None
             else:
-                res = [p.result() for p in parts]
-                if len(res) == 1:
-                    (idx, ov, nv, fps), = res
-                else:
-                    idx, ov, nv = (np.concatenate([r[i] for r in res]) for i in range(3))
-                    fps = _fingerprints(pool, o, n) if idx.size else None
-                changed = int(idx.size)
-                if changed:
-                    chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv)
+                idx, ov, nv = (np.concatenate([r[i] for r in res]) for i in range(3))
+                fps = _fingerprints(pool, o, n) if idx.size else None
+                ranked = None
+                if any(r[3] is not None for r in res):
+                    # a part without changes was not scanned: its census is needed all the same
+                    ranks = [r[3] if r[3] is not None else rank_changes(o.bits, n.dtype, r[0], start=lo, stop=hi)
+                             for r, (lo, hi) in zip(res, split_ranges(n.numel))]
+                    ranked = join_ranks(ranks, idx)
+            changed = int(idx.size)
+            if changed:
+                chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv, ranked)
             if on_tensor:
                 on_tensor(name, changed)
     for name, data in sorted((files or {}).items()):

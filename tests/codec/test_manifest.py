@@ -6,6 +6,7 @@ import pytest
 import zstandard
 
 from sparrowd.codec import Manifest, RawTensor, decode_chunk, encode_patch
+from sparrowd.codec.manifest import MAX_MANIFEST
 from sparrowd.errors import FormatError
 
 
@@ -60,6 +61,29 @@ def test_garbage_manifests_are_refused(data):
 def test_manifest_round_trips_exactly(manifest):
     m, _ = manifest
     assert Manifest.from_bytes(m.to_bytes()) == m
+
+
+def test_format_2_manifests_are_compressed_and_checked_like_plain_ones():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 14, size=4000, dtype=np.uint16)  # finite bf16 patterns
+    b = a.copy()
+    b[::50] ^= 1
+    m, _ = encode_patch({"w": RawTensor("BF16", (4000,), a)}, {"w": RawTensor("BF16", (4000,), b)},
+                        version=3, base_version=2, values="ulp2")
+    raw = m.to_bytes()
+    plain = zstandard.ZstdDecompressor().decompress(raw)
+    assert Manifest.from_bytes(raw) == m and Manifest.from_bytes(plain) == m  # the plain form still reads
+    cctx = zstandard.ZstdCompressor()
+    bad = [
+        cctx.compress(b"\0" * (MAX_MANIFEST + 1)),  # a bomb
+        raw[:-3],  # truncated
+        cctx.compress(msgpack.packb([1, 2])),  # not a map
+        cctx.compress(b""),
+        b"\x28\xb5\x2f\xfd" + b"\0" * 20,  # the magic and garbage
+    ]
+    for data in bad:
+        with pytest.raises(FormatError):
+            Manifest.from_bytes(data)
 
 
 def test_chunk_decoder_refuses_bombs_and_garbage(manifest):
