@@ -64,8 +64,7 @@ def test_ulp2_segments_from_outside(classes, body, count, v):
     from sparrowd.codec.chunk import CHUNK_MAGIC, decode_chunk
     from sparrowd.schema import pack
 
-    cut = [len(body) * i // (2 * len(classes) + 4) for i in range(2 * len(classes) + 5)]
-    blobs = [b - a for a, b in zip(cut, cut[1:])]
+    blobs = [len(body)]
     table = [[c, count // len(classes), c % 9] for c in classes]
     for seg in ({"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
                  "count": count, "index_k": 0, "blobs": blobs, "classes": table},
@@ -76,6 +75,37 @@ def test_ulp2_segments_from_outside(classes, body, count, v):
         data = zstandard.ZstdCompressor().compress(raw)
         base = {"w": np.random.default_rng(0).integers(0, 1 << 16, 4096, dtype=np.uint16)}
         refused_cleanly(lambda d: decode_chunk(d, base=base), data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8),
+       st.integers(-3, 3))
+def test_ulp2_coded_streams_damaged(flips, trim):
+    """A real ulp2 chunk whose coded stream has bytes changed, cut or padded: refused, or decoded
+    to positions inside the segment (which the result's fingerprint then refuses)."""
+    import numpy as np
+    import zstandard
+
+    from sparrowd.codec import RawTensor, decode_chunk, encode_patch
+
+    rng = np.random.default_rng(7)
+    a = (rng.normal(0, 0.02, 20_000).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    b = a.copy()
+    b[rng.random(a.size) < 0.02] += 1
+    _, chunks = encode_patch({"w": RawTensor("BF16", (a.size,), a)}, {"w": RawTensor("BF16", (a.size,), b)},
+                             version=2, base_version=1, values="ulp2")
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0].data))
+    head = 8 + int.from_bytes(raw[4:8], "little")
+    for at, byte in flips:
+        raw[head + at % (len(raw) - head)] = byte
+    body = bytes(raw) + b"\0" * max(trim, 0) if trim >= 0 else bytes(raw[:trim])
+    data = zstandard.ZstdCompressor().compress(body)
+    try:
+        segs = decode_chunk(data, base={"w": a})
+    except SparrowError as e:
+        assert str(e) and "\n" not in str(e)
+    else:
+        assert all(s.indices.size == 0 or (0 <= s.indices.min() and s.indices.max() < a.size) for s in segs)
 
 
 @settings(max_examples=100, deadline=None)

@@ -936,6 +936,339 @@ done:
     return result;
 }
 
+/*
+ * The ulp2 segment body (docs/FORMAT.md): one stream of an adaptive binary range coder (LZMA's:
+ * 32-bit range, carries resolved through a one-byte cache, a modelled bit's probability a 15-bit
+ * estimate moved 1/32 of the way to each bit seen). It holds, class after class, the gaps between
+ * the ranks of a class's changes, then every change's ulp code in the same order.
+ *
+ * A gap g of a class whose parameter is k: q = g >> k in unary (1s then a 0; the i-th bit's context
+ * is min(i, 3)), then the top two bits of the k-bit remainder (contexts: the bits above them) and
+ * its other bits as they are. A code z (zigzag, >= 1): a = (z - 1) >> 1, the ulps beyond the first,
+ * and s = (z - 1) & 1, the direction. Whether a > 0 is one bit (context: the class); then a in Elias
+ * gamma (its bit length less one in unary, contexts by place, then the bits below the top one as
+ * they are); then s (context: whether a > 0).
+ */
+#define PB 15
+#define PMOVE 5
+#define PINIT (1u << (PB - 1))
+#define TOP (1u << 24)
+
+struct ctx {
+    uint16_t q[4], r[4], one[NCLASS], gamma[64], sign[2];
+};
+
+static void ctx_init(struct ctx *c) {
+    uint16_t *p = (uint16_t *)c;
+    for (size_t i = 0; i < sizeof *c / 2; i++) p[i] = PINIT;
+}
+
+struct rc_enc {
+    uint64_t low;
+    uint32_t range;
+    uint8_t cache;
+    uint64_t pending;
+    uint8_t *buf;
+    Py_ssize_t pos, cap;
+};
+
+static inline void enc_shift(struct rc_enc *e) {
+    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
+        const uint8_t carry = (uint8_t)(e->low >> 32);
+        uint8_t t = e->cache;
+        do {
+            if (e->pos < e->cap) e->buf[e->pos] = (uint8_t)(t + carry);
+            e->pos++;
+            t = 0xFF;
+        } while (--e->pending != 0);
+        e->cache = (uint8_t)(e->low >> 24);
+    }
+    e->pending++;
+    e->low = (e->low & 0x00FFFFFFu) << 8;
+}
+
+static inline void enc_bit(struct rc_enc *e, uint16_t *p, unsigned bit) {
+    const uint32_t bound = (e->range >> PB) * *p;
+    if (bit) e->low += bound, e->range -= bound, *p -= *p >> PMOVE;
+    else e->range = bound, *p += ((1u << PB) - *p) >> PMOVE;
+    while (e->range < TOP) e->range <<= 8, enc_shift(e);
+}
+
+/* Bits as they are, up to 16 at a time (the range is at least 2^24 between calls). */
+static inline void enc_direct(struct rc_enc *e, uint64_t v, int nbits) {
+    while (nbits > 0) {
+        const int b = nbits < 16 ? nbits : 16;
+        nbits -= b;
+        e->range >>= b;
+        e->low += ((v >> nbits) & ((1u << b) - 1)) * (uint64_t)e->range;
+        while (e->range < TOP) e->range <<= 8, enc_shift(e);
+    }
+}
+
+struct rc_dec {
+    const uint8_t *buf;
+    Py_ssize_t pos, len;
+    uint32_t range, code;
+};
+
+static inline uint8_t dec_byte(struct rc_dec *d) { return d->pos < d->len ? d->buf[d->pos++] : (d->pos++, 0); }
+
+static inline unsigned dec_bit(struct rc_dec *d, uint16_t *p) {
+    const uint32_t bound = (d->range >> PB) * *p;
+    unsigned bit;
+    if (d->code < bound) d->range = bound, *p += ((1u << PB) - *p) >> PMOVE, bit = 0;
+    else d->code -= bound, d->range -= bound, *p -= *p >> PMOVE, bit = 1;
+    while (d->range < TOP) d->range <<= 8, d->code = (d->code << 8) | dec_byte(d);
+    return bit;
+}
+
+static inline uint64_t dec_direct(struct rc_dec *d, int nbits, int *bad) {
+    uint64_t v = 0;
+    while (nbits > 0) {
+        const int b = nbits < 16 ? nbits : 16;
+        nbits -= b;
+        d->range >>= b;
+        uint32_t x = d->code / d->range;
+        if (x >> b) *bad = 1, x = (1u << b) - 1; /* only a corrupt stream gets here */
+        d->code -= x * d->range;
+        v = (v << b) | x;
+        while (d->range < TOP) d->range <<= 8, d->code = (d->code << 8) | dec_byte(d);
+    }
+    return v;
+}
+
+static inline int bitlen64(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+/* The segment's table: per class present (ascending), its class, count and k. */
+struct table {
+    Py_ssize_t n;
+    int64_t cls[NCLASS], count[NCLASS], k[NCLASS];
+};
+
+static int parse_table(struct table *t, Py_buffer *tb, Py_ssize_t n) {
+    const int64_t *v = tb->buf;
+    if (tb->len % 24 || (uintptr_t)tb->buf % 8 || tb->len / 24 > NCLASS) goto bad;
+    t->n = tb->len / 24;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < t->n; i++) {
+        t->cls[i] = v[3 * i], t->count[i] = v[3 * i + 1], t->k[i] = v[3 * i + 2];
+        if (t->cls[i] < 0 || t->cls[i] >= NCLASS || (i && t->cls[i] <= t->cls[i - 1]) || t->count[i] < 0 ||
+            t->k[i] < 0 || t->k[i] > 40)
+            goto bad;
+        total += t->count[i];
+    }
+    if (total != n) goto bad;
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "ulp2: bad class table (classes ascending below 16, k at most 40, counts adding up)");
+    return 0;
+}
+
+/*
+ * ulp2_pack(ranks, table, codes, itemsize) -> bytes
+ * ranks (int64): each class's ascending ranks, class after class as in table (int64 triples
+ * class, count, k); codes: the changes' zigzag ulp codes in the same order.
+ */
+static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
+    Py_buffer rb, tb, zb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*y*i", &rb, &tb, &zb, &isz)) return NULL;
+    PyObject *result = NULL;
+    struct table t;
+    uint8_t *buf = NULL;
+    const Py_ssize_t n = rb.len / 8;
+    if (!check_width(isz)) goto done;
+    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_pack: bad buffer sizes or alignment");
+        goto done;
+    }
+    if (!parse_table(&t, &tb, n)) goto done;
+    const int64_t *ranks = rb.buf;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (load_at(zb.buf, isz, j) == 0) {
+            PyErr_SetString(PyExc_ValueError, "ulp2_pack: a zero ulp code");
+            goto done;
+        }
+    /* Room: what the bits could take at worst (a modelled bit costs at most 7: no probability is
+       below 31/2048), plus the flush; the encoder never writes past it and says if it would. */
+    int64_t worst = 0;
+    {
+        Py_ssize_t j = 0;
+        for (Py_ssize_t i = 0; i < t.n; i++) {
+            int64_t prev = -1;
+            for (int64_t m = 0; m < t.count[i]; m++, j++) {
+                const int64_t g = ranks[j] - prev - 1;
+                if (g < 0) {
+                    PyErr_SetString(PyExc_ValueError, "ulp2_pack: ranks must ascend within each class");
+                    goto done;
+                }
+                worst += 7 * ((g >> t.k[i]) + 3) + t.k[i];
+                prev = ranks[j];
+            }
+        }
+        for (j = 0; j < n; j++) worst += 7 * 3 + 8 * bitlen64((load_at(zb.buf, isz, j) - 1) >> 1);
+    }
+    const Py_ssize_t cap = (Py_ssize_t)(worst / 8 + 64);
+    buf = PyMem_Malloc(cap);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t used;
+    Py_BEGIN_ALLOW_THREADS
+    struct ctx c;
+    ctx_init(&c);
+    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, 0, cap};
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < t.n; i++) {
+        const int cl = (int)t.cls[i], k = (int)t.k[i];
+        int64_t prev = -1;
+        for (int64_t m = 0; m < t.count[i]; m++, j++) {
+            const uint64_t g = (uint64_t)(ranks[j] - prev - 1);
+            prev = ranks[j];
+            const uint64_t q = g >> k;
+            for (uint64_t b = 0; b < q; b++) enc_bit(&e, &c.q[b < 3 ? b : 3], 1);
+            enc_bit(&e, &c.q[q < 3 ? q : 3], 0);
+            if (k >= 1) {
+                const unsigned b1 = (unsigned)(g >> (k - 1)) & 1;
+                enc_bit(&e, &c.r[1], b1);
+                if (k >= 2) {
+                    enc_bit(&e, &c.r[2 + b1], (unsigned)(g >> (k - 2)) & 1);
+                    enc_direct(&e, g, k - 2);
+                }
+            }
+        }
+    }
+    j = 0;
+    for (Py_ssize_t i = 0; i < t.n; i++) {
+        const int cl = (int)t.cls[i];
+        for (int64_t m = 0; m < t.count[i]; m++, j++) {
+            const uint64_t z = load_at(zb.buf, isz, j) - 1, a = z >> 1;
+            const unsigned more = a != 0;
+            enc_bit(&e, &c.one[cl], more);
+            if (more) {
+                const int len = bitlen64(a);
+                for (int b = 0; b < len - 1; b++) enc_bit(&e, &c.gamma[b], 1);
+                if (len < 64) enc_bit(&e, &c.gamma[len - 1], 0);
+                enc_direct(&e, a, len - 1);
+            }
+            enc_bit(&e, &c.sign[more], (unsigned)(z & 1));
+        }
+    }
+    for (int b = 0; b < 5; b++) enc_shift(&e);
+    used = e.pos;
+    Py_END_ALLOW_THREADS
+    if (used > cap) {
+        PyErr_SetString(PyExc_RuntimeError, "ulp2_pack: the coded stream outgrew its buffer");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)buf, used);
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&zb);
+    return result;
+}
+
+/*
+ * ulp2_unpack(data, table, span, itemsize, ranks_out, codes_out)
+ * The inverse; `span` (the segment's stop - start) bounds every rank. ValueError on a stream that
+ * is malformed, runs past its end or leaves bytes over.
+ */
+static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
+    Py_buffer db, tb, rb, zb;
+    Py_ssize_t span;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*niw*w*", &db, &tb, &span, &isz, &rb, &zb)) return NULL;
+    PyObject *result = NULL;
+    struct table t;
+    const Py_ssize_t n = rb.len / 8;
+    if (!check_width(isz)) goto done;
+    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz || span < 0) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_unpack: bad buffer sizes or alignment");
+        goto done;
+    }
+    if (!parse_table(&t, &tb, n)) goto done;
+    const char *err = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    struct ctx c;
+    ctx_init(&c);
+    struct rc_dec d = {db.buf, 0, db.len, 0xFFFFFFFFu, 0};
+    int bad = 0;
+    if (dec_byte(&d) != 0) err = "does not start with a zero byte";
+    for (int b = 0; b < 4; b++) d.code = (d.code << 8) | dec_byte(&d);
+    int64_t *ranks = rb.buf;
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < t.n && !err; i++) {
+        const int cl = (int)t.cls[i], k = (int)t.k[i];
+        const uint64_t qmax = ((uint64_t)span >> k) + 1;
+        int64_t prev = -1;
+        for (int64_t m = 0; m < t.count[i]; m++, j++) {
+            uint64_t q = 0;
+            while (dec_bit(&d, &c.q[q < 3 ? q : 3]))
+                if (++q > qmax) break;
+            if (q > qmax || d.pos > d.len + 4) {
+                err = "a gap runs past the segment";
+                break;
+            }
+            uint64_t g = q << k;
+            if (k >= 1) {
+                const unsigned b1 = dec_bit(&d, &c.r[1]);
+                g |= (uint64_t)b1 << (k - 1);
+                if (k >= 2) {
+                    g |= (uint64_t)dec_bit(&d, &c.r[2 + b1]) << (k - 2);
+                    g |= dec_direct(&d, k - 2, &bad);
+                }
+            }
+            if (g >= (uint64_t)span || prev + 1 + (int64_t)g >= span) {
+                err = "a gap runs past the segment";
+                break;
+            }
+            prev = ranks[j] = prev + 1 + (int64_t)g;
+        }
+    }
+    j = 0;
+    for (Py_ssize_t i = 0; i < t.n && !err; i++) {
+        const int cl = (int)t.cls[i];
+        for (int64_t m = 0; m < t.count[i] && !err; m++, j++) {
+            const unsigned more = dec_bit(&d, &c.one[cl]);
+            uint64_t a = 0;
+            if (more) {
+                int len = 1;
+                while (len < 64 && dec_bit(&d, &c.gamma[len - 1])) len++;
+                a = (1ull << (len - 1)) | dec_direct(&d, len - 1, &bad);
+            }
+            const uint64_t z = (a << 1 | dec_bit(&d, &c.sign[more])) + 1;
+            if ((isz < 8 && (z >> (8 * isz)) != 0) || z == 0 || (a >> 63)) {
+                err = "an ulp code wider than its dtype";
+                break;
+            }
+            switch (isz) {
+            case 1: ((uint8_t *)zb.buf)[j] = (uint8_t)z; break;
+            case 2: ((uint16_t *)zb.buf)[j] = (uint16_t)z; break;
+            case 4: ((uint32_t *)zb.buf)[j] = (uint32_t)z; break;
+            default: ((uint64_t *)zb.buf)[j] = z; break;
+            }
+            if (d.pos > d.len + 4) err = "runs past its end";
+        }
+    }
+    if (!err && bad) err = "is malformed";
+    if (!err && d.pos != d.len) err = d.pos > d.len ? "runs past its end" : "leaves bytes over";
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "ulp2 stream %s", err);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&zb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"diff_into", diff_into, METH_VARARGS,
      "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False, "
@@ -948,6 +1281,8 @@ static PyMethodDef methods[] = {
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, portable=False)"},
+    {"ulp2_pack", ulp2_pack, METH_VARARGS, "ulp2_pack(ranks, table, codes, itemsize) -> bytes"},
+    {"ulp2_unpack", ulp2_unpack, METH_VARARGS, "ulp2_unpack(data, table, span, itemsize, ranks_out, codes_out)"},
     {"class_positions", class_positions, METH_VARARGS,
      "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, "
      "portable=False) -> found"},

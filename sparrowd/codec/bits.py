@@ -58,8 +58,9 @@ __all__ = [
     "exponent_field",
     "CENSUS",
     "class_scan",
-    "ulp2_streams",
-    "ulp2_codes",
+    "ulp2_pack",
+    "ulp2_unpack",
+    "MAX_ULP2_K",
     "class_ranks",
     "class_positions",
     "class_lo",
@@ -496,37 +497,31 @@ def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: i
     return pos, perm
 
 
-def ulp2_streams(z: np.ndarray) -> list[np.ndarray]:
-    """The ``sign``, ``one``, ``mag`` and ``esc`` streams of zigzag ulp codes (ulp2, docs/FORMAT.md):
-    with ``|d| - 1 = (z - 1) >> 1``, ``sign`` packs ``(z - 1) & 1``, ``one`` packs ``|d| == 1``, ``mag``
-    holds ``min(|d| - 2, 255)`` for the others and ``esc`` the byte planes of ``|d| - 2 - 255`` where
-    ``mag`` is 255. Nine in ten distances are one ulp: ``one`` carries most of them in a bit."""
-    t = z.dtype.type
-    with np.errstate(over="ignore"):
-        zm = z - t(1)
-    m = zm >> t(1)
-    one = m == 0
-    big = m[~one] - t(1)
-    narrow = np.minimum(big, ESCAPE).astype(np.uint8)
-    esc = to_planes(big[big >= ESCAPE] - t(ESCAPE))
-    return [np.packbits((zm & t(1)).astype(np.uint8)), np.packbits(one), narrow, esc]
+MAX_ULP2_K = 40  # the largest gap parameter a class may have
 
 
-def ulp2_codes(sign, one, mag, esc, n: int, itemsize: int) -> np.ndarray:
-    """The inverse of :func:`ulp2_streams`: ``n`` zigzag ulp codes."""
-    s, o = np.frombuffer(sign, np.uint8), np.frombuffer(one, np.uint8)
-    narrow = np.frombuffer(mag, np.uint8)
-    if s.size != (n + 7) // 8 or o.size != (n + 7) // 8:
-        raise FormatError(f"ulp2 values: sign and one bitmaps do not match {n} elements")
-    ones = np.unpackbits(o, count=n).astype(bool)
-    if narrow.size != n - int(np.count_nonzero(ones)):
-        raise FormatError(f"ulp2 values: {narrow.size} magnitudes for {n - int(np.count_nonzero(ones))} elements")
-    u = uint_type(itemsize)
-    t = u.type
-    big = narrow.astype(u)
-    wide = narrow == ESCAPE
-    with np.errstate(over="ignore"):
-        big[wide] = from_planes(esc, int(np.count_nonzero(wide)), itemsize) + t(ESCAPE)
-        m = np.zeros(n, u)
-        m[~ones] = big + t(1)
-        return (m << t(1)) + np.unpackbits(s, count=n).astype(u) + t(1)
+def _needs_native(what: str) -> None:
+    if _native is None:
+        raise FormatError(f"{what}: ulp2 needs sparrowd's C extension (built at install time with a C compiler; "
+                          "reinstall with one, or use --values ulp)")
+
+
+def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray) -> bytes:
+    """The coded stream of an ulp2 segment (docs/FORMAT.md): ``table`` is ``[[class, count, k], ...]``,
+    ``ranks`` each class's ascending ranks class after class, ``codes`` the zigzag ulp codes in the
+    same order."""
+    _needs_native("encoding")
+    return _native.ulp2_pack(np.ascontiguousarray(ranks, np.int64), np.asarray(table, np.int64).reshape(-1),
+                             np.ascontiguousarray(codes), codes.dtype.itemsize)
+
+
+def ulp2_unpack(data, table: list, span: int, n: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`ulp2_pack`: ``n`` ranks (each below ``span``) and codes; FormatError
+    on a malformed stream."""
+    _needs_native("decoding")
+    ranks, codes = np.empty(n, np.int64), np.empty(n, uint_type(itemsize))
+    try:
+        _native.ulp2_unpack(data, np.asarray(table, np.int64).reshape(-1), span, itemsize, ranks, codes)
+    except ValueError as e:
+        raise FormatError(str(e)) from None
+    return ranks, codes

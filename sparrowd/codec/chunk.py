@@ -61,6 +61,7 @@ from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
     CENSUS,
     ESCAPE,
+    MAX_ULP2_K,
     NCLASS,
     class_lo,
     class_positions,
@@ -70,12 +71,13 @@ from .bits import (
     from_planes,
     rice_decode,
     rice_index,
+    rice_k,
     rotl1,
     rotr1,
     to_planes,
     uint_type,
-    ulp2_codes,
-    ulp2_streams,
+    ulp2_pack,
+    ulp2_unpack,
     ulp_streams,
 )
 
@@ -189,6 +191,9 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
 
 def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None) -> Ranked:
     """One :class:`Ranked` from the :func:`rank_changes` of a tensor's consecutive parts."""
+    if len(parts) == 1:
+        lo, cls, rank, census = parts[0]
+        return Ranked(lo, cls, rank, census, indices, old)
     offset = np.zeros(NCLASS, np.int64)
     ranks, rows = [], []
     for lo, cls, rank, census in parts:
@@ -196,9 +201,8 @@ def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None =
         rows.append(census[:-1] + offset)
         offset = offset + census[-1]
     rows.append(offset[None])
-    cls = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-    rank = np.concatenate(ranks) if len(ranks) > 1 else ranks[0]
-    return Ranked(parts[0][0], cls, rank, np.concatenate(rows), indices, old)
+    return Ranked(parts[0][0], np.concatenate([p[1] for p in parts]), np.concatenate(ranks), np.concatenate(rows),
+                  indices, old)
 
 
 def is_ulp(values: str) -> bool:
@@ -222,15 +226,15 @@ class Chunk:
 # ---------------------------------------------------------------- encoding
 
 
-STREAMS = ("unary", "rem", "sign", "one", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7")
+STREAMS = ("unary", "rem", "sign", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "coded")
 _RANK = {name: i for i, name in enumerate(STREAMS)}
 
 
-def segment_streams(kind: str, values: str, itemsize: int, classes: int = 1) -> tuple[str, ...]:
+def segment_streams(kind: str, values: str, itemsize: int) -> tuple[str, ...]:
     """The streams a segment's blobs belong to, in the order of its ``blobs`` lengths (an ulp2
-    segment has a ``unary`` and a ``rem`` blob per class)."""
+    segment has one, range-coded)."""
     if values == ULP2:
-        return ("unary", "rem") * classes + ("sign", "one", "mag", "esc")
+        return ("coded",)
     idx = ("unary", "rem") if kind == SPARSE else ()
     vals = ("sign", "mag", "esc") if values == ULP else tuple(f"p{i}" for i in range(itemsize))
     return idx + vals
@@ -243,8 +247,8 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     return list(to_planes(bits))
 
 
-def _encode_ulp2(seg: Segment, info) -> tuple[int, list, list[np.ndarray]]:
-    """Classes and blobs of an ulp2 segment (module docstring)."""
+def _encode_ulp2(seg: Segment, info) -> tuple[int, list, list]:
+    """Class table and coded stream of an ulp2 segment (module docstring)."""
     r = seg.ranked
     if seg.base is None or r is None:
         raise ValueError(f"ulp2 segment {seg.name}: the base and the changes' ranks are needed to encode")
@@ -253,14 +257,13 @@ def _encode_ulp2(seg: Segment, info) -> tuple[int, list, list[np.ndarray]]:
     order = np.argsort(r.cls, kind="stable")  # class by class; positions (and ranks) ascend within each
     rank = rank[order]
     counts = np.bincount(r.cls, minlength=NCLASS)
-    table, blobs, f = [], [], 0
+    table, f = [], 0
     for c in np.flatnonzero(counts).tolist():
         n = int(counts[c])
-        k, unary, rem = rice_index(rank[f:f + n], 0)
-        table.append([c, n, k])
-        blobs += [unary, rem]
+        gaps = np.diff(rank[f:f + n], prepend=-1) - 1
+        table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
         f += n
-    return r.lo, table, blobs + ulp2_streams(seg.data[order])
+    return r.lo, table, [np.frombuffer(ulp2_pack(rank, table, seg.data[order]), np.uint8)]
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
@@ -316,7 +319,7 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     body = []
     for i, e in enumerate(encoded):
         seg = e.segment
-        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize, len(e.header.get("classes", ())))
+        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
         body += [(_RANK[st], i, b) for st, b in zip(streams, e.blobs)]
     body.sort(key=lambda x: (x[0], x[1]))
     head = pack({"segments": [e.header for e in encoded]})
@@ -372,18 +375,17 @@ def _check_segment(h: dict) -> tuple[str, ...]:
         raise FormatError(f"chunk segment {name!r}: ulp values need a sparse float segment")
     if stop < start or n > stop - start or (kind == DENSE and n != stop - start):
         raise FormatError(f"chunk segment {name!r}: count {n} does not fit range [{start}, {stop})")
-    ncls = 1
     if values == ULP2:
         table = h.get("classes")
         _, mask = exponent_field(h["dtype"])
         if not (isinstance(table, list) and NonNegInt(h.get("class_lo")) and h["class_lo"] <= mask and all(
-                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[2] < 64 for c in table)
+                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[2] <= MAX_ULP2_K
+                for c in table)
                 and [c[0] for c in table] == sorted({c[0] for c in table}) and all(c[0] < NCLASS for c in table)
                 and sum(c[1] for c in table) == n):
             raise FormatError(f"chunk segment {name!r}: ulp2 needs class_lo and classes [[class, count, k], ...] "
                               f"(ascending, below {NCLASS}) adding up to {n}")
-        ncls = len(table)
-    streams = segment_streams(kind, values, info.itemsize, ncls)
+    streams = segment_streams(kind, values, info.itemsize)
     lens = h["blobs"]
     if len(lens) != len(streams) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
         raise FormatError(f"chunk segment {name!r}: expected {len(streams)} blob lengths")
@@ -399,16 +401,11 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base) -> Segment:
     if bits.dtype.itemsize != w or stop > bits.size:
         raise FormatError(f"chunk segment {name!r}: the base tensor does not fit the segment")
     table = h["classes"]
-    ranks = []
-    for i, (_, count, k) in enumerate(table):
-        gaps = rice_decode(blobs[2 * i], blobs[2 * i + 1], count, k)
-        ranks.append(np.cumsum(gaps.astype(np.int64) + 1) - 1)
+    ranks, grouped = ulp2_unpack(blobs[0], table, stop - start, n, w)
     shift, mask = exponent_field(h["dtype"])
-    ranks = np.concatenate(ranks) if ranks else np.empty(0, np.int64)
     counts = np.zeros(NCLASS, np.int64)
     counts[[c[0] for c in table]] = [c[1] for c in table]
     indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks)
-    grouped = ulp2_codes(*blobs[2 * len(table):], n, w)
     return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, grouped[perm], indices)
 
 

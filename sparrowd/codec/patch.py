@@ -32,7 +32,6 @@ from .chunk import (
     ULP,
     ULP2,
     Chunk,
-    EncodedSegment,
     Ranked,
     Segment,
     decode_chunk,
@@ -75,7 +74,10 @@ class PatchEncoder:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         level: int = DEFAULT_LEVEL,
         meta: Mapping[str, str] | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ):
+        """``pool``: threads to encode segments on while the caller goes on (the order of the
+        chunks does not depend on it)."""
         if values not in (ABSOLUTE, ULP, ULP2):
             raise InputError(f"value mode must be 'ulp2', 'ulp' or 'absolute', not {values!r}")
         if chunk_size < MIN_CHUNK_SIZE:
@@ -89,7 +91,8 @@ class PatchEncoder:
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
         self._files: dict[str, FileEntry] = {}
-        self._pending: list[EncodedSegment] = []  # encoded as they arrive; a flush lays out and compresses
+        self._pool = pool
+        self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
         self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
         self._finished = False
@@ -205,16 +208,23 @@ class PatchEncoder:
                 continue
             fit = max(1, int(room / per))
             if fit >= seg.count:
-                self._pending.append(encode_segment(seg))
+                self._pending.append(self._encode(seg))
                 self._pending_est += seg.count * per
                 return out
             head, seg = _split(seg, fit)
-            self._pending.append(encode_segment(head))
+            self._pending.append(self._encode(head))
             self._pending_est += head.count * per
             out.append(self._flush())
 
+    def _encode(self, seg: Segment) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(encode_segment, seg)
+        done: Future = Future()
+        done.set_result(encode_segment(seg))
+        return done
+
     def _flush(self) -> Chunk:
-        chunk = encode_chunk(self._pending, self._cctx)
+        chunk = encode_chunk([f.result() for f in self._pending], self._cctx)
         if self._pending_est > 0:
             self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / self._pending_est)
         self._pending, self._pending_est = [], 0.0
@@ -296,17 +306,19 @@ def encode_patch(
 ) -> tuple[Manifest, list[Chunk]]:
     """Diff two snapshots into a patch; chunks come back in manifest order.
 
-    A pipeline: ``threads`` workers compare tensors (large ones in parts) and
-    fingerprint the changed ones, while the calling thread encodes the results
+    A pipeline: ``threads`` workers compare tensors (large ones in parts),
+    fingerprint the changed ones (for ulp2 they also rank the changes within
+    their classes) and encode the segments the calling thread cuts from them
     in name order, so the output does not depend on timing.
     ``on_tensor(name, changed)`` reports progress. ``files``: non-tensor files to carry
     (an anchor's config and tokenizer).
     """
     meta = {**(meta or {}), "elements_total": str(sum(t.numel for t in new.values()))}
-    enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size, meta=meta)
     names = sorted(set(old) | set(new))
     chunks: list[Chunk] = []
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparrowd-diff") as pool:
+        enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size,
+                           meta=meta, pool=pool)
         jobs: list[tuple[str, list[Future] | None]] = []
         for name in names:
             o, n = old.get(name), new.get(name)

@@ -302,3 +302,15 @@ def test_ulp2_ranks_found_in_parts_give_the_same_chunks(monkeypatch):
     parts = encode_patch(old, new, version=2, base_version=1, values=ULP2, chunk_size=MIN_CHUNK_SIZE)
     assert len(whole[1]) > 3 and [c.data for c in parts[1]] == [c.data for c in whole[1]]
     assert np.array_equal(apply_patch(parts[0], [c.data for c in parts[1]], old)["w"].bits, b)
+
+
+def test_ulp2_without_the_c_extension_says_so(monkeypatch):
+    """ulp2's range coder lives in the C extension: an install without it refuses in one line."""
+    from sparrowd.codec import bits
+
+    rng = np.random.default_rng(2)
+    a, b = make_pair(rng, "BF16", (64, 64), "1%", "ulp")
+    monkeypatch.setattr(bits, "_native", None)
+    with pytest.raises(FormatError, match="C extension") as e:
+        encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP2)
+    assert "\n" not in str(e.value)
