@@ -41,6 +41,7 @@ import zstandard
 
 from sparrowd.bench import write_json
 from sparrowd.codec import RawTensor, apply_patch, decode_chunk, encode_patch
+from sparrowd.codec.bits import ulp_encode
 from sparrowd.codec.patchfile import HEADER_SIZE
 
 __all__ = ["run"]
@@ -205,8 +206,10 @@ def _binary_entropy(p: float) -> float:
 
 
 def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
-    """Bytes of the naive and gap-coded zstd baselines, and the index entropy bound in bits."""
-    naive, gap, bound, by_exp = [], [], 0.0, 0.0
+    """Bytes of the naive and gap-coded zstd baselines, and entropy bounds in bits: of the indices, of
+    the indices given each element's base exponent class (what ulp2 codes by), and of the values
+    given the class (the ulp distance, its sign and magnitude up to 16 ulps, static per tensor)."""
+    naive, gap, bound, by_exp, values = [], [], 0.0, 0.0, 0.0
     for name in sorted(new):
         o, n = old[name].bits, new[name].bits
         changed = o != n
@@ -221,12 +224,19 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
         exp = ((o >> np.uint16(7)) & np.uint16(0xFF)).astype(np.int64)
         per, hits = np.bincount(exp, minlength=256), np.bincount(exp, weights=changed, minlength=256)
         by_exp += sum(c * _binary_entropy(h / c) for c, h in zip(per.tolist(), hits.tolist()) if c)
+        cls = np.clip(exp[idx] - max(0, int(np.bincount(exp).argmax()) - 12), 0, 15)
+        z = np.minimum(ulp_encode(o[idx], n[idx]).astype(np.int64), 33)  # zigzag: sign and |d| up to 16
+        joint = np.bincount(cls * 34 + z, minlength=16 * 34).reshape(16, 34).astype(np.float64)
+        rows = joint.sum(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values += float(-np.nansum(joint * np.log2(joint / rows)))
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     return {
         "naive_bytes": len(cctx.compress(b"".join(naive))),
         "gap_bytes": len(cctx.compress(b"".join(gap))),
         "index_entropy_bits": bound,
         "index_entropy_exp_bits": by_exp,
+        "value_entropy_class_bits": values,
     }
 
 
@@ -243,6 +253,7 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
         _check_exact(manifest, chunks, old, new, f"{what} ({mode})")
         row["changed"] = manifest.elements_changed
         row[f"{mode}_bytes"] = file_bytes(manifest)
+        row[f"{mode}_chunk_bytes"] = manifest.patch_bytes
     row.update(_baselines(old, new))
     row["density"] = row["changed"] / total
     return row
@@ -254,16 +265,20 @@ def _bits_per_changed(row: dict) -> dict:
         "ulp2": 8 * row["ulp2_bytes"] / c,
         "ulp": 8 * row["ulp_bytes"] / c,
         "absolute": 8 * row["absolute_bytes"] / c,
+        "ulp_chunks": 8 * row["ulp_chunk_bytes"] / c,
+        "absolute_chunks": 8 * row["absolute_chunk_bytes"] / c,
         "naive": 8 * row["naive_bytes"] / c,
         "gap": 8 * row["gap_bytes"] / c,
         "index_entropy": row["index_entropy_bits"] / c,
         "index_entropy_exp": row["index_entropy_exp_bits"] / c,
+        "bound_class": (row["index_entropy_exp_bits"] + row["value_entropy_class_bits"]) / c,
     }
 
 
 def _aggregate(rows: list[dict]) -> dict:
-    keys = ("elements", "changed", "ulp2_bytes", "ulp_bytes", "absolute_bytes", "naive_bytes", "gap_bytes",
-            "index_entropy_bits", "index_entropy_exp_bits")
+    keys = ("elements", "changed", "ulp2_bytes", "ulp_bytes", "absolute_bytes", "ulp2_chunk_bytes", "ulp_chunk_bytes",
+            "absolute_chunk_bytes", "naive_bytes", "gap_bytes",
+            "index_entropy_bits", "index_entropy_exp_bits", "value_entropy_class_bits")
     agg = {k: sum(r[k] for r in rows) for k in keys}
     agg["density"] = agg["changed"] / max(1, agg["elements"])
     return agg
@@ -376,12 +391,12 @@ def _print_real(real: dict) -> None:
           f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
           f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} tokens of a random Markov chain")
-    print("   bits per changed element (codec: ulp2 / ulp / absolute, the whole .sprw file; baselines: zstd-3 of int32")
-    print("   or gap indices + raw")
-    print("   bf16; index H: binary-entropy bound of the positions alone, per tensor; H|exp: the same given each")
-    print("   element's base exponent, the context ulp2 codes positions by)\n")
+    print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file. Baselines: zstd-3 of")
+    print("   int32 (naive) or gap-coded indices (gap) with raw bf16. Bounds: index H, the binary entropy of the")
+    print("   positions per tensor; H|exp, the same given each element's base exponent (ulp2's context); bound,")
+    print("   H|exp plus the entropy of the values given the class: what a coder of the classes can reach\n")
     head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'ulp':>6} {'absolute':>9} " \
-           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6}"
+           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6} {'bound':>6}"
     print(head)
     print("   " + "-" * (len(head) - 3))
 
@@ -390,7 +405,7 @@ def _print_real(real: dict) -> None:
         lo = f"{loss:7.4f}" if loss is not None else " " * 7
         print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp2']:>6.2f} {b['ulp']:>6.2f} "
               f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f} "
-              f"{b['index_entropy_exp']:>6.2f}")
+              f"{b['index_entropy_exp']:>6.2f} {b['bound_class']:>6.2f}")
 
     for i, row in enumerate(real["steps"], 1):
         line(str(i), row["loss"], row)
@@ -433,11 +448,13 @@ def _targets(real: dict, tp: dict) -> list[dict]:
     d = real["aggregate"]["density"]
     near = f" at {d:.2%} density"
     return [
-        {"name": "ulp bits per changed element" + near, "value": agg["ulp"], "limit": TARGET_ULP_BITS},
-        {"name": "absolute bits per changed element" + near, "value": agg["absolute"], "limit": TARGET_ABS_BITS},
+        # format 1's targets count the chunks (as they were set); format 2's the whole file
+        {"name": "ulp bits per changed element, chunks" + near, "value": agg["ulp_chunks"], "limit": TARGET_ULP_BITS},
+        {"name": "absolute bits per changed element, chunks" + near, "value": agg["absolute_chunks"],
+         "limit": TARGET_ABS_BITS},
         {"name": "diff+encode / read+compare (2 threads)", "value": tp["encode_over_read"],
          "limit": TARGET_ENCODE_RATIO},
-        {"name": "ulp2 bits per changed element" + near, "value": agg["ulp2"], "limit": TARGET_ULP2_BITS},
+        {"name": "ulp2 bits per changed element, whole file" + near, "value": agg["ulp2"], "limit": TARGET_ULP2_BITS},
         {"name": "ulp2 diff+encode / read+compare (2 threads)", "value": tp["encode_ulp2_over_read"],
          "limit": TARGET_ENCODE_RATIO},
         # a rate: the value is its inverse (seconds per GB of model), so the same "<=" reads it
@@ -450,7 +467,7 @@ def _print_targets(targets: list[dict]) -> None:
     print("\n3. targets\n")
     for t in targets:
         verdict = "PASS" if t["pass"] else "MISS"
-        print(f"   {t['name']:<52} {t['value']:>7.2f}  <= {t['limit']:<5g} {verdict}")
+        print(f"   {t['name']:<62} {t['value']:>7.2f}  <= {t['limit']:<5g} {verdict}")
 
 
 def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | None = None,
