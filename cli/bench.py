@@ -40,6 +40,7 @@ def register(sub) -> None:
     register_serve(bs)
     register_rl(bs)
     register_coldstart(bs)
+    register_tracker(bs)
     register_project(bs)
     register_soak(bs)
 
@@ -232,6 +233,43 @@ def cmd_coldstart(args) -> int:
                           anchor_every=args.anchor_every, trainer_rate=args.trainer_rate, node_rate=args.node_rate,
                           link_rate=args.link_rate, rtt=args.rtt, star=not args.no_star)
     run(cfg, json_path=args.json)
+    return 0
+
+
+def register_tracker(bs) -> None:
+    from sparrowd.bench.tracker import TrackerConfig
+
+    d = TrackerConfig()
+    s = bs.add_parser(
+        "tracker", help="joins and renewals per second one tracker takes, and the largest swarm it holds",
+        description="The lease table in process on one core (with its SQLite store, and without it as the "
+                    "baseline) for each swarm size, then a real trainer daemon on loopback joined and renewed by "
+                    "fake nodes over HTTP, its CPU time read from /proc. Reports memory per lease and the largest "
+                    "swarm one tracker holds at the default TTL.")
+    sizes = ",".join(str(n) for n in d.sizes)
+    s.add_argument("--sizes", default=sizes,
+                   help=f"swarm sizes for the in-process table, comma-separated (default {sizes})")
+    s.add_argument("--nodes", type=int, default=d.nodes, help=f"fake nodes over HTTP (default {d.nodes})")
+    s.add_argument("--concurrency", type=int, default=d.concurrency,
+                   help=f"connections the HTTP load uses (default {d.concurrency})")
+    s.add_argument("--seconds", type=float, default=d.seconds,
+                   help=f"how long the HTTP renewals run (default {d.seconds:g})")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    s.set_defaults(func=cmd_tracker)
+
+
+def cmd_tracker(args) -> int:
+    from sparrowd.bench.tracker import TrackerConfig, run
+    from sparrowd.errors import InputError
+
+    try:
+        sizes = tuple(int(x) for x in args.sizes.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--sizes takes comma-separated integers, not {args.sizes!r}") from None
+    if not sizes or min(sizes) < 1 or args.nodes < 1 or args.concurrency < 1 or not args.seconds > 0:
+        raise InputError("--sizes, --nodes and --concurrency must be at least 1, and --seconds positive")
+    run(TrackerConfig(sizes=sizes, nodes=args.nodes, concurrency=args.concurrency, seconds=args.seconds),
+        json_path=args.json)
     return 0
 
 

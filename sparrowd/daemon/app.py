@@ -69,6 +69,7 @@ RUNTIME_FILE = "daemon.json"
 MAX_BODY = 1 << 20
 SHUTDOWN_GRACE = 3.0  # seconds in-flight requests get to finish when the daemon stops
 MAX_WAIT = 60.0  # the longest one /v1/tracker/wait long poll holds; clients poll again
+WAIT_COALESCE = 0.05  # seconds a woken long poll waits for more renewals before it looks again
 MAX_INFLIGHT_PER_PEER = 32  # a node needs one long poll, a few have-pushes and up to 8 chunk requests
 MAX_INFLIGHT_PER_ADDRESS = 1024  # many daemons may share an address (NAT, a proxy, one box)
 SWEEP_EVERY = 1.0
@@ -357,6 +358,8 @@ class Daemon:
             await asyncio.sleep(SWEEP_EVERY)
             for node in self.tracker.sweep():
                 self.swarm.forget(node.node_id)
+            if self._store is not None:
+                self._store.flush()  # the second's renewals, in one transaction
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -498,6 +501,9 @@ class Daemon:
             try:  # a renewal wakes it; a lease going stale is seen within a second
                 async with asyncio.timeout(min(left, 1.0)):
                     await changed.wait()
+                # Coalesce: a large swarm renews thousands of times a second, and each look
+                # builds the whole snapshot.
+                await asyncio.sleep(min(WAIT_COALESCE, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 pass
 

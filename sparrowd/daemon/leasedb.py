@@ -1,10 +1,12 @@
 """The lease table on disk: SQLite in WAL mode inside the data dir.
 
 One row per live lease (the lease as JSON) and a small key/value table for the epoch counter and
-the latest version. Every change is its own short transaction; WAL with
-``synchronous=NORMAL`` makes that a sequential append, and a crash loses at
-most the last few renewals (which the nodes repeat within a third of a TTL),
-never an epoch: the counter is written before the lease that uses it.
+the latest version. Joins, leaves and the counter are written at once, each its own short
+transaction; WAL with ``synchronous=NORMAL`` makes that a sequential append. Renewals only move
+a lease's expiry and what the node reports, so they are kept in memory and written together by
+``flush()``, which the daemon calls every second: one transaction instead of thousands a second
+in a large swarm. A crash loses at most the last second of renewals (which the nodes repeat within
+a third of a TTL), never an epoch: the counter is written before the lease that uses it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (node_id TEXT PRIMARY KEY, lease TEXT NOT NULL);
 """
-_FIELDS = {f.name for f in dataclasses.fields(Node)}
+_ORDER = tuple(f.name for f in dataclasses.fields(Node))
+_FIELDS = set(_ORDER)
+
+
+def _row(node: Node) -> tuple[str, str]:
+    return node.node_id, json.dumps({k: getattr(node, k) for k in _ORDER}, separators=(",", ":"))
 
 
 class SqliteLeaseStore:
@@ -31,6 +38,7 @@ class SqliteLeaseStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._later: dict[str, Node] = {}  # renewed leases not written yet
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -55,14 +63,31 @@ class SqliteLeaseStore:
         return nodes, meta
 
     def save(self, node: Node) -> None:
-        self._db.execute("INSERT OR REPLACE INTO nodes (node_id, lease) VALUES (?, ?)",
-                         (node.node_id, json.dumps(dataclasses.asdict(node))))
+        self._later.pop(node.node_id, None)
+        self._db.execute("INSERT OR REPLACE INTO nodes (node_id, lease) VALUES (?, ?)", _row(node))
+
+    def save_later(self, node: Node) -> None:
+        """A renewal: written at the next ``flush()``."""
+        self._later[node.node_id] = node
+
+    def flush(self) -> int:
+        """Write the renewals kept since the last flush, in one transaction; returns how many."""
+        if not self._later:
+            return 0
+        rows = [_row(n) for n in self._later.values()]
+        self._later.clear()
+        with self._db:  # BEGIN ... COMMIT
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO nodes (node_id, lease) VALUES (?, ?)", rows)
+        return len(rows)
 
     def delete(self, node_id: str) -> None:
+        self._later.pop(node_id, None)
         self._db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
 
     def save_meta(self, key: str, value: int) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, int(value)))
 
     def close(self) -> None:
+        self.flush()
         self._db.close()

@@ -57,10 +57,10 @@ class Unauthorized(SparrowError):
     """The tracker refused the swarm token."""
 
 
-def outgoing(source: str | None) -> aiohttp.TCPConnector:
+def outgoing(source: str | None, limit: int = 100) -> aiohttp.TCPConnector:
     """Connections leave from ``source`` (the listen address, when it names one), so that on a
-    multi-homed box peers see the address this node advertises."""
-    return aiohttp.TCPConnector(local_addr=(source, 0) if source else None)
+    multi-homed box peers see the address this node advertises; at most ``limit`` at once."""
+    return aiohttp.TCPConnector(local_addr=(source, 0) if source else None, limit=limit)
 
 
 def bearer(token: str) -> str:
@@ -70,16 +70,18 @@ def bearer(token: str) -> str:
 class HttpTrackerClient:
     """Tracker calls over HTTP: msgpack bodies, the swarm token as a bearer token."""
 
-    def __init__(self, url: str, token: str, *, timeout: float = 5.0, source: str | None = None):
+    def __init__(self, url: str, token: str, *, timeout: float = 5.0, source: str | None = None,
+                 connections: int = 100):
         self.url = url.rstrip("/")
-        self._source = source
+        self._source, self._connections = source, connections
         self._headers = {"Authorization": bearer(token), "Content-Type": MSGPACK}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
     async def _call(self, path: str, msg: dict) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=outgoing(self._source))
+            self._session = aiohttp.ClientSession(timeout=self._timeout,
+                                                  connector=outgoing(self._source, self._connections))
         try:
             async with self._session.post(f"{self.url}{path}", data=pack(msg), headers=self._headers) as r:
                 body = await read_limited(r.content, MAX_TRACKER_MESSAGE)
@@ -179,6 +181,7 @@ class Membership:
         self.joined = asyncio.Event()
         self._in_outage = False
         self._nudged = asyncio.Event()
+        self.peers_changed = asyncio.Event()  # set when a reply lists other peers than the one before
 
     def nudge(self) -> None:
         """Something renewals report changed (a version completed, the engine applied one): renew
@@ -199,7 +202,10 @@ class Membership:
         s.ttl = float(reply["lease_ttl"])
         s.renew_interval = float(reply["renew_interval"])
         s.expires_at = sent_at + float(reply["expires_in"])  # measured from sending: errs on the short side
-        s.peers = list(reply.get("peers") or [])
+        peers = list(reply.get("peers") or [])
+        if {p.get("node_id") for p in peers} != {p.get("node_id") for p in s.peers}:
+            self.peers_changed.set()
+        s.peers = peers
         s.tracker_reachable = True
         if self._in_outage:
             event(log, logging.INFO, "tracker reachable again", epoch=s.epoch)

@@ -66,6 +66,7 @@ PIECE = 256 << 10
 MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
 UPLOADS_PER_PEER = 8
 UPLOAD_SLOTS = 8  # peers unchoked at once (one of them the optimistic unchoke)
+DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that knows a new asker
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
@@ -131,6 +132,7 @@ class Swarm:
         self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
+        self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
         self.banned: set[str] = set()
         self.gen = 0
         self._changed = asyncio.Event()
@@ -379,8 +381,21 @@ class Swarm:
         r = self.remotes.get(node)
         if r is None:
             r = self.remotes[node] = Remote(node, region)
+            if node not in self.peers:
+                self._discover()
         r.last_seen = time.monotonic()
         return r
+
+    def _discover(self) -> None:
+        """A node this one does not know asked for something: it joined after this node's last
+        renewal. Renew now for a fresh peer list (the tracker's, not what the stranger says about
+        itself), at most once a second, so that a swarm just formed relays at once instead of
+        after a third of a TTL."""
+        now = time.monotonic()
+        m = self.daemon.membership
+        if m is not None and now - self._discovered_at >= DISCOVERY_EVERY:
+            self._discovered_at = now
+            m.nudge()
 
     def _shown(self, remote: Remote, vs: VersionState) -> set[int]:
         """What this node shows a peer of a version: all it holds, or the super-seed's offer."""
@@ -526,7 +541,13 @@ class Swarm:
                 if ps.task:
                     ps.task.cancel()
                 self._changed.set()
-            await asyncio.sleep(0.5)
+            changed = self.daemon.membership.peers_changed
+            try:  # a renewal that lists new peers wakes it at once
+                async with asyncio.timeout(0.5):
+                    await changed.wait()
+            except TimeoutError:
+                pass
+            changed.clear()
 
     def _my_versions(self) -> list[dict]:
         out = []

@@ -95,7 +95,8 @@ class Node:
 
 
 class LeaseStore(Protocol):
-    def save(self, node: Node) -> None: ...
+    def save(self, node: Node) -> None: ...  # a join: written now
+    def save_later(self, node: Node) -> None: ...  # a renewal: the store may batch it
     def delete(self, node_id: str) -> None: ...
     def save_meta(self, key: str, value: int) -> None: ...
     def load(self) -> tuple[list[Node], dict[str, int]]: ...
@@ -116,14 +117,15 @@ class LeaseTable:
         self.ttl = float(ttl)
         self._store = store
         self._nodes: dict[str, Node] = {}
+        self._all, self._regions = _Index(), {}  # node ids, all and by region: peers() samples them
         self._meta = _Meta()
         if store is not None:
             nodes, meta = store.load()
             self._meta.next_epoch = max(int(meta.get("next_epoch", 1)), 1 + max((n.epoch for n in nodes), default=0))
             self._meta.latest_version = meta.get("latest_version")
             for n in nodes:  # grace after a restart: see the module docstring
-                self._nodes[n.node_id] = replace(n, expires_at=max(n.expires_at, now + self.ttl))
-                store.save(self._nodes[n.node_id])
+                self._index(replace(n, expires_at=max(n.expires_at, now + self.ttl)))
+                store.save_later(self._nodes[n.node_id])
 
     # ------------------------------------------------------------ changes
 
@@ -187,7 +189,9 @@ class LeaseTable:
             moved = int(value) - before if value >= before else int(value)
             changes[f"rate_{key}"] = moved / dt if dt > 0 else getattr(node, f"rate_{key}")
         node = replace(node, **changes)
-        self._put(node)
+        self._index(node)
+        if self._store is not None:
+            self._store.save_later(node)
         return node
 
     def leave(self, node_id: str, epoch: int, now: float) -> Node:
@@ -223,15 +227,20 @@ class LeaseTable:
     ) -> list[Node]:
         """Live nodes other than ``node_id``: its region first, then the others, at most ``limit``.
 
-        Within each group the order is shuffled (``rng``), so that nodes asking
-        at the same time do not all pick the same few peers.
+        Each group is a uniform random sample (``rng``), so that nodes asking at the same time do
+        not all pick the same few peers. It costs O(limit), not O(nodes): every renewal asks.
         """
         rng = rng or random.Random()
-        same = [n for n in self.live(now) if n.node_id != node_id and n.region == region]
-        other = [n for n in self.live(now) if n.node_id != node_id and n.region != region]
-        rng.shuffle(same)
-        rng.shuffle(other)
-        return (same + other)[: max(0, limit)]
+        limit = max(0, limit)
+
+        def live(i: str) -> Node | None:
+            n = self._nodes.get(i)
+            return n if n is not None and i != node_id and n.expires_at > now else None
+
+        same = _sample(self._regions.get(region, _Index()).items, limit, live, rng)
+        other = _sample(self._all.items, limit - len(same),
+                        lambda i: n if (n := live(i)) is not None and n.region != region else None, rng)
+        return same + other
 
     @property
     def latest_version(self) -> int | None:
@@ -264,19 +273,69 @@ class LeaseTable:
             raise LeaseGone(f"node {node_id!r}: lease expired")
         return node
 
-    def _put(self, node: Node) -> None:
+    def _index(self, node: Node) -> None:
+        old = self._nodes.get(node.node_id)
+        if old is not None and old.region != node.region:
+            self._regions[old.region].remove(node.node_id)
         self._nodes[node.node_id] = node
+        self._all.add(node.node_id)
+        self._regions.setdefault(node.region, _Index()).add(node.node_id)
+
+    def _put(self, node: Node) -> None:
+        self._index(node)
         if self._store is not None:
             self._store.save(node)
 
     def _drop(self, node_id: str) -> None:
-        self._nodes.pop(node_id, None)
+        node = self._nodes.pop(node_id, None)
+        if node is not None:
+            self._all.remove(node_id)
+            self._regions[node.region].remove(node_id)
+            if not self._regions[node.region].items:
+                del self._regions[node.region]
         if self._store is not None:
             self._store.delete(node_id)
 
     def _save_meta(self, key: str, value: int) -> None:
         if self._store is not None:
             self._store.save_meta(key, value)
+
+
+class _Index:
+    """A set of node ids with O(1) add, remove and access by position (for sampling)."""
+
+    def __init__(self):
+        self.items: list[str] = []
+        self._pos: dict[str, int] = {}
+
+    def add(self, x: str) -> None:
+        if x not in self._pos:
+            self._pos[x] = len(self.items)
+            self.items.append(x)
+
+    def remove(self, x: str) -> None:
+        i = self._pos.pop(x, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if i < len(self.items):
+            self.items[i], self._pos[last] = last, i
+
+
+def _sample(items: list[str], k: int, pick, rng: random.Random) -> list[Node]:
+    """Up to ``k`` of ``items`` for which ``pick`` gives a node, uniformly at random, in random order:
+    a sample of a quarter more than ``k`` (O(k)) while most qualify, a pass over all when few do (a
+    node's region is in the global list too, but it only asks that list when its region has fewer
+    than ``k`` others)."""
+    if k <= 0 or not items:
+        return []
+    if len(items) > 4 * k:
+        out = [n for i in rng.sample(items, k + k // 4 + 4) if (n := pick(i)) is not None]
+        if len(out) >= k:
+            return out[:k]
+    pool = [n for i in items if (n := pick(i)) is not None]
+    rng.shuffle(pool)
+    return pool[:k]
 
 
 def node_state(n: Node, now: float, ttl: float) -> str:

@@ -274,3 +274,18 @@ def test_a_daemon_stops_promptly_while_peers_hold_long_polls_on_it(cluster):
     assert trainer.wait() == 0
     assert time.monotonic() - t0 < 2.5, trainer.log()
     assert "daemon stopped" in trainer.log()
+
+
+def test_a_node_learns_of_a_later_joiner_when_it_first_asks_not_at_its_next_renewal(cluster):
+    """With a 30 s TTL a node renews every 10 s. A node that joins later asks it for versions at
+    once; the asked node renews early for a fresh peer list (the tracker's, not the stranger's
+    word) and relays to it within a second or two, instead of up to a renewal interval later."""
+    cluster.trainer(ttl=30)
+    r1 = cluster.rollout("r1", "eu")
+    wait_for(lambda: cluster.nodes() == {"trainer", "r1"}, 15, "r1 in the swarm")
+    wait_for(lambda: "trainer" in {p["node_id"] for p in r1.node(cluster.token)["peers"]}, 15, "r1 to list the trainer")
+    time.sleep(1.0)  # r1's next renewal is about 9 s away now
+    start = time.monotonic()
+    cluster.rollout("r2", "eu")
+    wait_for(lambda: "r2" in {p["node_id"] for p in r1.node(cluster.token)["peers"]}, 5, "r1 to learn of r2")
+    assert time.monotonic() - start < 4.0

@@ -109,6 +109,42 @@ def test_peer_lists_are_region_aware_and_limited():
     assert len(orders) > 1
 
 
+def test_peer_lists_of_a_large_swarm_are_uniform_samples_and_cheap():
+    """Every renewal asks for a peer list: with 10,000 nodes it samples instead of sorting the
+    table, and stays region-first, live-only and spread over the whole swarm."""
+    import collections
+    import time
+
+    t = table()
+    for i in range(10_000):
+        t.join(f"n{i}", "rollout", "eu" if i < 300 else f"r{i % 7}", f"h:{i}", now=1000.0 if i % 10 else 990.0)
+    now = 1010.0  # one node in ten joined at 990 and has expired by now
+    rng = random.Random(3)
+    t0 = time.perf_counter()
+    lists = [t.peers("n1", "eu", now, limit=32, rng=rng) for _ in range(2000)]
+    per_call = (time.perf_counter() - t0) / 2000
+    assert per_call < 0.002, f"{per_call * 1e3:.2f} ms per peer list"
+    seen = collections.Counter()
+    for peers in lists:
+        assert len(peers) == 32 and len({p.node_id for p in peers}) == 32
+        assert all(p.region == "eu" and p.node_id != "n1" and p.expires_at > now for p in peers)
+        seen.update(p.node_id for p in peers)
+    live_eu = {f"n{i}" for i in range(300) if i % 10 and i != 1}
+    assert set(seen) == live_eu  # every live peer of the region turns up, no dead one
+    assert max(seen.values()) < 3 * min(seen.values())
+    # A node of a small region gets its region, then the others sampled across all regions.
+    t.join("lone", "rollout", "tiny", "h:lone", now=1009.0)
+    t.join("mate", "rollout", "tiny", "h:mate", now=1009.0)
+    peers = t.peers("lone", "tiny", now, rng=rng)
+    assert [p.node_id for p in peers[:1]] == ["mate"] and len(peers) == 32
+    assert len({p.region for p in peers[1:]}) > 3 and all(p.region != "tiny" for p in peers[1:])
+    # Re-joining in another region moves the node between the region lists; leaving drops it.
+    t.join("mate", "rollout", "eu", "h:mate", now=1009.5)
+    assert t.peers("lone", "tiny", now, limit=1, rng=rng)[0].region != "tiny"
+    t.leave("lone", t.get("lone", now).epoch, now)
+    assert all(p.node_id != "lone" for p in t.peers("n2", "tiny", now, limit=10_000, rng=rng))
+
+
 def test_bad_join_input_is_refused():
     t = table()
     with pytest.raises(InputError, match="role"):
@@ -150,10 +186,13 @@ def test_states_and_the_snapshot():
 
 def test_restart_from_the_persisted_state(tmp_path):
     db = tmp_path / "tracker.db"
-    t = table(store=SqliteLeaseStore(db))
+    store = SqliteLeaseStore(db)
+    t = table(store=store)
     a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
     b = t.join("b", "rollout", "us", "h:2", now=1000.0)
     t.renew("a", a.epoch, 1003.0, versions=[1, 2], engine_version=2, bytes_up=10, bytes_down=20)
+    assert store.flush() == 1  # renewals are written together, every second in the daemon
+    t.renew("a", a.epoch, 1003.5, versions=[1, 2, 3], engine_version=3)  # not flushed: lost in the crash
     c = t.join("c", "rollout", "us", "h:3", now=1000.0)
     t.leave("c", c.epoch, 1004.0)
     t.set_latest_version(2)
