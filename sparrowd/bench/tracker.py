@@ -53,32 +53,45 @@ def _report(i: int, version: int) -> dict:
             "current": {"state": "ready", "version": version}}
 
 
-def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
+def _table(n: int, store: bool, folder: Path):
     from ..daemon.leasedb import SqliteLeaseStore
     from ..daemon.tracker import TrackerService
     from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable
 
     now = time.time()
-    db = folder / f"leases-{n}-{int(store)}.db"
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
+    db = folder / f"leases-{n}-{int(store)}-{time.monotonic_ns()}.db"
     table = LeaseTable(DEFAULT_TTL, now=now, store=SqliteLeaseStore(db) if store else None)
-    svc = TrackerService(table, tracker_id="bench", peer_limit=DEFAULT_PEER_LIMIT, clock=lambda: now,
-                         rng=random.Random(0))
-    regions = [f"region-{r}" for r in range(8)]
+    return db, table, TrackerService(table, tracker_id="bench", peer_limit=DEFAULT_PEER_LIMIT, clock=lambda: now,
+                                     rng=random.Random(0))
+
+
+def _join_all(svc, n: int) -> list[int]:
+    return [svc.join({"node_id": f"node-{i:05d}", "role": "rollout", "region": f"region-{i % 8}",
+                      "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070"})["epoch"] for i in range(n)]
+
+
+def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
+    db, table, svc = _table(n, store, folder)
     t0 = time.perf_counter()
-    epochs = [svc.join({"node_id": f"node-{i:05d}", "role": "rollout", "region": regions[i % 8],
-                        "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070"})["epoch"] for i in range(n)]
+    epochs = _join_all(svc, n)
     t_join = time.perf_counter() - t0
     t0 = time.perf_counter()
     for k in range(renewals):
         i = k % n
         svc.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10 + k // n)})
+        if store and k % 2000 == 1999:
+            table._store.flush()  # what the daemon does every second
     t_renew = time.perf_counter() - t0
-    python_bytes = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
     if store:
         table._store.close()
+    # Memory, traced apart (tracing slows every allocation): a table of n leases, each renewed once.
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    _, table2, svc2 = _table(n, False, folder)
+    for i, epoch in enumerate(_join_all(svc2, n)):
+        svc2.renew({"node_id": f"node-{i:05d}", "epoch": epoch, **_report(i, 10)})
+    python_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
     return {"nodes": n, "store": store, "joins_per_s": n / t_join, "renewals_per_s": renewals / t_renew,
             "python_bytes_per_lease": python_bytes / n,
             "db_bytes_per_lease": (db.stat().st_size + _size(db.with_name(db.name + "-wal"))) / n if store else 0}

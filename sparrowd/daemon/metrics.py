@@ -78,6 +78,16 @@ class DaemonMetrics:
             lv = GaugeMetricFamily("sparrowd_latest_version", "Latest version known to the tracker (-1 if none)")
             lv.add_metric([], -1 if snap["latest_version"] is None else snap["latest_version"])
             yield lv
+            latest = snap["latest_version"]
+            holding = GaugeMetricFamily("sparrowd_tracker_nodes_holding_latest",
+                                        "Live nodes that hold the latest version (as reported the moment it completes)")
+            holding.add_metric([], sum(1 for n in snap["nodes"] if latest is not None and latest in n["versions"]))
+            yield holding
+            applied = GaugeMetricFamily("sparrowd_tracker_engines_on_latest",
+                                        "Live nodes whose engine has applied the latest version")
+            applied.add_metric([], sum(1 for n in snap["nodes"]
+                                       if latest is not None and n.get("engine_version") == latest))
+            yield applied
 
         req = CounterMetricFamily("sparrowd_http_requests", "HTTP requests served", labels=["endpoint", "status"])
         for (endpoint, status), count in sorted(self.requests.items()):

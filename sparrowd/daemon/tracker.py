@@ -62,10 +62,21 @@ class TrackerService:
         self.clock = clock
         self.rng = rng or random.Random()
         self.on_change: Callable[[], None] | None = None  # the table changed: waiters look again
+        self._wires: dict[tuple[str, int], dict] = {}
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def _wire(self, n: Node) -> dict:
+        """A peer's entry in peer lists; it does not change within a lease (epoch), so it is built once."""
+        key = (n.node_id, n.epoch)
+        w = self._wires.get(key)
+        if w is None:
+            if len(self._wires) > 4 * len(self.table) + 1024:
+                self._wires.clear()  # entries of leases long gone
+            w = self._wires[key] = _peer(n)
+        return w
 
     def _lease_reply(self, node: Node, now: float) -> dict:
         peers = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
@@ -78,7 +89,7 @@ class TrackerService:
             "tracker_id": self.tracker_id,
             "trainer_key": self.trainer_key,
             "latest_version": self.table.latest_version,
-            "peers": [_peer(p) for p in peers],
+            "peers": [self._wire(p) for p in peers],
         }
 
     def join(self, msg) -> dict:

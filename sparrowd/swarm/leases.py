@@ -214,6 +214,10 @@ class LeaseTable:
 
     # ------------------------------------------------------------ queries
 
+    def __len__(self) -> int:
+        """Leases held, expired ones not yet swept included."""
+        return len(self._nodes)
+
     def get(self, node_id: str, now: float) -> Node | None:
         n = self._nodes.get(node_id)
         return n if n is not None and n.expires_at > now else None
@@ -324,13 +328,13 @@ class _Index:
 
 def _sample(items: list[str], k: int, pick, rng: random.Random) -> list[Node]:
     """Up to ``k`` of ``items`` for which ``pick`` gives a node, uniformly at random, in random order:
-    a sample of a quarter more than ``k`` (O(k)) while most qualify, a pass over all when few do (a
+    draws of a quarter more than ``k`` (O(k)) while most qualify, a pass over all when few do (a
     node's region is in the global list too, but it only asks that list when its region has fewer
     than ``k`` others)."""
     if k <= 0 or not items:
         return []
-    if len(items) > 4 * k:
-        out = [n for i in rng.sample(items, k + k // 4 + 4) if (n := pick(i)) is not None]
+    if len(items) > 4 * k:  # draws with replacement (cheap), repeats dropped: a few at these sizes
+        out = [n for i in dict.fromkeys(rng.choices(items, k=k + k // 4 + 4)) if (n := pick(i)) is not None]
         if len(out) >= k:
             return out[:k]
     pool = [n for i in items if (n := pick(i)) is not None]

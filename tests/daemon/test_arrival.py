@@ -12,7 +12,7 @@ from sparrowd import Publisher
 from sparrowd.errors import SparrowError
 from sparrowd.integrations.engine import EngineClient, sync
 from sparrowd.integrations.torch import PatchApplier
-from tests.daemon.harness import wait_for
+from tests.daemon.harness import get, wait_for
 from tests.helpers import sparrowd
 from tests.models import bf16_model, served_bits, train, trained_setup
 
@@ -48,6 +48,9 @@ def test_wait_returns_within_a_second_of_the_last_node_holding_the_version(clust
         assert answer["done"] and sorted(answer["reached"]) == ["r0", "r1", "r2"]
         last = max(held.values())
         assert returned - last < 1.0, f"the tracker heard of version {v} {returned - last:.2f} s late"
+        # The trainer's Prometheus metrics are read from the same table: as fresh as the wait.
+        code, metrics = get(f"{cluster.tracker}/metrics", cluster.token)
+        assert code == 200 and b"sparrowd_tracker_nodes_holding_latest 3.0" in metrics
 
     # The command line: done at once; a version nobody has times out with the missing nodes, one line.
     r = sparrowd("wait", "2", "--tracker", cluster.tracker, "--token-file", cluster.token_file, timeout=30)
