@@ -8,7 +8,7 @@ Two measurements, one run:
    rollout reports (versions held, byte counters, its folder), each answered
    with a peer list. Beside it, the same table without a store (the baseline:
    what the disk costs), and Python's memory and the database's bytes per
-   lease.
+   lease. As in a large swarm, one renewal in six asks for the peer list.
 2. **Over HTTP, a real trainer daemon.** The daemon runs as its own process on
    loopback; this process joins ``nodes`` fake nodes and renews them from
    ``concurrency`` connections for ``seconds``. The daemon's CPU time comes
@@ -35,6 +35,8 @@ from . import write_json
 
 __all__ = ["TrackerConfig", "run"]
 
+REFRESH_EVERY = 6  # Membership.PEER_REFRESH over the default renewal interval
+
 
 @dataclass(frozen=True)
 class TrackerConfig:
@@ -46,11 +48,12 @@ class TrackerConfig:
     headroom: float = 0.5  # the share of one core renewals may take at the largest swarm
 
 
-def _report(i: int, version: int) -> dict:
-    """What a rollout's renewal carries."""
+def _report(i: int, version: int, k: int = 0) -> dict:
+    """What a rollout's k-th renewal carries. In a swarm this large its peer list is full, so it asks
+    for a fresh one every PEER_REFRESH seconds: one renewal in six at the default TTL."""
     return {"versions": [version - 2, version - 1, version], "engine_version": version, "bytes_up": 1_000_000 * i,
             "bytes_down": 2_000_000 * i, "bytes_up_wan": 10_000 * i, "bytes_down_wan": 20_000 * i, "peers": 24,
-            "current": {"state": "ready", "version": version}}
+            "current": {"state": "ready", "version": version}, "want_peers": k % REFRESH_EVERY == 0}
 
 
 def _table(n: int, store: bool, folder: Path):
@@ -78,7 +81,7 @@ def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
     t0 = time.perf_counter()
     for k in range(renewals):
         i = k % n
-        svc.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10 + k // n)})
+        svc.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10 + k // n, k // n + i)})
         if store and k % 2000 == 1999:
             table._store.flush()  # what the daemon does every second
     t_renew = time.perf_counter() - t0
@@ -129,7 +132,7 @@ async def _http_load(url: str, token: str, pid: int, cfg: TrackerConfig) -> dict
         while time.perf_counter() < stop_at:
             i = k % cfg.nodes
             s = time.perf_counter()
-            await client.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10)})
+            await client.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10, k // cfg.nodes + i)})
             latencies.append(time.perf_counter() - s)
             k += cfg.concurrency
 
@@ -159,7 +162,8 @@ def run(cfg: TrackerConfig, json_path: str | None = None) -> int:
 
     print("sparrowd bench tracker")
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    print("\n1. the lease table in process, one core (TrackerService, 8 regions, peer lists of 32)\n")
+    print("\n1. the lease table in process, one core (TrackerService, 8 regions, a list of 32 peers in one renewal "
+          "in six)\n")
     print(f"   {'nodes':>7} {'store':>8} {'joins/s':>9} {'renewals/s':>11} {'python B/lease':>15} "
           f"{'db B/lease':>11}")
     rows = []

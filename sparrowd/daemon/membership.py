@@ -28,7 +28,7 @@ import aiohttp
 
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
-from ..swarm.leases import LeaseGone
+from ..swarm.leases import DEFAULT_PEER_LIMIT, LeaseGone
 from .bodies import read_limited
 from .logs import event
 from .tracker import TrackerService
@@ -160,6 +160,7 @@ class Membership:
 
     MAX_BACKOFF = 10.0
     NUDGE_COALESCE = 0.1  # seconds a nudged renewal waits for more changes to report with it
+    PEER_REFRESH = 30.0  # seconds a full peer list is kept before a renewal asks for a fresh one
 
     def __init__(
         self,
@@ -182,6 +183,8 @@ class Membership:
         self._in_outage = False
         self._nudged = asyncio.Event()
         self.peers_changed = asyncio.Event()  # set when a reply lists other peers than the one before
+        self._peers_at = -self.PEER_REFRESH  # when the last peer list came
+        self._peers_wanted = False
 
     def nudge(self) -> None:
         """Something renewals report changed (a version completed, the engine applied one): renew
@@ -202,10 +205,12 @@ class Membership:
         s.ttl = float(reply["lease_ttl"])
         s.renew_interval = float(reply["renew_interval"])
         s.expires_at = sent_at + float(reply["expires_in"])  # measured from sending: errs on the short side
-        peers = list(reply.get("peers") or [])
-        if {p.get("node_id") for p in peers} != {p.get("node_id") for p in s.peers}:
-            self.peers_changed.set()
-        s.peers = peers
+        if "peers" in reply:  # a renewal that did not ask for the list keeps the one it has
+            peers = list(reply.get("peers") or [])
+            if {p.get("node_id") for p in peers} != {p.get("node_id") for p in s.peers}:
+                self.peers_changed.set()
+            s.peers = peers
+            self._peers_at = time.monotonic()
         s.tracker_reachable = True
         if self._in_outage:
             event(log, logging.INFO, "tracker reachable again", epoch=s.epoch)
@@ -220,10 +225,26 @@ class Membership:
         event(log, logging.INFO, "joined the swarm", node_id=self.me["node_id"], epoch=self.state.epoch,
               lease_ttl=self.state.ttl, peers=len(self.state.peers))
 
+    def want_peers(self) -> None:
+        """Ask for a fresh peer list with the next renewal, and renew soon (a stranger asked this
+        node for something: it joined after the last list)."""
+        self._peers_wanted = True
+        self.nudge()
+
+    def _wants_peers(self) -> bool:
+        """A renewal asks for the peer list when it was asked to, when the list is due (every
+        PEER_REFRESH seconds), and always while the list is short of the tracker's usual limit
+        (a small swarm, where lists are cheap and every newcomer matters)."""
+        return (self._peers_wanted or len(self.state.peers) < DEFAULT_PEER_LIMIT
+                or time.monotonic() - self._peers_at >= self.PEER_REFRESH)
+
     async def _renew(self) -> None:
         sent = time.monotonic()
-        msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, **self.report()}
+        want = self._wants_peers()
+        msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, **self.report(), "want_peers": want}
         self._take(await self.client.renew(msg), sent)
+        if want:
+            self._peers_wanted = False
 
     async def run(self) -> None:
         backoff = 0.5

@@ -395,7 +395,7 @@ class Swarm:
         m = self.daemon.membership
         if m is not None and now - self._discovered_at >= DISCOVERY_EVERY:
             self._discovered_at = now
-            m.nudge()
+            m.want_peers()
 
     def _shown(self, remote: Remote, vs: VersionState) -> set[int]:
         """What this node shows a peer of a version: all it holds, or the super-seed's offer."""

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import FormatError
-from ..schema import Int, List, Map, NonNegInt, Opt, Str, fields
+from ..schema import Bool, Int, List, Map, NonNegInt, Opt, Str, fields
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, renew_interval
 from .logs import event
 
@@ -37,6 +37,7 @@ RENEW = {
     "error": Opt(Str),
     "peers": Opt(NonNegInt),
     "current": Opt(Map),
+    "want_peers": Opt(Bool),  # false: leave the peer list out of the reply (absent: put it in)
 }
 FOLDER_STATES = ("empty", "building", "updating", "ready", "error")
 LEAVE = {"node_id": Str, "epoch": NonNegInt}
@@ -78,9 +79,8 @@ class TrackerService:
             w = self._wires[key] = _peer(n)
         return w
 
-    def _lease_reply(self, node: Node, now: float) -> dict:
-        peers = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
-        return {
+    def _lease_reply(self, node: Node, now: float, *, peers: bool = True) -> dict:
+        reply = {
             "node_id": node.node_id,
             "epoch": node.epoch,
             "lease_ttl": self.table.ttl,
@@ -89,8 +89,11 @@ class TrackerService:
             "tracker_id": self.tracker_id,
             "trainer_key": self.trainer_key,
             "latest_version": self.table.latest_version,
-            "peers": [self._wire(p) for p in peers],
         }
+        if peers:  # most of a reply's bytes and of a renewal's work in a large swarm
+            listed = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
+            reply["peers"] = [self._wire(p) for p in listed]
+        return reply
 
     def join(self, msg) -> dict:
         m = fields(msg, JOIN, what="join")
@@ -129,7 +132,7 @@ class TrackerService:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))
             raise
         self._changed()
-        return self._lease_reply(node, self.clock())
+        return self._lease_reply(node, self.clock(), peers=m.get("want_peers") is not False)
 
     def leave(self, msg) -> dict:
         m = fields(msg, LEAVE, what="leave")

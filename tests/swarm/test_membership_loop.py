@@ -98,3 +98,43 @@ async def test_join_backs_off_while_the_tracker_is_down_and_a_refused_token_is_f
     m2 = Membership(Refusing(service), me("b"), on_fatal=fatal.append)
     await asyncio.wait_for(m2.run(), 2)  # returns instead of retrying forever
     assert len(fatal) == 1 and "refused" in str(fatal[0])
+
+
+@pytest.mark.asyncio
+async def test_a_full_peer_list_is_asked_for_only_when_due_or_wanted():
+    """In a large swarm a renewal leaves the 32-peer list out (most of the reply and of the
+    tracker's work) unless the list is due, short, or a stranger made the node want a fresh one."""
+    service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
+    for i in range(40):
+        service.join({"node_id": f"n{i}", "role": "rollout", "region": "eu", "address": f"127.0.0.1:{i + 2}"})
+    sent = []
+
+    class Recording(LocalTrackerClient):
+        async def renew(self, msg):
+            sent.append(msg.get("want_peers"))
+            return await super().renew(msg)
+
+    m = Membership(Recording(service), me(), report=dict)
+    await m._join()
+    listed = m.state.peers
+    assert len(listed) == 32 and m.peers_changed.is_set()  # the join brought the first list
+    m.peers_changed.clear()
+    await m._renew()  # the list is full and fresh: not asked for, and kept
+    assert sent == [False] and m.state.peers == listed and not m.peers_changed.is_set()
+    m.want_peers()  # a stranger asked this node for chunks
+    await m._renew()
+    assert sent == [False, True] and len(m.state.peers) == 32 and m.state.peers != listed
+    await m._renew()
+    assert sent[-1] is False
+    m._peers_at -= Membership.PEER_REFRESH  # the list has aged
+    await m._renew()
+    assert sent[-1] is True
+    # Without the field the tracker answers as it always did (an older node), and a short list is
+    # always refreshed (a small swarm).
+    assert "peers" in service.renew({"node_id": "a", "epoch": m.state.epoch})
+    assert "peers" not in service.renew({"node_id": "a", "epoch": m.state.epoch, "want_peers": False})
+    small = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
+    m2 = Membership(Recording(small), me("b"), report=dict)
+    await m2._join()
+    await m2._renew()
+    assert sent[-1] is True
