@@ -405,9 +405,9 @@ NCLASS = 16  # ulp2 classes: the exponent relative to the segment's ``lo``, clam
 
 
 def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> int:
-    """The ``lo`` of a segment's classes: 12 below the commonest exponent of its base (a sample of
-    at most 64 Ki elements), so that the 16 classes span the exponents where nearly every element
-    and every change lies (one class for everything below, one for everything above)."""
+    """The ``lo`` of the classes of ``base[start:stop)`` (the encoder takes a whole tensor): 12 below the
+    commonest exponent (a sample of at most 64 Ki elements), so that the 16 classes span the exponents
+    where nearly every element and every change lies (one class for everything below, one above)."""
     step = max(1, (stop - start) // 65536)
     sample = (base[start:stop:step] >> base.dtype.type(shift)) & base.dtype.type(mask)
     if sample.size == 0:

@@ -1,7 +1,11 @@
 """systemd's notify protocol (``Type=notify``): a datagram to $NOTIFY_SOCKET.
 
 No dependency needed: the protocol is one ``sendto``. Outside systemd (no
-NOTIFY_SOCKET) every call is a no-op that returns False.
+NOTIFY_SOCKET) every call is a no-op that returns False. The send never
+blocks: it runs on the daemon's event loop, and a reader that stopped reading
+(the socket's queue full) must not freeze the daemon; the message is dropped
+and the call returns False (systemd reads at once; a lost watchdog ping is
+followed by another within half the watchdog interval).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ def notify(state: str, env=os.environ) -> bool:
     if path.startswith("@"):  # abstract namespace
         path = "\0" + path[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as s:
             s.sendto(state.encode(), path)
         return True
-    except OSError:
+    except OSError:  # BlockingIOError included: the reader's queue is full
         return False
 
 
