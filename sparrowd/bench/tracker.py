@@ -63,9 +63,10 @@ def _table(n: int, store: bool, folder: Path):
 
     now = time.time()
     db = folder / f"leases-{n}-{int(store)}-{time.monotonic_ns()}.db"
-    table = LeaseTable(DEFAULT_TTL, now=now, store=SqliteLeaseStore(db) if store else None)
-    return db, table, TrackerService(table, tracker_id="bench", peer_limit=DEFAULT_PEER_LIMIT, clock=lambda: now,
-                                     rng=random.Random(0))
+    kept = SqliteLeaseStore(db) if store else None
+    table = LeaseTable(DEFAULT_TTL, now=now, store=kept)
+    return db, kept, TrackerService(table, tracker_id="bench", peer_limit=DEFAULT_PEER_LIMIT, clock=lambda: now,
+                                    rng=random.Random(0))
 
 
 def _join_all(svc, n: int) -> list[int]:
@@ -74,7 +75,7 @@ def _join_all(svc, n: int) -> list[int]:
 
 
 def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
-    db, table, svc = _table(n, store, folder)
+    db, kept, svc = _table(n, store, folder)
     t0 = time.perf_counter()
     epochs = _join_all(svc, n)
     t_join = time.perf_counter() - t0
@@ -82,15 +83,15 @@ def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
     for k in range(renewals):
         i = k % n
         svc.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10 + k // n, k // n + i)})
-        if store and k % 2000 == 1999:
-            table._store.flush()  # what the daemon does every second
+        if kept is not None and k % 2000 == 1999:
+            kept.flush()  # what the daemon does every second
     t_renew = time.perf_counter() - t0
-    if store:
-        table._store.close()
+    if kept is not None:
+        kept.close()
     # Memory, traced apart (tracing slows every allocation): a table of n leases, each renewed once.
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    _, table2, svc2 = _table(n, False, folder)
+    _, _, svc2 = _table(n, False, folder)
     for i, epoch in enumerate(_join_all(svc2, n)):
         svc2.renew({"node_id": f"node-{i:05d}", "epoch": epoch, **_report(i, 10)})
     python_bytes = tracemalloc.get_traced_memory()[0] - before
