@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.settings import load_settings, read_token
+from sparrowd.daemon.settings import load_settings, read_tokens
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 
@@ -28,7 +28,8 @@ def register(sub) -> None:
                     "and print the systemctl line that starts it (or start it with --now). Running it again "
                     "updates what it wrote; `sparrowd uninstall` undoes it.")
     i.add_argument("--tracker", metavar="URL", help="the trainer's daemon, http://HOST:PORT (not for the trainer)")
-    i.add_argument("--token-file", metavar="FILE", required=True, help="the swarm token to install")
+    i.add_argument("--token-file", metavar="FILE", required=True,
+                   help="the swarm token, or a join credential from `sparrowd token create`, to install")
     i.add_argument("--region", metavar="NAME", required=True, help="this box's region, e.g. us-east")
     i.add_argument("--role", choices=ROLES, default="rollout", help="trainer, rollout (default) or relay")
     i.add_argument("--listen", metavar="HOST:PORT", help="address to serve peers on (default 0.0.0.0:7070)")
@@ -92,7 +93,7 @@ def cmd_install(args) -> int:
     prefix = Path(args.prefix)
     if args.now and prefix.resolve() != Path("/"):
         raise InputError("--now starts the service on this box: it needs --prefix /")
-    token, _ = read_token(Path(args.token_file).expanduser())
+    tokens, _ = read_tokens(Path(args.token_file).expanduser())
     settings = {"role": args.role, "region": args.region, "tracker": args.tracker,
                 "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise,
                 "follow_vllm": args.follow_vllm, "follow_every": args.follow_every,
@@ -100,7 +101,7 @@ def cmd_install(args) -> int:
     # The same checks `sparrowd run` will make, now, while the operator is at the keyboard.
     load_settings({k: v for k, v in settings.items()}, env={})
     written = []
-    for rel, text, mode in ((ETC / "swarm.token", token + "\n", 0o600),
+    for rel, text, mode in ((ETC / "swarm.token", "\n".join(tokens) + "\n", 0o600),
                             (ETC / "sparrowd.toml", _toml(settings), 0o644),
                             (UNIT, unit_text(_executable(), args.group), 0o644)):
         if _write(prefix / rel, text, mode):

@@ -8,7 +8,7 @@ import sys
 from sparrowd import __version__
 from sparrowd.errors import SparrowError
 
-from . import bench, daemon, delta, demo, install, top
+from . import bench, daemon, delta, demo, install, token, top
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     top.register(sub)
     install.register(sub)
+    token.register(sub)
     return p
 
 

@@ -7,13 +7,14 @@ field. Unknown fields are ignored so that newer writers stay readable.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
 
 from .errors import FormatError
 
-__all__ = ["unpack", "pack", "fields", "Int", "NonNegInt", "Str", "Bytes", "List", "Map", "Opt"]
+__all__ = ["unpack", "pack", "fields", "Int", "NonNegInt", "Str", "Bytes", "List", "Map", "Num", "Opt"]
 
 
 def pack(obj: Any) -> bytes:
@@ -73,6 +74,13 @@ class _Type(_Check):
         return isinstance(v, self.t)
 
 
+class _Num(_Check):
+    name = "a finite number"
+
+    def __call__(self, v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 class _Opt(_Check):
     def __init__(self, inner: _Check):
         self.inner, self.name = inner, f"{inner.name} or nil"
@@ -88,6 +96,7 @@ Bytes = _Type(bytes, "bytes")
 List = _Type(list, "a list")
 Bool = _Type(bool, "a boolean")
 Map = _Type(dict, "a map")
+Num = _Num()
 
 
 def Opt(inner: _Check) -> _Check:

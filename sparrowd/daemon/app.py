@@ -7,8 +7,10 @@ tell systemd READY=1, then keep the lease until SIGTERM/SIGINT or a local
 database, remove ``daemon.json`` and exit 0.
 
 Every HTTP route needs the swarm token (``Authorization: Bearer TOKEN``,
-compared in constant time); anything else gets 401 and a log line, and learns
-nothing about the swarm, not even which paths exist.
+compared in constant time) or a join credential the trainer signed and did not
+revoke (``swarm.identity``); anything else gets 401 and a log line, and learns
+nothing about the swarm, not even which paths exist. SIGHUP re-reads the token
+file (rotation without a restart).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import ipaddress
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 import time
@@ -37,6 +38,16 @@ from ..codec.manifest import MAX_MANIFEST
 from ..errors import FormatError, InputError, IntegrityError, SparrowError
 from ..schema import pack, unpack
 from ..swarm.chain import Key
+from ..swarm.identity import (
+    CREDENTIAL_PREFIX,
+    Credential,
+    CredentialBook,
+    Identities,
+    NodeKey,
+    Refused,
+    default_node_id,
+    parse_duration,
+)
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, check_name
 from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from ..swarm.waits import arrival
@@ -56,9 +67,9 @@ from .membership import (
     bearer,
 )
 from .metrics import CONTENT_TYPE, DaemonMetrics
-from .settings import Settings, read_token
+from .settings import Settings, read_tokens
 from .store import ChunkStore
-from .swarm import MAX_CHUNK, NODE_HEADER, Swarm
+from .swarm import MAX_CHUNK, NODE_HEADER, PROOF_HEADER, Swarm
 from .tracker import TrackerService
 
 __all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
@@ -138,7 +149,9 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self._lock_fd: int | None = None
         self._wrote_runtime = False
-        self.auth_digest = b""  # SHA-256 of "Bearer <token>": what every request is compared with
+        self.auth_digests: list[bytes] = []  # SHA-256 of "Bearer <token>" per accepted token
+        self.key: NodeKey | None = None
+        self._credentials_seen: dict[str, Credential | None] = {}  # credential text -> claims (None: bad)
         self.engines: EngineServer | None = None
         self._last_unauthorized_log: dict[str, float] = {}
         self._inflight: collections.Counter = collections.Counter()
@@ -200,13 +213,17 @@ class Daemon:
                 f"data dir {self.data_dir} is in use by another sparrowd (pid {other.get('pid', '?')})"
             ) from None
         self._lock_fd = fd
+        try:
+            self.key = NodeKey.load_or_create(self.data_dir / "node.key")
+        except OSError as e:
+            raise InputError(f"node key in {self.data_dir}: {e.strerror}") from None
         id_file = self.data_dir / "node_id"
         if self.settings.node_id:
             self.node_id = self.settings.node_id
         elif id_file.exists():
             self.node_id = check_name("node id in " + str(id_file), id_file.read_text().strip())
         else:
-            self.node_id = f"{self.settings.role}-{secrets.token_hex(4)}"
+            self.node_id = default_node_id(self.settings.role, self.key.public)
         if not id_file.exists() or id_file.read_text().strip() != self.node_id:
             with atomic_file(id_file) as tmp:
                 Path(tmp).write_text(self.node_id + "\n")
@@ -214,11 +231,7 @@ class Daemon:
     async def start(self) -> None:
         s = self.settings
         self._prepare_data_dir()
-        token, too_open = read_token(s.token_file)
-        if too_open:
-            event(log, logging.WARNING, "token file is readable by group or others; chmod 600 it", path=s.token_file)
-        self.auth_digest = hashlib.sha256(bearer(token).encode()).digest()
-        self.token = token
+        self.load_tokens()
 
         signer = load_or_create_key(self.data_dir / "trainer.key") if s.is_tracker else None
         self.swarm = Swarm(self, ChunkStore(self.data_dir), signer=signer, retain=s.retain,
@@ -229,7 +242,8 @@ class Daemon:
             self._store = SqliteLeaseStore(self.data_dir / "tracker.db")
             table = LeaseTable(s.lease_ttl, now=time.time(), store=self._store)
             self.tracker = TrackerService(table, tracker_id=self.node_id, peer_limit=s.peer_limit,
-                                          trainer_key=signer.public)
+                                          trainer_key=signer.public, identities=Identities(self._store),
+                                          credentials=CredentialBook(self._store), sign=signer.sign_bytes)
             self.tracker.on_change = self._tracker_touched
             latest = self.swarm.latest()
             if latest is not None:
@@ -260,6 +274,9 @@ class Daemon:
                 web.post("/v1/publish/{key}/chunk/{index}", self._publish_chunk),
                 web.post("/v1/publish/manifest", self._publish_manifest),
                 web.get("/v1/publish/state", self._publish_state),
+                web.get("/v1/tracker/credentials", self._credential_list),
+                web.post("/v1/tracker/credentials", self._credential_create),
+                web.post("/v1/tracker/credentials/{id}/revoke", self._credential_revoke),
             ])
         # Long polls are answered at once when stopping; what still runs after SHUTDOWN_GRACE
         # (a chunk upload to a slow peer) is cut, so a stop never waits on the network for long.
@@ -288,9 +305,9 @@ class Daemon:
         if self.tracker is not None:
             self._client = LocalTrackerClient(self.tracker)
         else:
-            self._client = HttpTrackerClient(s.tracker, token, timeout=min(5.0, s.lease_ttl / 3),
+            self._client = HttpTrackerClient(s.tracker, self.token, timeout=min(5.0, s.lease_ttl / 3),
                                              source=self.source_address)
-        self.membership = Membership(self._client, me, report=self.report, on_fatal=self._fatal,
+        self.membership = Membership(self._client, me, self.key, report=self.report, on_fatal=self._fatal,
                                      on_lease=self._on_lease)
         if self.swarm.verifier is not None:
             self.swarm.start()
@@ -323,6 +340,88 @@ class Daemon:
         sdnotify.notify(f"READY=1\nSTATUS=listening on {host}:{bound_port} as {self.node_id}", self.env)
         event(log, logging.INFO, "daemon started", node_id=self.node_id, role=s.role, region=s.region,
               listen=f"{host}:{bound_port}", advertise=self.address, tracker=s.tracker or "self")
+
+    def load_tokens(self) -> None:
+        """(Re-)read the token file: the first line is presented, every line accepted."""
+        s = self.settings
+        tokens, too_open = read_tokens(s.token_file)
+        if too_open:
+            event(log, logging.WARNING, "token file is readable by group or others; chmod 600 it", path=s.token_file)
+        # Credentials are checked by signature, not by digest: a credential file admits this node only.
+        shared = [t for t in tokens if not t.startswith(CREDENTIAL_PREFIX)]
+        self.auth_digests = [hashlib.sha256(bearer(t).encode()).digest() for t in shared]
+        self.token = tokens[0]
+        if isinstance(self._client, HttpTrackerClient):
+            self._client.set_token(self.token)
+        if self.swarm is not None:
+            self.swarm.set_token(self.token)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the token file; a bad file keeps the tokens in use (and says so)."""
+        try:
+            self.load_tokens()
+        except SparrowError as e:
+            event(log, logging.ERROR, "reload failed; keeping the tokens in use", reason=str(e))
+            return
+        event(log, logging.INFO, "token file reloaded", tokens=len(self.auth_digests) + (
+            1 if self.token.startswith(CREDENTIAL_PREFIX) else 0))
+
+    def token_ok(self, header: str) -> bool:
+        """Whether an Authorization header carries one of the shared tokens this node accepts."""
+        given = hashlib.sha256(header.encode()).digest()
+        ok = False
+        for d in self.auth_digests:  # every one compared: the time taken says nothing about which matched
+            ok |= hmac.compare_digest(given, d)
+        return ok
+
+    def _own_token(self, request: web.Request, header: str) -> bool:
+        """The credential this node presents, from this machine: a local command (``sparrowd leave``)
+        on a box whose token file holds a credential rather than the shared token."""
+        if not self.token.startswith(CREDENTIAL_PREFIX) or not _loopback(request):
+            return False
+        return hmac.compare_digest(hashlib.sha256(header.encode()).digest(),
+                                   hashlib.sha256(bearer(self.token).encode()).digest())
+
+    def local_token_ok(self, token: str) -> bool:
+        """The engine socket: a shared token, or the credential this node itself presents."""
+        own = hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                  hashlib.sha256(self.token.encode()).digest())
+        return self.token_ok(bearer(token)) or own
+
+    def credential(self, header: str) -> Credential | None:
+        """The claims of a valid, unrevoked, unexpired credential in an Authorization header, else None."""
+        text = header[7:] if header.startswith("Bearer ") else ""
+        if not text.startswith(CREDENTIAL_PREFIX):
+            return None
+        trainer = (self.swarm.signer.public if self.swarm and self.swarm.signer else
+                   self.swarm.verifier.public if self.swarm and self.swarm.verifier else None)
+        if trainer is None:  # no trainer key pinned yet: nothing can be checked
+            return None
+        if text not in self._credentials_seen:
+            if len(self._credentials_seen) > 4096:
+                self._credentials_seen.clear()
+            try:
+                self._credentials_seen[text] = Credential.parse(text, trainer)
+            except (FormatError, Refused):
+                self._credentials_seen[text] = None
+        c = self._credentials_seen[text]
+        if c is None:
+            return None
+        now = time.time()
+        revoked = (self.tracker.credentials if self.tracker is not None else
+                   self.membership.state.revoked if self.membership is not None else ())
+        try:
+            c.check(now, revoked)
+        except Refused:
+            return None
+        return c
+
+    def member(self, node_id: str) -> dict | None:
+        """A member's tracker entry (with its key): the trainer reads its table, a node what it heard."""
+        if self.tracker is not None:
+            n = self.tracker.table.get(node_id, time.time())
+            return self.tracker.entry(n) if n is not None else None
+        return self.membership.member(node_id) if self.membership is not None else None
 
     def _fatal(self, e: Exception) -> None:
         event(log, logging.ERROR, "stopping", reason=str(e))
@@ -370,8 +469,19 @@ class Daemon:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
-        given = hashlib.sha256(request.headers.get("Authorization", "").encode()).digest()
-        if not hmac.compare_digest(given, self.auth_digest):
+        header = request.headers.get("Authorization", "")
+        request["credential"] = None
+        if self.token_ok(header) or self._own_token(request, header):
+            ok = True  # an operator (or a member, with the shared token)
+        elif header.startswith("Bearer " + CREDENTIAL_PREFIX):
+            request["credential"] = self.credential(header)  # None: not this swarm's, revoked or expired
+            ok = request["credential"] is not None
+        else:
+            # Between peers, a member proves who it is with its key (Swarm._admit checks the proof
+            # against the tracker's entry): a node that joined with a credential knows no shared
+            # token, and a rotation does not break relaying while boxes hold different ones.
+            ok = request.path.startswith("/v1/swarm/") and PROOF_HEADER in request.headers
+        if not ok:
             self.metrics.unauthorized += 1
             peer = request.remote or "?"
             now = time.monotonic()
@@ -416,7 +526,10 @@ class Daemon:
             if body is None:  # no or a false Content-Length
                 return _too_large(MAX_TRACKER_MESSAGE + 1)
             try:
-                reply = method(unpack(body, what=name, max_len=MAX_TRACKER_MESSAGE))
+                reply = method(unpack(body, what=name, max_len=MAX_TRACKER_MESSAGE),
+                               credential=request["credential"])
+            except Refused as e:
+                return web.json_response({"error": str(e), "reason": e.reason}, status=403)
             except LeaseGone as e:
                 return web.json_response({"error": str(e)}, status=410)
             except (FormatError, InputError) as e:
@@ -427,12 +540,14 @@ class Daemon:
 
     @staticmethod
     def _local_only(request: web.Request) -> web.Response | None:
-        """Publishing needs the token and a connection from this machine: a stolen token is not enough."""
-        try:
-            local = ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
-        except ValueError:
-            local = False
-        if local:
+        """Publishing and credentials need the shared token (not a join credential) and a connection
+        from this machine: a stolen token is not enough."""
+        if request.get("credential") is not None:
+            event(log, logging.WARNING, "refused an operator request made with a join credential",
+                  remote=request.remote or "?", credential=request["credential"].id, path=request.path[:100])
+            return web.json_response({"error": "a join credential cannot publish or manage credentials"},
+                                     status=403)
+        if _loopback(request):
             return None
         event(log, logging.WARNING, "refused a publish from another machine", remote=request.remote or "?")
         return web.json_response({"error": "publishing is only accepted from the trainer's own machine"}, status=403)
@@ -507,6 +622,40 @@ class Daemon:
             except TimeoutError:
                 pass
 
+    async def _credential_create(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError
+            expires = body.get("expires")
+            lifetime = None if expires in (None, "never") else parse_duration(str(expires))
+            record, text = self.tracker.issue(role=str(body.get("role") or "rollout"), region=body.get("region"),
+                                              node=body.get("node"), lifetime=lifetime)
+        except (ValueError, TypeError):
+            return web.json_response({"error": "give a JSON map: role, region, node, expires (30d, 12h, never)"},
+                                     status=400)
+        except InputError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response({**record, "credential": text})
+
+    async def _credential_list(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
+        return web.json_response({"credentials": self.tracker.credential_list()})
+
+    async def _credential_revoke(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:
+            return refused
+        try:
+            record, node = self.tracker.revoke(request.match_info["id"][:64])
+        except Refused as e:
+            return web.json_response({"error": str(e)}, status=404)
+        if node is not None:
+            self.swarm.forget(node.node_id)
+        return web.json_response({**record, "node_id": node.node_id if node else None})
+
     async def _tracker_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.tracker.status())
 
@@ -519,15 +668,27 @@ class Daemon:
             "node_id": self.node_id, "role": self.settings.role, "region": self.settings.region,
             "address": self.address, "tracker": self.settings.tracker or self.url, "pid": os.getpid(),
             "epoch": m.state.epoch if m else None, "lease_expires_in": m.lease_left() if m else None,
-            "tracker_reachable": bool(m and m.state.tracker_reachable), "peers": m.state.peers if m else [],
+            "tracker_reachable": bool(m and m.state.tracker_reachable),
+            "peers": [{**p, "key": p["key"].hex()} if isinstance(p.get("key"), bytes) else p
+                      for p in (m.state.peers if m else [])],
+            "key_id": self.key.id if self.key else None,
             "versions": self.versions_held(), "error": self.swarm.error if self.swarm else None,
             "current": self.keeper.info() if self.keeper else None,
         })
 
     async def _node_leave(self, request: web.Request) -> web.Response:
+        if (refused := self._local_only(request)) is not None:  # a member cannot stop another
+            return refused
         event(log, logging.INFO, "asked to leave the swarm", remote=request.remote or "?")
         asyncio.get_running_loop().call_soon(self.stopping.set)
         return web.json_response({"leaving": True}, status=202)
+
+
+def _loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _too_large(size: int) -> web.Response:
@@ -540,6 +701,7 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stopping.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
     try:
         await daemon.start()
     except BaseException:

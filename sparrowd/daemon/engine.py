@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
-import hmac
 import logging
 import os
 import socket
@@ -236,8 +234,7 @@ class EngineServer:
         if msg["op"] != "hello":
             await self._send(conn, {"op": "error", "error": "say hello first"})
             return None
-        given = hashlib.sha256(f"Bearer {msg['token']}".encode()).digest()
-        if not hmac.compare_digest(given, self.daemon.auth_digest):
+        if not self.daemon.local_token_ok(msg["token"]):
             event(log, logging.WARNING, "engine refused: wrong swarm token", engine=msg["engine"][:64])
             await self._send(conn, {"op": "error", "error": "wrong swarm token"})
             return None

@@ -1,7 +1,8 @@
 """The lease table on disk: SQLite in WAL mode inside the data dir.
 
-One row per live lease (the lease as JSON) and a small key/value table for the epoch counter and
-the latest version. Joins, leaves and the counter are written at once, each its own short
+One row per live lease (the lease as JSON), a small key/value table for the epoch counter and
+the latest version, the node id -> key bindings and the credentials issued (``swarm.identity``).
+Joins, leaves and the counter are written at once, each its own short
 transaction; WAL with ``synchronous=NORMAL`` makes that a sequential append. Renewals only move
 a lease's expiry and what the node reports, so they are kept in memory and written together by
 ``flush()``, which the daemon calls every second: one transaction instead of thousands a second
@@ -17,6 +18,7 @@ import sqlite3
 from pathlib import Path
 
 from ..errors import SparrowError
+from ..swarm.identity import Binding
 from ..swarm.leases import Node
 
 __all__ = ["SqliteLeaseStore"]
@@ -24,6 +26,9 @@ __all__ = ["SqliteLeaseStore"]
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (node_id TEXT PRIMARY KEY, lease TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS bindings (node_id TEXT PRIMARY KEY, key BLOB NOT NULL, credential TEXT,
+                                     last_ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS credentials (id TEXT PRIMARY KEY, record TEXT NOT NULL);
 """
 _ORDER = tuple(f.name for f in dataclasses.fields(Node))
 _FIELDS = set(_ORDER)
@@ -87,6 +92,26 @@ class SqliteLeaseStore:
 
     def save_meta(self, key: str, value: int) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, int(value)))
+
+    # Identities: node id -> key bindings and issued credentials, written at once (joins are rare).
+
+    def save_binding(self, b: Binding) -> None:
+        self._db.execute("INSERT OR REPLACE INTO bindings (node_id, key, credential, last_ts) VALUES (?, ?, ?, ?)",
+                         (b.node_id, b.key, b.credential, b.last_ts))
+
+    def load_bindings(self) -> list[Binding]:
+        rows = self._db.execute("SELECT node_id, key, credential, last_ts FROM bindings").fetchall()
+        return [Binding(i, bytes(k), c, float(t)) for i, k, c, t in rows]
+
+    def forget_binding(self, node_id: str) -> None:
+        self._db.execute("DELETE FROM bindings WHERE node_id = ?", (node_id,))
+
+    def save_credential(self, record: dict) -> None:
+        self._db.execute("INSERT OR REPLACE INTO credentials (id, record) VALUES (?, ?)",
+                         (record["id"], json.dumps(record, separators=(",", ":"))))
+
+    def load_credentials(self) -> list[dict]:
+        return [json.loads(r) for (r,) in self._db.execute("SELECT record FROM credentials").fetchall()]
 
     def close(self) -> None:
         self.flush()

@@ -9,6 +9,9 @@ does not end the lease on the node's side: the node keeps trying, and a
 restarted tracker that kept its table accepts the next renewal as if nothing
 happened.
 
+Every message is sealed with the node's key (``swarm.identity.seal``) and
+carries the node's clock, always later than the message before.
+
 Two clients speak to a tracker: :class:`HttpTrackerClient` over the network,
 and :class:`LocalTrackerClient` for the trainer, whose tracker is in-process.
 """
@@ -28,6 +31,7 @@ import aiohttp
 
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
+from ..swarm.identity import NodeKey, Refused, seal
 from ..swarm.leases import DEFAULT_PEER_LIMIT, LeaseGone
 from .bodies import read_limited
 from .logs import event
@@ -54,7 +58,7 @@ class TrackerUnavailable(SparrowError):
 
 
 class Unauthorized(SparrowError):
-    """The tracker refused the swarm token."""
+    """The tracker refused the swarm token or credential, or refused this node's key (403)."""
 
 
 def outgoing(source: str | None, limit: int = 100) -> aiohttp.TCPConnector:
@@ -78,6 +82,9 @@ class HttpTrackerClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
+    def set_token(self, token: str) -> None:
+        self._headers["Authorization"] = bearer(token)
+
     async def _call(self, path: str, msg: dict) -> dict:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout,
@@ -94,7 +101,9 @@ class HttpTrackerClient:
                     return reply
                 reason = _error_text(body)
                 if r.status == 401:
-                    raise Unauthorized(f"tracker {self.url} refused the swarm token")
+                    raise Unauthorized(f"tracker {self.url} refused the swarm token ({reason})")
+                if r.status == 403:
+                    raise Unauthorized(f"tracker {self.url} refused {path.rsplit('/', 1)[-1]}: {reason}")
                 if r.status == 410:
                     raise LeaseGone(reason)
                 if r.status == 400:
@@ -132,13 +141,20 @@ class LocalTrackerClient:
         self.service = service
 
     async def join(self, msg: dict) -> dict:
-        return self.service.join(dict(msg))
+        return self._call(self.service.join, msg)
 
     async def renew(self, msg: dict) -> dict:
-        return self.service.renew(dict(msg))
+        return self._call(self.service.renew, msg)
 
     async def leave(self, msg: dict) -> dict:
-        return self.service.leave(dict(msg))
+        return self._call(self.service.leave, msg)
+
+    @staticmethod
+    def _call(method, msg: dict) -> dict:
+        try:
+            return method(dict(msg))
+        except Refused as e:
+            raise Unauthorized(str(e)) from None
 
     async def close(self) -> None:
         pass
@@ -151,6 +167,7 @@ class LeaseState:
     renew_interval: float = 5.0
     expires_at: float | None = None  # time.monotonic() on this node
     peers: list[dict] = field(default_factory=list)
+    revoked: frozenset[str] = frozenset()  # credential ids the trainer revoked: refused at this node's door
     tracker_reachable: bool = False
     joins: int = 0
 
@@ -166,13 +183,17 @@ class Membership:
         self,
         client,
         me: dict,
+        key: NodeKey,
         *,
         report: Callable[[], dict] | None = None,
         rng: random.Random | None = None,
         on_fatal: Callable[[Exception], None] | None = None,
         on_lease: Callable[[dict], None] | None = None,
     ):
-        self.client, self.me = client, dict(me)
+        self.client, self.me, self.key = client, dict(me), key
+        self._last_ts = 0.0
+        self.members: dict[str, tuple[float, dict]] = {}  # strangers the tracker confirmed (``ask``): (when, entry)
+        self._asking: set[str] = set()
         self.report = report or (lambda: {})
         self.rng = rng or random.Random(
             int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
@@ -191,6 +212,25 @@ class Membership:
         soon instead of at the next interval, so the tracker's view is not a third of a TTL behind.
         Bursts are coalesced into one renewal; an idle node sends no more than before."""
         self._nudged.set()
+
+    def _ts(self) -> float:
+        """The node's clock for a message: never equal to or before the last one sent."""
+        self._last_ts = max(time.time(), self._last_ts + 0.001)
+        return self._last_ts
+
+    def member(self, node_id: str) -> dict | None:
+        """A member's tracker entry (role, region, address, key), if this node has heard of it."""
+        for p in self.state.peers:
+            if p.get("node_id") == node_id:
+                return p
+        at, entry = self.members.get(node_id, (0.0, None))
+        return entry if time.monotonic() - at < self.PEER_REFRESH else None  # then asked again
+
+    def ask(self, node_id: str) -> None:
+        """Ask the tracker about a node that contacted this one, with the next (early) renewal."""
+        if len(self._asking) < 64:
+            self._asking.add(node_id)
+        self.want_peers()
 
     def lease_left(self) -> float | None:
         if self.state.expires_at is None:
@@ -211,6 +251,14 @@ class Membership:
                 self.peers_changed.set()
             s.peers = peers
             self._peers_at = time.monotonic()
+        for m in reply.get("members") or []:
+            if isinstance(m, dict) and isinstance(m.get("node_id"), str):
+                if len(self.members) > 4096:
+                    self.members.clear()
+                self.members[m["node_id"]] = (time.monotonic(), m)
+                self.peers_changed.set()
+        if isinstance(reply.get("revoked"), list):
+            s.revoked = frozenset(i for i in reply["revoked"] if isinstance(i, str))
         s.tracker_reachable = True
         if self._in_outage:
             event(log, logging.INFO, "tracker reachable again", epoch=s.epoch)
@@ -218,7 +266,8 @@ class Membership:
 
     async def _join(self) -> None:
         sent = time.monotonic()
-        reply = await self.client.join(dict(self.me))
+        msg = {**self.me, "key": self.key.public, "ts": self._ts()}
+        reply = await self.client.join(seal(self.key, "join", msg))
         self._take(reply, sent)
         self.state.joins += 1
         self.joined.set()
@@ -241,8 +290,12 @@ class Membership:
     async def _renew(self) -> None:
         sent = time.monotonic()
         want = self._wants_peers()
-        msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, **self.report(), "want_peers": want}
-        self._take(await self.client.renew(msg), sent)
+        asking, self._asking = sorted(self._asking), set()
+        msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, "ts": self._ts(), **self.report(),
+               "want_peers": want}
+        if asking:
+            msg["ask"] = asking
+        self._take(await self.client.renew(seal(self.key, "renew", msg)), sent)
         if want:
             self._peers_wanted = False
 
@@ -293,7 +346,8 @@ class Membership:
             return False
         try:
             async with asyncio.timeout(timeout):
-                await self.client.leave({"node_id": self.me["node_id"], "epoch": self.state.epoch})
+                msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, "ts": self._ts()}
+                await self.client.leave(seal(self.key, "leave", msg))
         except (TimeoutError, SparrowError) as e:
             event(log, logging.WARNING, "could not leave cleanly; the lease will expire", reason=str(e))
             return False

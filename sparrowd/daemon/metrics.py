@@ -12,6 +12,8 @@ from collections import Counter
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sparrowd.swarm.waits import arrival
+
 __all__ = ["DaemonMetrics", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -59,6 +61,22 @@ class DaemonMetrics:
                 b.add_metric([direction, rc], self.bytes[(direction, rc)])
         yield b
 
+        if d.swarm is not None:
+            refused = CounterMetricFamily("sparrowd_peer_refused", "Peer requests refused at this node's door: "
+                                          "unknown (not a member it knows yet), impostor (no valid proof of "
+                                          "the node id it names) or revoked (its credential was)", labels=["reason"])
+            for reason in ("unknown", "impostor", "revoked"):
+                refused.add_metric([reason], d.swarm.refused[reason])
+            yield refused
+            lies = CounterMetricFamily("sparrowd_peer_false_haves", "Chunks peers advertised and then did not serve")
+            lies.add_metric([], d.swarm.lies)
+            yield lies
+            bans = CounterMetricFamily("sparrowd_peers_banned", "Peers banned for the session",
+                                       labels=["reason"])
+            for reason in ("bad-chunk", "false-have"):
+                bans.add_metric([reason], d.swarm.bans[reason])
+            yield bans
+
         v = GaugeMetricFamily("sparrowd_versions_held", "Versions this node holds complete")
         v.add_metric([], len(d.versions_held()))
         yield v
@@ -75,18 +93,24 @@ class DaemonMetrics:
             for (region, role), count in sorted(Counter((n["region"], n["role"]) for n in snap["nodes"]).items()):
                 by_region.add_metric([region, role], count)
             yield by_region
+            tr = CounterMetricFamily("sparrowd_tracker_refused", "Tracker messages refused (joins under another "
+                                     "node's key, forged or replayed renewals, credentials used out of bounds)",
+                                     labels=["op", "reason"])
+            for (op, reason), count in sorted(d.tracker.refused.items()):
+                tr.add_metric([op, reason], count)
+            yield tr
             lv = GaugeMetricFamily("sparrowd_latest_version", "Latest version known to the tracker (-1 if none)")
             lv.add_metric([], -1 if snap["latest_version"] is None else snap["latest_version"])
             yield lv
             latest = snap["latest_version"]
+            # The same population as ``sparrowd wait``: live nodes other than the trainer.
             holding = GaugeMetricFamily("sparrowd_tracker_nodes_holding_latest",
-                                        "Live nodes that hold the latest version (as reported the moment it completes)")
-            holding.add_metric([], sum(1 for n in snap["nodes"] if latest is not None and latest in n["versions"]))
+                                        "Live rollout nodes that hold the latest version (reported as it completes)")
+            holding.add_metric([], 0 if latest is None else len(arrival(snap["nodes"], latest).reached))
             yield holding
             applied = GaugeMetricFamily("sparrowd_tracker_engines_on_latest",
-                                        "Live nodes whose engine has applied the latest version")
-            applied.add_metric([], sum(1 for n in snap["nodes"]
-                                       if latest is not None and n.get("engine_version") == latest))
+                                        "Live rollout nodes whose engine has applied the latest version")
+            applied.add_metric([], 0 if latest is None else len(arrival(snap["nodes"], latest, applied=True).reached))
             yield applied
 
         req = CounterMetricFamily("sparrowd_http_requests", "HTTP requests served", labels=["endpoint", "status"])

@@ -23,11 +23,19 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   writes in pieces: one copy through user space per chunk served.
 * The trainer publishes through ``/v1/publish/...``: each chunk is signed
   into an announcement as it arrives, so chunks move before the manifest.
+* Peers are members the tracker vouches for: a request names its node
+  (``X-Sparrowd-Node``) and carries a proof made with that node's key for this
+  receiver (``X-Sparrowd-Proof``, ``swarm.identity``). A node serves only
+  members whose tracker entry it holds (it asks the tracker about a stranger
+  and answers 503 meanwhile) and whose proof matches the key in that entry; the
+  region a peer is treated as in is the tracker's, not what it says. A peer
+  that advertises a chunk it then does not serve is banned for the session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,6 +51,7 @@ from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, 
 from ..swarm.bucket import TokenBucket
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
+from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
@@ -60,7 +69,8 @@ log = logging.getLogger("sparrowd.swarm")
 MSGPACK = "application/msgpack"
 MAX_CHUNK = 64 << 20
 MAX_EXCHANGE = 16 << 20
-NODE_HEADER, REGION_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region"
+NODE_HEADER, REGION_HEADER, PROOF_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region", "X-Sparrowd-Proof"
+QUICK_REPLIES = 5  # early exchange replies in a row with nothing new: then the long poll to that peer is paced
 EXCHANGE_WAIT = 5.0
 PIECE = 256 << 10
 MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
@@ -100,6 +110,11 @@ class PeerState:
     push_again: bool = False
     strikes: int = 0  # requests that timed out or failed in a row
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
+    lied: set[tuple[Key, int]] = field(default_factory=set)  # advertised, then answered "not held"
+    quick: int = 0  # exchange replies in a row that came back early with nothing new
+    stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
+    delivered: bool = False  # it has served this node a chunk
+    proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
 
 @dataclass
@@ -112,6 +127,12 @@ class Remote:
     last_seen: float = 0.0
     rate_to: Rate = field(default_factory=Rate)
     uploads: int = 0
+
+
+def _view(ps: PeerState) -> tuple:
+    """What an exchange reply can tell about a peer: a reply that changes none of it was empty."""
+    return ({k: frozenset(v) for k, v in ps.have.items()}, {k: frozenset(v) for k, v in ps.fetching.items()},
+            ps.choking)
 
 
 class Swarm:
@@ -134,6 +155,11 @@ class Swarm:
         self.remotes: dict[str, Remote] = {}
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
         self.banned: set[str] = set()
+        self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
+        self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
+        self.lies = 0  # chunks peers advertised and did not serve
+        self._proofs_ok: dict[tuple[str, str], float] = {}  # (node, proof) -> checked at
+        self._refusal_logged: dict[str, float] = {}
         self.gen = 0
         self._changed = asyncio.Event()
         self._waiters = asyncio.Condition()
@@ -183,6 +209,20 @@ class Swarm:
         if self.signer is None:
             self._tasks.append(asyncio.create_task(self._peer_manager(), name="peers"))
             self._tasks.append(asyncio.create_task(self._scheduler(), name="scheduler"))
+
+    def set_token(self, token: str) -> None:
+        """A reloaded token file: requests from now on present its first line."""
+        if self._session is not None:
+            self._session.headers["Authorization"] = f"Bearer {token}"
+
+    def _proof_for(self, ps: PeerState) -> dict:
+        """The header that proves to ``ps`` that this request comes from this node."""
+        now = time.time()
+        made, proof = ps.proof
+        if now - made > PROOF_TTL / 2:
+            proof = make_proof(self.daemon.key, self.daemon.node_id, ps.node_id, now)
+            ps.proof = (now, proof)
+        return {PROOF_HEADER: proof}
 
     async def stop(self) -> None:
         # Peers' long polls end now, answered, instead of holding the shutdown for their wait.
@@ -375,25 +415,60 @@ class Swarm:
             ss.forget(node_id)
         self.remotes.pop(node_id, None)
 
-    def _remote(self, request: web.Request) -> Remote:
-        node = request.headers.get(NODE_HEADER, "")[:64] or f"anon@{request.remote}"
-        region = request.headers.get(REGION_HEADER, "")[:64] or "?"
+    def _admit(self, request: web.Request) -> Remote | web.Response:
+        """The peer a request comes from, if the tracker vouches for it and its proof holds;
+        otherwise the refusal to send (counted, and logged at most every few seconds per reason)."""
+        node = request.headers.get(NODE_HEADER, "")[:64]
+        entry = self.daemon.member(node) if node else None
+        if entry is None:
+            if node:
+                self._discover(node)
+            return self._refuse(request, node, "unknown", 503,
+                                "not a member this node knows yet; it asked the tracker (try again)")
+        m = self.daemon.membership
+        if entry.get("credential") and m is not None and entry["credential"] in m.state.revoked:
+            return self._refuse(request, node, "revoked", 401, f"node {node!r} joined with a revoked credential")
+        key = entry.get("key")
+        if isinstance(key, bytes) and key and not self._proof_ok(node, key, request.headers.get(PROOF_HEADER, "")):
+            return self._refuse(request, node, "impostor", 403, f"no valid proof of being node {node!r}")
         r = self.remotes.get(node)
         if r is None:
-            r = self.remotes[node] = Remote(node, region)
-            if node not in self.peers:
-                self._discover()
+            r = self.remotes[node] = Remote(node, str(entry.get("region", "?")))
         r.last_seen = time.monotonic()
         return r
 
-    def _discover(self) -> None:
-        """A node this one does not know asked for something: it joined after this node's last
-        renewal. Renew now for a fresh peer list (the tracker's, not what the stranger says about
-        itself), at most once a second, so that a swarm just formed relays at once instead of
-        after a third of a TTL."""
+    def _proof_ok(self, node: str, key: bytes, proof: str) -> bool:
+        now = time.time()
+        checked = self._proofs_ok.get((node, proof))
+        if checked is not None and now - checked < PROOF_TTL:
+            return True
+        if not check_proof(proof[:200], key, node, self.daemon.node_id, now):
+            return False
+        if len(self._proofs_ok) > 8192:
+            self._proofs_ok.clear()
+        self._proofs_ok[(node, proof)] = now
+        return True
+
+    def _refuse(self, request: web.Request, node: str, reason: str, status: int, text: str) -> web.Response:
+        self.refused[reason] += 1
         now = time.monotonic()
+        if reason != "unknown" and now - self._refusal_logged.get(reason, -1e9) >= 10.0:
+            self._refusal_logged[reason] = now
+            event(log, logging.WARNING, "refused a peer request", reason=reason, node=node or "?",
+                  remote=request.remote or "?", path=request.path[:100])
+        return web.json_response({"error": text}, status=status, headers={"Retry-After": "1"})
+
+    def _discover(self, node: str) -> None:
+        """A node this one does not know asked for something: it joined after this node's last
+        renewal, or is not in this node's sample of a large swarm. Ask the tracker about it (and
+        for a fresh peer list) with a renewal now, at most once a second: the tracker's word, not
+        what the stranger says about itself, so a swarm just formed relays at once."""
         m = self.daemon.membership
-        if m is not None and now - self._discovered_at >= DISCOVERY_EVERY:
+        if m is None or self.signer is not None:
+            return
+        m.ask(node)
+        now = time.monotonic()
+        if now - self._discovered_at >= DISCOVERY_EVERY:
             self._discovered_at = now
             m.want_peers()
 
@@ -427,7 +502,9 @@ class Swarm:
                 theirs[Key(e["version"], bool(e.get("anchor")))] = (e["statements"], from_bitmap(e["have"]))
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
-        remote = self._remote(request)
+        remote = self._admit(request)
+        if isinstance(remote, web.Response):
+            return remote
         new_have = {v: h for v, (_, h) in theirs.items()}
         if new_have != remote.have:
             remote.have = new_have
@@ -450,7 +527,9 @@ class Swarm:
         return len([r for r in self.remotes.values() if time.monotonic() - r.last_seen < 30]) > self.choker.slots
 
     async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
-        remote = self._remote(request)
+        remote = self._admit(request)
+        if isinstance(remote, web.Response):
+            return remote
         try:
             key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
         except ValueError:
@@ -464,7 +543,7 @@ class Swarm:
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
         if key in self.superseed:
-            self.superseed[key].claim(i)
+            self.superseed[key].claim(i, remote.node_id)
         path = self.store.chunk_path(key, i)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
@@ -561,7 +640,7 @@ class Swarm:
         msg = {"node_id": self.daemon.node_id, "region": self.daemon.settings.region, "after": ps.gen,
                "wait": int(wait), "versions": self._my_versions()}
         async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
-                                      headers={"Content-Type": MSGPACK},
+                                      headers={"Content-Type": MSGPACK, **self._proof_for(ps)},
                                       timeout=aiohttp.ClientTimeout(total=wait + 10)) as r:
             body = await read_limited(r.content, MAX_EXCHANGE)
             if body is None:
@@ -575,8 +654,15 @@ class Swarm:
         backoff = 0.5
         while True:
             try:
+                t0, before = time.monotonic(), _view(ps)
                 await self._exchange(ps, EXCHANGE_WAIT)
                 backoff = 0.5
+                # An honest peer holds the poll until something changed; one that answers early
+                # with nothing new, again and again, would keep this node busy: pace it.
+                early = time.monotonic() - t0 < EXCHANGE_WAIT / 2
+                ps.quick = ps.quick + 1 if early and _view(ps) == before else 0
+                if ps.quick >= QUICK_REPLIES:
+                    await asyncio.sleep(min(1.0, 0.1 * (ps.quick - QUICK_REPLIES + 1)))
             except asyncio.CancelledError:
                 raise
             except IntegrityError as e:
@@ -648,10 +734,20 @@ class Swarm:
             self.trainer_heard = True  # the trainer lists everything it retains
         self._changed.set()
 
-    def _ban(self, ps: PeerState, reason: str) -> None:
+    def _lied(self, ps: PeerState, key: Key, index: int) -> None:
+        """A peer answered "not held" for a chunk it advertised: banned for the session, as for a bad
+        chunk. Its claims would otherwise keep the region waiting for it rather than fetching
+        elsewhere. (An honest peer that retired the version between its have-map and the request
+        would be caught too; it retires only versions older than what its peers still fetch.)"""
+        self.lies += 1
+        ps.lied.add((key, index))
+        self._ban(ps, f"advertised chunk {index} of {key} and did not serve it", kind="false-have")
+
+    def _ban(self, ps: PeerState, reason: str, kind: str = "bad-chunk") -> None:
         if ps.node_id in self.banned:
             return
         self.banned.add(ps.node_id)
+        self.bans[kind] += 1
         event(log, logging.WARNING, "peer banned for the session", peer=ps.node_id, reason=reason)
         if ps.task and ps.task is not asyncio.current_task():
             ps.task.cancel()
@@ -673,8 +769,16 @@ class Swarm:
         if now < self.store_paused_until:
             return
         my_region = self.daemon.settings.region
-        region_nodes = [self.daemon.node_id] + [p.node_id for p in self.peers.values()
-                                                 if p.region == my_region and p.role != "trainer"]
+        # Who shares the region's cross-region fetches (the picker's rendezvous designation): the
+        # region's peers that have delivered chunks to this node, once any has; before that (a swarm
+        # just formed) all of them. A member that joined and never delivers, one caught advertising
+        # chunks it does not serve, or one designated before that did not bring its share across is
+        # left out: each would hold the region back by cross_wait.
+        local = [p for p in self.peers.values() if p.region == my_region and p.role != "trainer"
+                 and not p.lied and not p.stalled]
+        region_nodes = [self.daemon.node_id] + [p.node_id for p in (
+            [p for p in local if p.delivered] if any(p.delivered for p in self.peers.values()
+                                                     if p.region == my_region and p.role != "trainer") else local)]
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -692,6 +796,12 @@ class Swarm:
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             since = {i: self.available_since.get((k, i), now) for i in missing}
+            for pid in self.picker.stalled(now, version=k.tag, missing=missing, peers=views,
+                                           region_nodes=region_nodes, available_since=since):
+                if (ps := self.peers.get(pid)) is not None and not ps.stalled:
+                    ps.stalled = True
+                    event(log, logging.INFO, "peer did not bring its share of chunks across; others will",
+                          peer=pid, object=str(k))
             for req in self.picker.pick(now, version=k.tag, missing=missing, inflight=inflight, peers=views,
                                         region_nodes=region_nodes, available_since=since):
                 ps = self.peers.get(req.peer_id)
@@ -708,9 +818,12 @@ class Swarm:
         try:
             timeout = aiohttp.ClientTimeout(total=5.0 + ref.size / MIN_RATE)
             async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
-                                         timeout=timeout) as r:
+                                         timeout=timeout, headers=self._proof_for(ps)) as r:
                 if r.status == 503:
                     ps.choking = True
+                    return
+                if r.status == 404:
+                    self._lied(ps, vs.key, index)
                     return
                 if r.status != 200:
                     return
@@ -741,6 +854,8 @@ class Swarm:
             vs.have.add(index)
             self.store_failures = 0
             ps.strikes = 0
+            ps.stalled = False
+            ps.delivered = True
             self.error = None
             event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)

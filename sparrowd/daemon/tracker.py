@@ -1,8 +1,11 @@
 """The tracker service: the lease table behind checked messages.
 
-Each method takes a decoded message (a dict from msgpack), checks it against
-its schema, calls the pure :class:`LeaseTable` with the current time and
-returns the reply as a dict. The HTTP handlers and the trainer's own
+Each method takes a sealed message (``swarm.identity.seal``: the message and
+the node key's signature), checks the signature, the message's time and its
+schema, asks the pure :class:`Identities` whether that key may speak for that
+node id, calls the pure :class:`LeaseTable` with the current time and returns
+the reply as a dict. A message that is well-formed but not allowed raises
+:class:`Refused`, is logged and counted (``refused``). The HTTP handlers and the trainer's own
 membership (which talks to its tracker in-process) both go through here, so
 the same checks guard both paths.
 """
@@ -12,21 +15,27 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 
-from ..errors import FormatError
-from ..schema import Bool, Int, List, Map, NonNegInt, Opt, Str, fields
-from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, renew_interval
+from ..errors import FormatError, InputError
+from ..schema import Bool, Bytes, Int, List, Map, NonNegInt, Num, Opt, Str, fields
+from ..swarm.identity import Credential, CredentialBook, Identities, Refused, open_sealed
+from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, check_name, renew_interval
 from .logs import event
 
-__all__ = ["TrackerService", "JOIN", "RENEW", "LEAVE"]
+__all__ = ["TrackerService", "JOIN", "RENEW", "LEAVE", "MAX_MESSAGE"]
 
 log = logging.getLogger("sparrowd.tracker")
 
-JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str}
+MAX_MESSAGE = 256 << 10
+MAX_ASK = 64  # node ids one renewal may ask the tracker about (strangers that contacted the node)
+MAX_REVOKED_LISTED = 10_000
+JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str, "key": Bytes, "ts": Num}
 RENEW = {
     "node_id": Str,
     "epoch": NonNegInt,
+    "ts": Num,
     "versions": Opt(List),
     "engine_version": Opt(Int),
     "bytes_up": Opt(NonNegInt),
@@ -38,13 +47,10 @@ RENEW = {
     "peers": Opt(NonNegInt),
     "current": Opt(Map),
     "want_peers": Opt(Bool),  # false: leave the peer list out of the reply (absent: put it in)
+    "ask": Opt(List),  # node ids the reply should say are members or not (``members``)
 }
 FOLDER_STATES = ("empty", "building", "updating", "ready", "error")
-LEAVE = {"node_id": Str, "epoch": NonNegInt}
-
-
-def _peer(n: Node) -> dict:
-    return {"node_id": n.node_id, "role": n.role, "region": n.region, "address": n.address}
+LEAVE = {"node_id": Str, "epoch": NonNegInt, "ts": Num}
 
 
 class TrackerService:
@@ -57,26 +63,41 @@ class TrackerService:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         trainer_key: bytes = b"",
+        identities: Identities | None = None,
+        credentials: CredentialBook | None = None,
+        sign: Callable[[bytes], bytes] | None = None,
     ):
         self.table, self.tracker_id, self.peer_limit = table, tracker_id, peer_limit
         self.trainer_key = trainer_key
+        self.identities = identities if identities is not None else Identities()
+        self.credentials = credentials if credentials is not None else CredentialBook()
+        self._sign = sign
         self.clock = clock
         self.rng = rng or random.Random()
         self.on_change: Callable[[], None] | None = None  # the table changed: waiters look again
         self._wires: dict[tuple[str, int], dict] = {}
+        self.refused: Counter = Counter()  # (operation, reason): messages refused, for metrics
+
+    def _refuse(self, op: str, e: Refused, node_id: str, **fields_) -> None:
+        self.refused[(op, e.reason)] += 1
+        event(log, logging.WARNING, f"{op} refused", node_id=node_id[:64], reason=e.reason, detail=str(e),
+              **fields_)
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
 
-    def _wire(self, n: Node) -> dict:
+    def entry(self, n: Node) -> dict:
         """A peer's entry in peer lists; it does not change within a lease (epoch), so it is built once."""
         key = (n.node_id, n.epoch)
         w = self._wires.get(key)
         if w is None:
             if len(self._wires) > 4 * len(self.table) + 1024:
                 self._wires.clear()  # entries of leases long gone
-            w = self._wires[key] = _peer(n)
+            b = self.identities.get(n.node_id)
+            w = self._wires[key] = {"node_id": n.node_id, "role": n.role, "region": n.region,
+                                    "address": n.address, "key": b.key if b is not None else b"",
+                                    "credential": b.credential if b is not None else None}
         return w
 
     def _lease_reply(self, node: Node, now: float, *, peers: bool = True) -> dict:
@@ -89,22 +110,48 @@ class TrackerService:
             "tracker_id": self.tracker_id,
             "trainer_key": self.trainer_key,
             "latest_version": self.table.latest_version,
+            "revoked": self.credentials.revoked(now)[:MAX_REVOKED_LISTED],
         }
         if peers:  # most of a reply's bytes and of a renewal's work in a large swarm
             listed = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
-            reply["peers"] = [self._wire(p) for p in listed]
+            reply["peers"] = [self.entry(p) for p in listed]
         return reply
 
-    def join(self, msg) -> dict:
+    def join(self, sealed, *, credential: Credential | None = None) -> dict:
+        """``credential``: what the request authenticated with, if not the shared swarm token."""
+        msg, body, sig = open_sealed(sealed, "join", max_len=MAX_MESSAGE)
         m = fields(msg, JOIN, what="join")
         now = self.clock()
+        try:
+            self.identities.check_join_signature(m["key"], body, sig)
+            check_name("node id", m["node_id"])
+            if credential is not None:
+                credential.check(now, self.credentials)
+            binding = self.identities.check_join(m["node_id"], m["role"], m["region"], m["key"], float(m["ts"]),
+                                                 now, credential)
+        except Refused as e:
+            self._refuse("join", e, m["node_id"], region=m["region"], address=m["address"][:100])
+            raise
         node = self.table.join(m["node_id"], m["role"], m["region"], m["address"], now)
+        self.identities.bind(binding)
         event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
-              address=node.address, epoch=node.epoch)
+              address=node.address, epoch=node.epoch, credential=binding.credential)
         self._changed()
         return self._lease_reply(node, now)
 
-    def renew(self, msg) -> dict:
+    def _check(self, op: str, body: bytes, sig: bytes, m: dict, now: float) -> None:
+        """A renewal or leave: from the key bound to the node id, newer than the last one."""
+        b = self.identities.get(m["node_id"])
+        if b is None:  # no key bound: no lease was ever granted under this id (or it was released)
+            raise LeaseGone(f"node {m['node_id']!r} holds no lease")
+        try:
+            self.identities.check_signature(m["node_id"], b.key, op, body, sig, float(m["ts"]), now)
+        except Refused as e:
+            self._refuse(op, e, m["node_id"])
+            raise
+
+    def renew(self, sealed, *, credential: Credential | None = None) -> dict:
+        msg, body, sig = open_sealed(sealed, "renew", max_len=MAX_MESSAGE)
         m = fields(msg, RENEW, what="renew")
         versions = m["versions"]
         if versions is not None and (
@@ -121,9 +168,14 @@ class TrackerService:
             if current["state"] not in FOLDER_STATES:
                 raise FormatError(f"renew: field 'current' state must be one of {', '.join(FOLDER_STATES)}")
             current = {"state": current["state"], "version": current["version"]}
+        ask = m["ask"]
+        if ask is not None and (len(ask) > MAX_ASK or not all(isinstance(i, str) and len(i) <= 64 for i in ask)):
+            raise FormatError(f"renew: field 'ask' must be at most {MAX_ASK} node ids")
+        now = self.clock()
+        self._check("renew", body, sig, m, now)
         try:
             node = self.table.renew(
-                m["node_id"], m["epoch"], self.clock(), versions=versions, engine_version=m["engine_version"],
+                m["node_id"], m["epoch"], now, versions=versions, engine_version=m["engine_version"],
                 bytes_up=m["bytes_up"], bytes_down=m["bytes_down"], bytes_up_wan=m["bytes_up_wan"],
                 bytes_down_wan=m["bytes_down_wan"], progress=progress, error=m["error"],
                 peers=m.get("peers"), current=current,
@@ -132,14 +184,63 @@ class TrackerService:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))
             raise
         self._changed()
-        return self._lease_reply(node, self.clock(), peers=m.get("want_peers") is not False)
+        reply = self._lease_reply(node, now, peers=m.get("want_peers") is not False)
+        if ask:
+            reply["members"] = [self.entry(n) for i in ask[:MAX_ASK] if (n := self.table.get(i, now)) is not None]
+        return reply
 
-    def leave(self, msg) -> dict:
+    def leave(self, sealed, *, credential: Credential | None = None) -> dict:
+        msg, body, sig = open_sealed(sealed, "leave", max_len=MAX_MESSAGE)
         m = fields(msg, LEAVE, what="leave")
-        node = self.table.leave(m["node_id"], m["epoch"], self.clock())
+        now = self.clock()
+        self._check("leave", body, sig, m, now)
+        node = self.table.leave(m["node_id"], m["epoch"], now)
         event(log, logging.INFO, "node left", node_id=node.node_id, region=node.region, epoch=node.epoch)
         self._changed()
         return {}
+
+    # ------------------------------------------------------------ credentials (the operator, on the trainer)
+
+    def issue(self, *, role: str = "rollout", region: str | None = None, node: str | None = None,
+              lifetime: float | None = None) -> tuple[dict, str]:
+        """A new join credential: its record and its text (shown once, never kept)."""
+        if self._sign is None:
+            raise InputError("only the trainer's daemon issues credentials")
+        if role not in ("rollout", "relay"):
+            raise InputError(f"a credential's role is rollout or relay, not {role!r}")
+        if region is not None:
+            check_name("region", region)
+        if node is not None:
+            check_name("node id", node)
+        c, text = Credential.issue(self._sign, role=role, region=region, node=node, now=self.clock(),
+                                   lifetime=lifetime)
+        record = self.credentials.add(c)
+        event(log, logging.INFO, "credential issued", id=c.id, role=role, region=region, node=node,
+              expires=c.expires)
+        return record, text
+
+    def revoke(self, credential_id: str) -> tuple[dict, Node | None]:
+        """Revoke a credential; the lease of the node that joined with it ends now (returned)."""
+        now = self.clock()
+        record = self.credentials.revoke(credential_id, now)
+        node_id = self.identities.node_of(credential_id)
+        node = self.table.get(node_id, now) if node_id is not None else None
+        if node is not None:
+            self.table.leave(node.node_id, node.epoch, now)
+        event(log, logging.WARNING, "credential revoked", id=credential_id, node_id=node_id,
+              lease_ended=node is not None)
+        self._changed()
+        return record, node
+
+    def credential_list(self) -> list[dict]:
+        now = self.clock()
+        out = []
+        for r in self.credentials.records():
+            node_id = self.identities.node_of(r["id"])
+            live = self.table.get(node_id, now) if node_id is not None else None
+            out.append({**r, "node_id": node_id, "live": live is not None,
+                        "expired": r["expires"] is not None and r["expires"] <= now})
+        return out
 
     def sweep(self) -> list[Node]:
         gone = self.table.expire(self.clock())

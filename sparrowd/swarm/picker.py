@@ -20,7 +20,8 @@ is slow, or dead), anyone may fetch it across.
 
 Requests per peer are capped by ``PeerView.slots``, which the driver sizes
 from the peer's measured rate (several streams to a fast peer, one to a slow
-one).
+one). A node designated for a chunk that did not bring it across in time is
+reported by :meth:`Picker.stalled`, and left out of the designation from then on.
 """
 
 from __future__ import annotations
@@ -92,6 +93,33 @@ class Picker:
             window = by_rarity[s : s + w]
             self.rng.shuffle(window)
             out += window
+        return out
+
+    def stalled(
+        self,
+        now: float,
+        *,
+        version: int | str,
+        missing: Iterable[int],
+        peers: list[PeerView],
+        region_nodes: Iterable[str],
+        available_since: Mapping[int, float],
+    ) -> set[str]:
+        """Region nodes that were designated to bring a chunk across and have not: the chunk has been
+        available outside for ``cross_wait`` and no node of the region has it or is fetching it. The
+        driver leaves them out of ``region_nodes`` until they deliver something (a dead or slow node,
+        or a member that takes its share and never fetches, costs ``cross_wait`` once, not per chunk)."""
+        nodes = sorted(set(region_nodes) | {self.me})
+        local = [p for p in peers if p.region == self.region]
+        out = set()
+        for c in missing:
+            if now - available_since.get(c, now) < self.cross_wait:
+                continue
+            if any(c in p.have or c in p.fetching for p in local):
+                continue
+            d = designated(version, c, nodes)
+            if d != self.me:
+                out.add(d)
         return out
 
     def pick(

@@ -19,7 +19,6 @@ complete when it arrives) for a patch; ``anchor-announce`` and
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ..checkpoint import atomic_file
-from ..errors import FormatError, IntegrityError, SparrowError
+from ..errors import FormatError, IntegrityError
 from ..schema import Bytes, NonNegInt, Str, fields, pack, unpack
+from .identity import load_or_create_private_key
 
 __all__ = ["Signer", "Verifier", "Signed", "ANNOUNCE", "MANIFEST", "ANCHOR_ANNOUNCE", "ANCHOR_MANIFEST",
            "announce_kind", "manifest_kind", "load_or_create_key", "pin_public_key"]
@@ -92,6 +92,10 @@ class Signer:
             raise ValueError(f"unknown kind {kind!r}")
         return Signed(kind, version, body, self._key.sign(_message(kind, version, body)))
 
+    def sign_bytes(self, message: bytes) -> bytes:
+        """A raw signature, for messages that carry their own domain tag (credentials)."""
+        return self._key.sign(message)
+
 
 class Verifier:
     def __init__(self, public: bytes):
@@ -110,22 +114,7 @@ class Verifier:
 
 def load_or_create_key(path: Path) -> Signer:
     """The trainer's key: read it, or make one (0600) on first start."""
-    path = Path(path)
-    if path.exists():
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (ValueError, TypeError, OSError) as e:
-            raise SparrowError(f"trainer key {path}: cannot be read ({e})") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise SparrowError(f"trainer key {path}: not an Ed25519 key")
-        return Signer(key)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    with atomic_file(path, private=True) as tmp, open(tmp, "wb") as f:  # 0600 from creation on
-        f.write(pem)
-        f.flush()
-        os.fsync(f.fileno())
-    return Signer(key)
+    return Signer(load_or_create_private_key(path, "trainer key"))
 
 
 def pin_public_key(path: Path, offered: bytes) -> Verifier:

@@ -9,6 +9,13 @@ themselves. A chunk is given out again only if no peer is known to hold it
 and its peer left the swarm or was choked (``forget``), or its peer did not
 even ask for it within ``claim_within`` seconds, or ``regive_after``
 seconds after it was last given (its peer stalls mid-transfer).
+
+Assignments go to peers that have fetched from the trainer before (once any
+has: a swarm just formed trusts everyone). A peer that let an assignment lapse
+unclaimed gets none for ``regive_after`` seconds (it fetches from its peers
+meanwhile). So a member that joins and never fetches gets nothing to hold
+back, and one that takes chunks and drops them (stalled, or hostile) costs
+``claim_within`` at most once per ``regive_after``, not once per version.
 Pure: ``offer(now, peer, holds, held_by)`` returns what to show that peer.
 """
 
@@ -31,19 +38,27 @@ class SuperSeed:
     given_at: dict[int, float] = field(default_factory=dict)
     assigned: dict[str, set[int]] = field(default_factory=dict)
     claimed: set[int] = field(default_factory=set)
+    owner: dict[int, str] = field(default_factory=dict)  # who a chunk was last given to
+    lapsed: dict[str, float] = field(default_factory=dict)  # peer -> when it let an assignment lapse
+    proven: set[str] = field(default_factory=set)  # peers that have fetched a chunk they were given
 
     def grow(self, chunks: int) -> None:
         """More chunks were announced (a version still being extracted)."""
         self.chunks = max(self.chunks, chunks)
 
-    def claim(self, index: int) -> None:
-        """Someone asked for chunk ``index``: its assignment is being used."""
+    def claim(self, index: int, peer: str | None = None) -> None:
+        """``peer`` asked for chunk ``index``: its assignment is being used (and the peer works)."""
         self.claimed.add(index)
+        if peer is not None:
+            self.lapsed.pop(peer, None)
+            self.proven.add(peer)
 
     def forget(self, peer: str, *, unclaimed_only: bool = False) -> None:
         """``peer`` left (or was choked: ``unclaimed_only``, since a transfer it started goes on):
         what it was given and does not hold may be given to another at once."""
         keep = set()
+        if not unclaimed_only:
+            self.proven.discard(peer)
         for c in self.assigned.pop(peer, ()):
             if unclaimed_only and c in self.claimed:
                 keep.add(c)
@@ -57,14 +72,21 @@ class SuperSeed:
         pending = {c for c in self.assigned.get(peer, ()) if c not in holds}
         want = self.per_peer - len(pending)
         if want > 0:
-            fresh = [c for c in range(self.chunks) if c not in self.given_at and c not in holds]
             lost = [c for c, t in self.given_at.items()
                     if c not in holds and c not in pending and not held_by.get(c)
                     and (now - t >= self.regive_after or (c not in self.claimed and now - t >= self.claim_within))]
+            for c in lost:
+                if c not in self.claimed and self.owner.get(c) not in (None, peer):
+                    self.lapsed[self.owner[c]] = now
+            if now - self.lapsed.get(peer, float("-inf")) < self.regive_after or (
+                    self.proven and peer not in self.proven):
+                want = 0
+            fresh = [c for c in range(self.chunks) if c not in self.given_at and c not in holds]
             self.rng.shuffle(fresh)
             for c in (fresh + sorted(lost, key=self.given_at.get))[:want]:
                 pending.add(c)
                 self.given_at[c] = now
+                self.owner[c] = peer
                 self.claimed.discard(c)
         self.assigned[peer] = pending
         return set(pending)

@@ -11,9 +11,11 @@ import time
 import msgpack
 import pytest
 
+from sparrowd.swarm.identity import seal
 from tests.conftest import TTL
 from tests.daemon.harness import Daemon, free_port, get, make_token, status, wait_for
 from tests.helpers import sparrowd
+from tests.members import new_key
 
 pytestmark = pytest.mark.slow
 
@@ -112,13 +114,22 @@ def test_malformed_messages_get_clear_errors_and_harm_nothing(cluster):
     cluster.trainer()
     url = f"{cluster.tracker}/v1/tracker/join"
     mp = {"Content-Type": "application/msgpack"}
+    k = new_key()
+    base = {"node_id": "a", "role": "rollout", "region": "eu", "address": "h:1", "key": k.public, "ts": time.time()}
+
+    def sealed(op, msg):
+        return msgpack.packb(seal(k, op, msg))
+
     cases = [
         (b"\xc1\xff\x00", mp, 400, "not valid msgpack"),
         (msgpack.packb([1, 2]), mp, 400, "expected a map"),
-        (msgpack.packb({"node_id": "a", "role": "rollout", "region": "eu"}), mp, 400, "missing field 'address'"),
-        (msgpack.packb({"node_id": 7, "role": "rollout", "region": "eu", "address": "h:1"}), mp, 400,
-         "'node_id' must be a string"),
-        (msgpack.packb({"node_id": "a", "role": "king", "region": "eu", "address": "h:1"}), mp, 400, "role"),
+        (msgpack.packb({"msg": b"x"}), mp, 400, "missing field 'sig'"),
+        (sealed("join", [1, 2]), mp, 400, "must be a map"),
+        (sealed("join", {k: v for k, v in base.items() if k != "address"}), mp, 400, "missing field 'address'"),
+        (sealed("join", {**base, "node_id": 7}), mp, 400, "'node_id' must be a string"),
+        (sealed("join", {**base, "role": "king"}), mp, 400, "role"),
+        (sealed("join", {**base, "key": new_key().public}), mp, 403, "not signed by the key it carries"),
+        (sealed("renew", base), mp, 403, "not signed by the key it carries"),  # signed as another operation
         (b"{}", {"Content-Type": "application/json"}, 415, "application/msgpack"),
     ]
     for data, headers, code, text in cases:
@@ -127,10 +138,10 @@ def test_malformed_messages_get_clear_errors_and_harm_nothing(cluster):
     for size in (300 << 10, 2 << 20):  # over the tracker's limit, and over the daemon's
         got, body = get(url, cluster.token, method="POST", data=b"\x00" * size, headers=mp)
         assert got == 413, body
-    renew = msgpack.packb({"node_id": "trainer", "epoch": 1, "versions": ["x"]})
+    renew = sealed("renew", {"node_id": "trainer", "epoch": 1, "ts": time.time(), "versions": ["x"]})
     got, body = get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", data=renew, headers=mp)
     assert got == 400 and "versions" in json.loads(body)["error"]
-    gone = msgpack.packb({"node_id": "ghost", "epoch": 1})
+    gone = sealed("renew", {"node_id": "ghost", "epoch": 1, "ts": time.time()})
     got, body = get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", data=gone, headers=mp)
     assert got == 410 and "no lease" in json.loads(body)["error"]
     assert cluster.nodes() == {"trainer"}

@@ -3,11 +3,14 @@
 import asyncio
 import time
 
+import msgpack
 import pytest
 
 from sparrowd.daemon.membership import LocalTrackerClient, Membership, TrackerUnavailable, Unauthorized
 from sparrowd.daemon.tracker import TrackerService
 from sparrowd.swarm.leases import LeaseTable
+from tests import members
+from tests.members import new_key
 
 TTL = 0.6
 
@@ -41,7 +44,7 @@ def me(node_id="a"):
 async def test_renews_about_every_third_of_the_ttl_and_rejoins_when_the_lease_is_gone():
     service = TrackerService(LeaseTable(TTL, now=time.time()), tracker_id="t", peer_limit=8)
     calls = []
-    m = Membership(FlakyClient(service, calls), me(), report=lambda: {"versions": [4], "bytes_up": 10})
+    m = Membership(FlakyClient(service, calls), me(), new_key(), report=lambda: {"versions": [4], "bytes_up": 10})
     task = asyncio.create_task(m.run())
     try:
         await asyncio.wait_for(m.joined.wait(), 2)
@@ -80,7 +83,7 @@ async def test_join_backs_off_while_the_tracker_is_down_and_a_refused_token_is_f
     calls = []
     client = FlakyClient(service, calls)
     client.down = True
-    m = Membership(client, me())
+    m = Membership(client, me(), new_key())
     task = asyncio.create_task(m.run())
     await asyncio.sleep(2.0)
     joins = [t for name, t in calls if name == "join"]
@@ -95,7 +98,7 @@ async def test_join_backs_off_while_the_tracker_is_down_and_a_refused_token_is_f
             raise Unauthorized("tracker refused the swarm token")
 
     fatal = []
-    m2 = Membership(Refusing(service), me("b"), on_fatal=fatal.append)
+    m2 = Membership(Refusing(service), me("b"), new_key(), on_fatal=fatal.append)
     await asyncio.wait_for(m2.run(), 2)  # returns instead of retrying forever
     assert len(fatal) == 1 and "refused" in str(fatal[0])
 
@@ -106,15 +109,15 @@ async def test_a_full_peer_list_is_asked_for_only_when_due_or_wanted():
     tracker's work) unless the list is due, short, or a stranger made the node want a fresh one."""
     service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
     for i in range(40):
-        service.join({"node_id": f"n{i}", "role": "rollout", "region": "eu", "address": f"127.0.0.1:{i + 2}"})
+        service.join(members.join(new_key(), f"n{i}", address=f"127.0.0.1:{i + 2}"))
     sent = []
 
     class Recording(LocalTrackerClient):
         async def renew(self, msg):
-            sent.append(msg.get("want_peers"))
+            sent.append(msgpack.unpackb(msg["msg"]).get("want_peers"))  # what the sealed message says
             return await super().renew(msg)
 
-    m = Membership(Recording(service), me(), report=dict)
+    m = Membership(Recording(service), me(), new_key(), report=dict)
     await m._join()
     listed = m.state.peers
     assert len(listed) == 32 and m.peers_changed.is_set()  # the join brought the first list
@@ -131,10 +134,10 @@ async def test_a_full_peer_list_is_asked_for_only_when_due_or_wanted():
     assert sent[-1] is True
     # Without the field the tracker answers as it always did (an older node), and a short list is
     # always refreshed (a small swarm).
-    assert "peers" in service.renew({"node_id": "a", "epoch": m.state.epoch})
-    assert "peers" not in service.renew({"node_id": "a", "epoch": m.state.epoch, "want_peers": False})
+    assert "peers" in service.renew(members.renew(m.key, "a", m.state.epoch))
+    assert "peers" not in service.renew(members.renew(m.key, "a", m.state.epoch, want_peers=False))
     small = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
-    m2 = Membership(Recording(small), me("b"), report=dict)
+    m2 = Membership(Recording(small), me("b"), new_key(), report=dict)
     await m2._join()
     await m2._renew()
     assert sent[-1] is True

@@ -1,0 +1,173 @@
+"""Node identities, sealed tracker messages, credentials and peer proofs: the pure rules, and the
+tracker service that applies them, without sockets."""
+
+from __future__ import annotations
+
+import stat
+import time
+
+import pytest
+
+from sparrowd.daemon.leasedb import SqliteLeaseStore
+from sparrowd.daemon.tracker import TrackerService
+from sparrowd.errors import FormatError
+from sparrowd.swarm.identity import (
+    MAX_SKEW,
+    PROOF_TTL,
+    Credential,
+    CredentialBook,
+    Identities,
+    NodeKey,
+    Refused,
+    check_proof,
+    default_node_id,
+    key_id,
+    make_proof,
+    parse_duration,
+)
+from sparrowd.swarm.leases import LeaseGone, LeaseTable
+from sparrowd.swarm.signing import load_or_create_key
+from tests import members
+from tests.members import new_key
+
+
+def tracker(tmp_path=None, *, ttl=15.0, clock=time.time):
+    store = SqliteLeaseStore(tmp_path / "tracker.db") if tmp_path is not None else None
+    signer = load_or_create_key(tmp_path / "trainer.key") if tmp_path is not None else None
+    return TrackerService(LeaseTable(ttl, now=clock(), store=store), tracker_id="t", peer_limit=32, clock=clock,
+                          identities=Identities(store), credentials=CredentialBook(store),
+                          sign=signer.sign_bytes if signer else new_key().sign,
+                          trainer_key=signer.public if signer else b""), store
+
+
+def refused(reason, fn, *a, **kw):
+    with pytest.raises(Refused) as e:
+        fn(*a, **kw)
+    assert e.value.reason == reason, (e.value.reason, str(e.value))
+    return str(e.value)
+
+
+def test_a_node_key_is_made_once_0600_and_names_the_node(tmp_path):
+    k = NodeKey.load_or_create(tmp_path / "node.key")
+    assert stat.S_IMODE((tmp_path / "node.key").stat().st_mode) == 0o600
+    again = NodeKey.load_or_create(tmp_path / "node.key")
+    assert again.public == k.public and len(k.public) == 32
+    assert default_node_id("rollout", k.public) == f"rollout-{k.id}" and k.id == key_id(k.public)
+    assert len(k.id) == 16 and k.id != new_key().id
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(Exception, match="node key .* cannot be read"):
+        NodeKey.load_or_create(tmp_path / "bad.key")
+
+
+def test_a_node_id_belongs_to_the_first_key_for_good(tmp_path):
+    svc, store = tracker(tmp_path)
+    a, mallory = new_key(), new_key()
+    lease = svc.join(members.join(a, "r0", address="10.0.0.1:7070"))
+    # Another key, under the same id: refused while the lease lives...
+    assert "belongs to another key" in refused("impostor", svc.join, members.join(mallory, "r0", address="6.6.6.6:1"))
+    assert svc.status()["nodes"][0]["address"] == "10.0.0.1:7070"
+    # ... and after it ended, and after the tracker restarted: no lease is ever displaced by another key.
+    svc.leave(members.leave(a, "r0", lease["epoch"]))
+    refused("impostor", svc.join, members.join(mallory, "r0"))
+    store.close()
+    svc2, store2 = tracker(tmp_path)
+    refused("impostor", svc2.join, members.join(mallory, "r0"))
+    assert svc2.join(members.join(a, "r0"))["epoch"] > lease["epoch"]  # the owner comes back
+    assert svc2.refused[("join", "impostor")] == 1
+    store2.close()
+
+
+def test_renewals_and_leaves_must_be_signed_by_the_lease_key_and_never_replayed():
+    svc, _ = tracker()
+    a, mallory = new_key(), new_key()
+    epoch = svc.join(members.join(a, "r0"))["epoch"]
+    refused("bad-signature", svc.renew, members.renew(mallory, "r0", epoch))
+    refused("bad-signature", svc.leave, members.leave(mallory, "r0", epoch))
+    ok = members.renew(a, "r0", epoch, versions=[1])
+    svc.renew(ok)
+    assert "not newer" in refused("replay", svc.renew, ok)  # the same message again
+    refused("replay", svc.renew, members.renew(a, "r0", epoch, ts=time.time() - 60))  # an older one
+    refused("clock", svc.renew, members.renew(a, "r0", epoch, ts=time.time() + 2 * MAX_SKEW))
+    join = members.join(a, "r0")
+    svc.join(join)
+    refused("replay", svc.join, join)  # a captured join played again cannot fence the node out
+    with pytest.raises(LeaseGone):  # an id no key was ever bound to holds no lease
+        svc.renew(members.renew(mallory, "ghost", 1))
+    assert [n["node_id"] for n in svc.status()["nodes"]] == ["r0"]
+    assert svc.refused[("renew", "bad-signature")] == 1 and svc.refused[("leave", "bad-signature")] == 1
+
+
+def test_a_sealed_message_is_checked_before_anything_else():
+    svc, _ = tracker()
+    a = new_key()
+    for bad, match in (([1], "expected a map"), ({"msg": b"\x91\x01", "sig": b"x" * 64}, "must be a map"),
+                       ({"msg": b"", "sig": b"short"}, "64 bytes")):
+        with pytest.raises(FormatError, match=match):
+            svc.join(bad)
+    forged = members.join(a, "r0")
+    forged["sig"] = bytes(64)
+    refused("bad-signature", svc.join, forged)
+    assert svc.status()["nodes"] == []
+
+
+def test_credentials_admit_one_key_in_their_role_region_and_node(tmp_path):
+    svc, store = tracker(tmp_path)
+    rec, text = svc.issue(role="rollout", region="us", lifetime=3600)
+    c = Credential.parse(text, svc.trainer_key)
+    assert (c.id, c.role, c.region, c.node) == (rec["id"], "rollout", "us", None)
+    assert c.expires == pytest.approx(time.time() + 3600, abs=5)
+    a, b = new_key(), new_key()
+    refused("region", svc.join, members.join(a, "n1", region="eu"), credential=c)  # another region
+    refused("role", svc.join, members.join(a, "n1", region="us", role="relay"), credential=c)
+    svc.join(members.join(a, "n1", region="us"), credential=c)
+    # The credential now belongs to that node: another box with a copy of it is refused.
+    assert "in use by node n1" in refused("credential", svc.join, members.join(b, "n2", region="us"), credential=c)
+    pinned_rec, pinned = svc.issue(node="n9")
+    refused("credential", svc.join, members.join(b, "n8"), credential=Credential.parse(pinned, svc.trainer_key))
+    # Tampered claims or another signer are not credentials of this swarm.
+    head, claims, sig = text.split(".")
+    other = Credential.issue(new_key().sign, role="rollout", region=None, node=None, now=time.time(),
+                             lifetime=None)[1]
+    for bad in (f"{head}.{claims[:-2]}AA.{sig}", other):
+        refused("bad-credential", Credential.parse, bad, svc.trainer_key)
+    with pytest.raises(FormatError):
+        Credential.parse("spw1.not-a-credential", svc.trainer_key)
+    # Revoked: its node's lease ends now, renewals tell members, and it cannot join again.
+    record, node = svc.revoke(c.id)
+    assert node.node_id == "n1" and record["revoked_at"] is not None
+    assert "n1" not in {n["node_id"] for n in svc.status()["nodes"]}
+    refused("revoked", svc.join, members.join(a, "n1", region="us"), credential=c)
+    x = new_key()
+    reply = svc.join(members.join(x, "n3"))
+    assert reply["revoked"] == [c.id]
+    rows = {r["id"]: r for r in svc.credential_list()}
+    assert rows[c.id]["node_id"] == "n1" and not rows[c.id]["live"] and rows[pinned_rec["id"]]["node_id"] is None
+    store.close()
+    svc2, store2 = tracker(tmp_path)  # issued and revoked credentials outlive a restart
+    assert c.id in svc2.credentials and {r["id"] for r in svc2.credential_list()} == set(rows)
+    store2.close()
+
+
+def test_expired_credentials_and_durations():
+    c = Credential("c1", "rollout", None, None, 0.0, 100.0)
+    c.check(99.0, ())
+    refused("expired", c.check, 100.0, ())
+    refused("revoked", c.check, 50.0, {"c1"})
+    assert [parse_duration(t) for t in ("30d", "12h", "90m", "45s", "2w", "60")] == [
+        30 * 86400, 12 * 3600, 90 * 60, 45, 14 * 86400, 60]
+    for bad in ("", "d", "-1d", "0", "nan", "1y"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_a_peer_proof_is_for_one_receiver_one_key_and_a_short_while():
+    a = new_key()
+    now = time.time()
+    p = make_proof(a, "r0", "r1", now)
+    assert check_proof(p, a.public, "r0", "r1", now + 1)
+    assert not check_proof(p, a.public, "r0", "r2", now)  # r1 cannot pass r0's proof on to r2
+    assert not check_proof(p, a.public, "r9", "r1", now)  # nor claim to be another node with it
+    assert not check_proof(p, new_key().public, "r0", "r1", now)
+    assert not check_proof(p, a.public, "r0", "r1", now + PROOF_TTL + 1)
+    for junk in ("", "x.y", "1.", ".AAAA", "1e400." + "A" * 86):
+        assert not check_proof(junk, a.public, "r0", "r1", now)
