@@ -69,20 +69,52 @@ def _table(n: int, store: bool, folder: Path):
                                     rng=random.Random(0))
 
 
-def _join_all(svc, n: int) -> list[int]:
-    return [svc.join({"node_id": f"node-{i:05d}", "role": "rollout", "region": f"region-{i % 8}",
-                      "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070"})["epoch"] for i in range(n)]
+class _Nodes:
+    """The fake nodes' keys and sealed messages (each node signs its own: that is the nodes' work,
+    not the tracker's, so the in-process figures seal before they time)."""
+
+    def __init__(self, n: int):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from ..swarm.identity import NodeKey
+
+        self.keys = [NodeKey(Ed25519PrivateKey.generate()) for _ in range(n)]
+        self._ts = time.time()
+
+    def ts(self) -> float:
+        self._ts = max(time.time(), self._ts + 1e-6)
+        return self._ts
+
+    def join(self, i: int, prefix: str = "10") -> dict:
+        from ..swarm.identity import seal
+
+        k = self.keys[i]
+        return seal(k, "join", {"node_id": f"node-{i:05d}", "role": "rollout", "region": f"region-{i % 8}",
+                                "address": f"{prefix}.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070",
+                                "key": k.public, "ts": self.ts()})
+
+    def renew(self, i: int, epoch: int, version: int, k: int = 0) -> dict:
+        from ..swarm.identity import seal
+
+        return seal(self.keys[i], "renew", {"node_id": f"node-{i:05d}", "epoch": epoch, "ts": self.ts(),
+                                            **_report(i, version, k)})
+
+
+def _join_all(svc, nodes: _Nodes, n: int) -> list[int]:
+    return [svc.join(nodes.join(i))["epoch"] for i in range(n)]
 
 
 def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
     db, kept, svc = _table(n, store, folder)
+    nodes = _Nodes(n)
+    joins = [nodes.join(i) for i in range(n)]
     t0 = time.perf_counter()
-    epochs = _join_all(svc, n)
+    epochs = [svc.join(m)["epoch"] for m in joins]
     t_join = time.perf_counter() - t0
+    msgs = [nodes.renew(k % n, epochs[k % n], 10 + k // n, k // n + k % n) for k in range(renewals)]
     t0 = time.perf_counter()
-    for k in range(renewals):
-        i = k % n
-        svc.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10 + k // n, k // n + i)})
+    for k, m in enumerate(msgs):
+        svc.renew(m)
         if kept is not None and k % 2000 == 1999:
             kept.flush()  # what the daemon does every second
     t_renew = time.perf_counter() - t0
@@ -92,8 +124,8 @@ def _in_process(n: int, renewals: int, store: bool, folder: Path) -> dict:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     _, _, svc2 = _table(n, False, folder)
-    for i, epoch in enumerate(_join_all(svc2, n)):
-        svc2.renew({"node_id": f"node-{i:05d}", "epoch": epoch, **_report(i, 10)})
+    for i, epoch in enumerate(_join_all(svc2, nodes, n)):
+        svc2.renew(nodes.renew(i, epoch, 10))
     python_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return {"nodes": n, "store": store, "joins_per_s": n / t_join, "renewals_per_s": renewals / t_renew,
@@ -115,11 +147,11 @@ async def _http_load(url: str, token: str, pid: int, cfg: TrackerConfig) -> dict
 
     client = HttpTrackerClient(url, token, timeout=30, connections=cfg.concurrency)
     epochs: dict[int, int] = {}
+    nodes = _Nodes(cfg.nodes)
 
     async def joiner(w: int) -> None:
         for i in range(w, cfg.nodes, cfg.concurrency):
-            reply = await client.join({"node_id": f"node-{i:05d}", "role": "rollout", "region": f"region-{i % 8}",
-                                       "address": f"127.0.{i >> 8 & 255}.{i & 255}:7070"})
+            reply = await client.join(nodes.join(i, prefix="127"))
             epochs[i] = reply["epoch"]
 
     cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
@@ -133,7 +165,7 @@ async def _http_load(url: str, token: str, pid: int, cfg: TrackerConfig) -> dict
         while time.perf_counter() < stop_at:
             i = k % cfg.nodes
             s = time.perf_counter()
-            await client.renew({"node_id": f"node-{i:05d}", "epoch": epochs[i], **_report(i, 10, k // cfg.nodes + i)})
+            await client.renew(nodes.renew(i, epochs[i], 10, k // cfg.nodes + i))
             latencies.append(time.perf_counter() - s)
             k += cfg.concurrency
 

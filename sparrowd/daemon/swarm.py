@@ -70,7 +70,8 @@ MSGPACK = "application/msgpack"
 MAX_CHUNK = 64 << 20
 MAX_EXCHANGE = 16 << 20
 NODE_HEADER, REGION_HEADER, PROOF_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region", "X-Sparrowd-Proof"
-QUICK_REPLIES = 5  # early exchange replies in a row with nothing new: then the long poll to that peer is paced
+QUICK_REPLIES, QUICK_PACE = 5, 0.25  # early exchange replies in a row with nothing new: then poll that peer
+# at most every QUICK_PACE seconds
 EXCHANGE_WAIT = 5.0
 PIECE = 256 << 10
 MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
@@ -79,7 +80,7 @@ UPLOAD_SLOTS = 8  # peers unchoked at once (one of them the optimistic unchoke)
 DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that knows a new asker
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
-CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
+CROSS_START = 0.5  # seconds the region's designated crosser has to show it is fetching a chunk (see _schedule)
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 
 
@@ -113,7 +114,6 @@ class PeerState:
     lied: set[tuple[Key, int]] = field(default_factory=set)  # advertised, then answered "not held"
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
-    delivered: bool = False  # it has served this node a chunk
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
 
@@ -166,7 +166,7 @@ class Swarm:
         self._closing = False  # set by stop: long polls answer at once
         self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
         self.available_since: dict[tuple[Key, int], float] = {}
-        self.picker = Picker(daemon.node_id, daemon.settings.region)
+        self.picker = Picker(daemon.node_id, daemon.settings.region, cross_wait=CROSS_START)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
@@ -419,10 +419,11 @@ class Swarm:
         """The peer a request comes from, if the tracker vouches for it and its proof holds;
         otherwise the refusal to send (counted, and logged at most every few seconds per reason)."""
         node = request.headers.get(NODE_HEADER, "")[:64]
-        entry = self.daemon.member(node) if node else None
+        if not node:
+            return web.json_response({"error": f"name the asking node in {NODE_HEADER}"}, status=400)
+        entry = self.daemon.member(node)
         if entry is None:
-            if node:
-                self._discover(node)
+            self._discover(node)
             return self._refuse(request, node, "unknown", 503,
                                 "not a member this node knows yet; it asked the tracker (try again)")
         m = self.daemon.membership
@@ -488,7 +489,11 @@ class Swarm:
         for r in self.remotes.values():
             for c in r.have.get(vs.key, ()):
                 held_by[c] = held_by.get(c, 0) + 1
-        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by) & vs.have
+        # Assignments go to peers that show chunks in their have-maps (a member that never fetches
+        # gets none to sit on), once any peer does.
+        trusted = any(remote.have.values()) or not any(any(r.have.values()) for r in self.remotes.values())
+        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by,
+                        trusted=trusted) & vs.have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         body = await read_limited(request.content, MAX_EXCHANGE)
@@ -527,14 +532,14 @@ class Swarm:
         return len([r for r in self.remotes.values() if time.monotonic() - r.last_seen < 30]) > self.choker.slots
 
     async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
-        remote = self._admit(request)
-        if isinstance(remote, web.Response):
-            return remote
         try:
             key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
         except ValueError:
             return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
                                      status=400)
+        remote = self._admit(request)
+        if isinstance(remote, web.Response):
+            return remote
         vs = self.versions.get(key)
         if vs is None or i not in vs.have:
             return web.json_response({"error": "not held"}, status=404)
@@ -662,7 +667,7 @@ class Swarm:
                 early = time.monotonic() - t0 < EXCHANGE_WAIT / 2
                 ps.quick = ps.quick + 1 if early and _view(ps) == before else 0
                 if ps.quick >= QUICK_REPLIES:
-                    await asyncio.sleep(min(1.0, 0.1 * (ps.quick - QUICK_REPLIES + 1)))
+                    await asyncio.sleep(QUICK_PACE)
             except asyncio.CancelledError:
                 raise
             except IntegrityError as e:
@@ -770,15 +775,15 @@ class Swarm:
             return
         my_region = self.daemon.settings.region
         # Who shares the region's cross-region fetches (the picker's rendezvous designation): the
-        # region's peers that have delivered chunks to this node, once any has; before that (a swarm
-        # just formed) all of them. A member that joined and never delivers, one caught advertising
-        # chunks it does not serve, or one designated before that did not bring its share across is
-        # left out: each would hold the region back by cross_wait.
-        local = [p for p in self.peers.values() if p.region == my_region and p.role != "trainer"
-                 and not p.lied and not p.stalled]
-        region_nodes = [self.daemon.node_id] + [p.node_id for p in (
-            [p for p in local if p.delivered] if any(p.delivered for p in self.peers.values()
-                                                     if p.region == my_region and p.role != "trainer") else local)]
+        # region's peers that show chunks in their have-maps (what every node of the region sees
+        # alike, so they agree on the designation), or all of them while none does (a swarm just
+        # formed). A member that never fetches, one designated before that did not bring its share
+        # across, and one caught advertising chunks it does not serve (banned) are left out: each
+        # would hold the region back by cross_wait.
+        local = [p for p in self.peers.values() if p.region == my_region and p.role != "trainer" and not p.stalled]
+        crossed = False
+        active = [p for p in local if any(p.have.values())]
+        region_nodes = [self.daemon.node_id] + [p.node_id for p in (active or local)]
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -787,8 +792,6 @@ class Swarm:
             if not missing:
                 continue
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
-            # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
-            self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
@@ -807,9 +810,14 @@ class Swarm:
                 ps = self.peers.get(req.peer_id)
                 if ps is None:
                     continue
+                crossed |= ps.region != my_region
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
+        if crossed:
+            # The region learns at once that this node is bringing these chunks across (its fetching
+            # map, in the replies to their long polls): they wait for it rather than cross as well.
+            asyncio.get_running_loop().create_task(self.notify())
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)
@@ -855,7 +863,6 @@ class Swarm:
             self.store_failures = 0
             ps.strikes = 0
             ps.stalled = False
-            ps.delivered = True
             self.error = None
             event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)

@@ -125,6 +125,8 @@ class TrackerService:
         try:
             self.identities.check_join_signature(m["key"], body, sig)
             check_name("node id", m["node_id"])
+            if m["role"] == "trainer" and m["node_id"] != self.tracker_id:
+                raise Refused("role", "only the tracker's own daemon is the trainer")
             if credential is not None:
                 credential.check(now, self.credentials)
             binding = self.identities.check_join(m["node_id"], m["role"], m["region"], m["key"], float(m["ts"]),

@@ -76,7 +76,7 @@ class Picker:
     me: str
     region: str
     rarest_window: int = 4
-    cross_wait: float = 3.0
+    cross_wait: float = 0.5
     endgame_left: int = 8
     rng: random.Random = field(default_factory=random.Random)
 

@@ -10,12 +10,13 @@ and its peer left the swarm or was choked (``forget``), or its peer did not
 even ask for it within ``claim_within`` seconds, or ``regive_after``
 seconds after it was last given (its peer stalls mid-transfer).
 
-Assignments go to peers that have fetched from the trainer before (once any
-has: a swarm just formed trusts everyone). A peer that let an assignment lapse
-unclaimed gets none for ``regive_after`` seconds (it fetches from its peers
-meanwhile). So a member that joins and never fetches gets nothing to hold
-back, and one that takes chunks and drops them (stalled, or hostile) costs
-``claim_within`` at most once per ``regive_after``, not once per version.
+Assignments go only to peers the caller marks ``trusted`` (the driver: peers
+whose have-maps show chunks, once any peer's do; a swarm just formed trusts
+everyone). A peer that let an assignment lapse unclaimed gets none for
+``regive_after`` seconds (it fetches from its peers meanwhile). So a member
+that joins and never fetches gets nothing to hold back, and one that takes
+chunks and drops them (stalled, or hostile) costs ``claim_within`` at most
+once per ``regive_after``, not once per version.
 Pure: ``offer(now, peer, holds, held_by)`` returns what to show that peer.
 """
 
@@ -40,7 +41,6 @@ class SuperSeed:
     claimed: set[int] = field(default_factory=set)
     owner: dict[int, str] = field(default_factory=dict)  # who a chunk was last given to
     lapsed: dict[str, float] = field(default_factory=dict)  # peer -> when it let an assignment lapse
-    proven: set[str] = field(default_factory=set)  # peers that have fetched a chunk they were given
 
     def grow(self, chunks: int) -> None:
         """More chunks were announced (a version still being extracted)."""
@@ -51,14 +51,11 @@ class SuperSeed:
         self.claimed.add(index)
         if peer is not None:
             self.lapsed.pop(peer, None)
-            self.proven.add(peer)
 
     def forget(self, peer: str, *, unclaimed_only: bool = False) -> None:
         """``peer`` left (or was choked: ``unclaimed_only``, since a transfer it started goes on):
         what it was given and does not hold may be given to another at once."""
         keep = set()
-        if not unclaimed_only:
-            self.proven.discard(peer)
         for c in self.assigned.pop(peer, ()):
             if unclaimed_only and c in self.claimed:
                 keep.add(c)
@@ -67,7 +64,8 @@ class SuperSeed:
         if keep:
             self.assigned[peer] = keep
 
-    def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int]) -> set[int]:
+    def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int], *,
+              trusted: bool = True) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``."""
         pending = {c for c in self.assigned.get(peer, ()) if c not in holds}
         want = self.per_peer - len(pending)
@@ -78,8 +76,7 @@ class SuperSeed:
             for c in lost:
                 if c not in self.claimed and self.owner.get(c) not in (None, peer):
                     self.lapsed[self.owner[c]] = now
-            if now - self.lapsed.get(peer, float("-inf")) < self.regive_after or (
-                    self.proven and peer not in self.proven):
+            if not trusted or now - self.lapsed.get(peer, float("-inf")) < self.regive_after:
                 want = 0
             fresh = [c for c in range(self.chunks) if c not in self.given_at and c not in holds]
             self.rng.shuffle(fresh)

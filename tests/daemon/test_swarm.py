@@ -14,9 +14,12 @@ import pytest
 from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
+from sparrowd.swarm.identity import make_proof
+from tests import members
 from tests.daemon.harness import free_port, get, status, wait_for
 from tests.daemon.patches import check_store, held, manifests, publish, write_chain
 from tests.helpers import sparrowd
+from tests.members import new_key
 
 pytestmark = pytest.mark.slow
 
@@ -108,12 +111,13 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
     port = free_port()
     mp = {"Content-Type": "application/msgpack"}
     view = parse_patch(patch.read_bytes())
+    key = new_key()
     code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
-                     data=msgpack.packb({"node_id": node_id, "role": "rollout", "region": "eu",
-                                         "address": f"127.0.0.1:{port}"}))
+                     data=msgpack.packb(members.join(key, node_id, address=f"127.0.0.1:{port}")))
     assert code == 200
     lease = msgpack.unpackb(body)
-    code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers=mp,
+    proof = {"X-Sparrowd-Node": node_id, "X-Sparrowd-Proof": make_proof(key, node_id, "trainer", time.time())}
+    code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers={**mp, **proof},
                      data=msgpack.packb({"node_id": node_id, "region": "eu", "after": -1, "wait": 0,
                                          "versions": []}))
     statements = msgpack.unpackb(body)["versions"][0]["statements"]
@@ -144,7 +148,7 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
     def renew():
         while not stop.wait(0.5):
             get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", headers=mp,
-                data=msgpack.packb({"node_id": node_id, "epoch": lease["epoch"]}))
+                data=msgpack.packb(members.renew(key, node_id, lease["epoch"])))
 
     threading.Thread(target=renew, daemon=True).start()
     try:

@@ -94,6 +94,7 @@ def test_renewals_and_leaves_must_be_signed_by_the_lease_key_and_never_replayed(
     with pytest.raises(LeaseGone):  # an id no key was ever bound to holds no lease
         svc.renew(members.renew(mallory, "ghost", 1))
     assert [n["node_id"] for n in svc.status()["nodes"]] == ["r0"]
+    assert "only the tracker" in refused("role", svc.join, members.join(mallory, "boss", role="trainer"))
     assert svc.refused[("renew", "bad-signature")] == 1 and svc.refused[("leave", "bad-signature")] == 1
 
 
