@@ -253,6 +253,12 @@ class Swarm:
         self.gen += 1
         self._changed.set()
 
+    async def _announce_fetching(self) -> None:
+        """Peers' long polls answer now (with this node's fetching map); nothing here needs to run again."""
+        self.gen += 1
+        async with self._waiters:
+            self._waiters.notify_all()
+
     async def notify(self) -> None:
         """Wake everything waiting on ``changed`` (also the current folder, once it decoded a version
         for the engines)."""
@@ -602,6 +608,9 @@ class Swarm:
                                         rate_to=r.rate_to.rate(now)))
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
+            if any(ss.lapsing(now, {c for r in self.remotes.values() for c in r.have.get(k, ())})
+                   for k, ss in self.superseed.items()):
+                await self.notify()  # an assignment lapsed: the peers' long polls answer, one gets it now
             if unchoked != self.unchoked:
                 for pid in self.unchoked - unchoked:  # what a choked peer was given, and not asked for, goes
                     for ss in self.superseed.values():
@@ -814,10 +823,10 @@ class Swarm:
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
-        if crossed:
+        if crossed and any(p.region == my_region and p.role != "trainer" for p in self.peers.values()):
             # The region learns at once that this node is bringing these chunks across (its fetching
             # map, in the replies to their long polls): they wait for it rather than cross as well.
-            asyncio.get_running_loop().create_task(self.notify())
+            asyncio.get_running_loop().create_task(self._announce_fetching())
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)

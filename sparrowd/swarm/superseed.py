@@ -64,6 +64,13 @@ class SuperSeed:
         if keep:
             self.assigned[peer] = keep
 
+    def lapsing(self, now: float, held: set[int] | frozenset[int]) -> bool:
+        """Whether a chunk nobody holds (``held``: chunks some peer holds) waits to be given again: its
+        assignment went unclaimed past ``claim_within``, or its peer left. The driver then wakes the
+        peers' long polls, so it goes to another now rather than at their next poll."""
+        return any(c not in held and c not in self.claimed and now - t >= self.claim_within
+                   for c, t in self.given_at.items())
+
     def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int], *,
               trusted: bool = True) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``."""
@@ -81,6 +88,9 @@ class SuperSeed:
             fresh = [c for c in range(self.chunks) if c not in self.given_at and c not in holds]
             self.rng.shuffle(fresh)
             for c in (fresh + sorted(lost, key=self.given_at.get))[:want]:
+                before = self.owner.get(c)
+                if before is not None and before != peer:
+                    self.assigned.get(before, set()).discard(c)  # it is this peer's to fetch now
                 pending.add(c)
                 self.given_at[c] = now
                 self.owner[c] = peer

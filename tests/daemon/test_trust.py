@@ -271,7 +271,7 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
 
 
 def test_a_box_joins_with_its_own_credential_and_the_shared_token_rotates_without_downtime(cluster, tmp_path):
-    trainer = cluster.trainer(ttl=6.0)
+    trainer = cluster.trainer(ttl=3.0)
     cred_file = tmp_path / "r1.credential"
     r = sparrowd("token", "create", "--data-dir", trainer.data_dir, "--region", "eu", "--out", cred_file, timeout=30)
     assert r.returncode == 0 and oct(cred_file.stat().st_mode & 0o777) == "0o600", r.stderr
@@ -280,8 +280,8 @@ def test_a_box_joins_with_its_own_credential_and_the_shared_token_rotates_withou
                     cluster.tracker, "--token-file", cred_file, timeout=30)
     assert inst.returncode == 0, inst.stderr
     assert (tmp_path / "root/etc/sparrowd/swarm.token").read_text() == cred_file.read_text()
-    r1 = cluster.rollout("r1", "eu", token_file=cred_file, ttl=6.0)
-    r2 = cluster.rollout("r2", "eu", ttl=6.0)
+    r1 = cluster.rollout("r1", "eu", token_file=cred_file, ttl=3.0)
+    r2 = cluster.rollout("r2", "eu", ttl=3.0)
     wait_for(lambda: cluster.nodes() == {"trainer", "r1", "r2"}, 15, "both nodes")
     lst = sparrowd("token", "list", "--data-dir", trainer.data_dir, timeout=30)
     assert re.search(r"rollout\s+eu\s+r1\s+.*in swarm", lst.stdout), lst.stdout
@@ -310,7 +310,7 @@ def test_a_box_joins_with_its_own_credential_and_the_shared_token_rotates_withou
             tmp.replace(path)
         for d in shared:
             d.signal(signal.SIGHUP)
-        time.sleep(2.5)  # a renewal (every 2 s) under the new files
+        time.sleep(1.3)  # a renewal (every 1 s) under the new files
         wait_for(lambda: status(cluster.tracker, new)["nodes"], 5, "the tracker to answer the new token")
     assert get(f"{cluster.tracker}/v1/tracker/status", old)[0] == 401
     assert "token file reloaded" in trainer.log() and "token file reloaded" in r2.log()

@@ -242,3 +242,18 @@ def test_token_bucket_paces_to_its_rate_after_a_small_burst():
         sent += 10_000
     assert sent / t == pytest.approx(100_000, rel=0.05)
     assert TokenBucket(None).take(0.0, 1 << 30) == 0.0
+
+
+def test_super_seed_gives_nothing_to_untrusted_peers_and_rests_a_peer_that_let_a_chunk_lapse():
+    s = SuperSeed(2, per_peer=2, claim_within=3.0, regive_after=30.0, rng=random.Random(0))
+    assert s.offer(0.0, "lurker", set(), {}, trusted=False) == set()  # a member that shows no chunks
+    given = s.offer(0.0, "idle", set(), {})
+    assert given == {0, 1} and not s.lapsing(2.9, set())
+    assert s.lapsing(3.0, set()) and not s.lapsing(3.0, given)  # unclaimed; unless a peer holds them now
+    # The lapsed chunks go to a peer that works; the one that let them lapse gets none for 30 s.
+    assert s.offer(3.0, "worker", set(), {}) == given and not s.lapsing(3.0, set())
+    for c in given:
+        s.claim(c, "worker")
+    s.grow(4)
+    assert s.offer(4.0, "idle", set(), {}) == set()
+    assert s.offer(34.0, "idle", set(), {}) == {2, 3}  # rested long enough: trusted with chunks again
