@@ -154,6 +154,7 @@ class Daemon:
         self._credentials_seen: dict[str, Credential | None] = {}  # credential text -> claims (None: bad)
         self.engines: EngineServer | None = None
         self._last_unauthorized_log: dict[str, float] = {}
+        self._last_flood_log: dict[str, float] = {}
         self._inflight: collections.Counter = collections.Counter()
         self._tracker_event = asyncio.Event()  # set (and replaced) whenever the lease table changes
 
@@ -498,6 +499,13 @@ class Daemon:
         peer = (addr, request.headers.get(NODE_HEADER, "")[:64])
         if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or self._inflight[addr] >= MAX_INFLIGHT_PER_ADDRESS:
             self.metrics.requests[(_route(request), 429)] += 1
+            now = time.monotonic()
+            if now - self._last_flood_log.get(addr, -1e9) >= _UNAUTHORIZED_LOG_EVERY:
+                if len(self._last_flood_log) > 4096:
+                    self._last_flood_log.clear()
+                self._last_flood_log[addr] = now
+                event(log, logging.WARNING, "refused requests over the in-flight limit", remote=addr,
+                      node=peer[1] or "?", path=request.path[:100])
             return web.json_response({"error": "too many requests in flight from this peer"}, status=429)
         self._inflight[peer] += 1
         self._inflight[addr] += 1

@@ -253,7 +253,7 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     assert liar.chunk_requests <= 2 * 2 * 16  # two us nodes, two versions: each chunk asked once at most
     assert metric(r1.url, cluster.token, 'sparrowd_http_requests_total{endpoint="/v1/swarm/exchange",status="429"}')
     assert "join refused" in trainer.log() and "impostor" in trainer.log()
-    assert "refused a peer request" in r1.log()
+    assert "refused a peer request" in r1.log() and "over the in-flight limit" in r1.log()
 
     # Revoked: out of the swarm at once, and refused by every member within one TTL.
     t0 = time.monotonic()
