@@ -21,10 +21,11 @@ that key can check one. The first node key that joins with a credential owns it;
 a credential can be revoked, and members learn the revoked ids from the tracker.
 
 **Peer proofs** bind the node id a request names to that node's key: a header
-``ts.signature`` over (from, to, ts), made for one receiver (a member that
+``ms.signature`` over (from, to, ms), made for one receiver (a member that
 receives a proof cannot pass it on to a third) and good for :data:`PROOF_TTL`.
 
-Everything here is pure: it takes ``now`` and returns decisions or raises.
+The rules are pure: they take ``now`` and return decisions or raise
+:class:`Refused`. Only :meth:`NodeKey.load_or_create` touches a file.
 """
 
 from __future__ import annotations
