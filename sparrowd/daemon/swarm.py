@@ -80,7 +80,7 @@ UPLOAD_SLOTS = 8  # peers unchoked at once (one of them the optimistic unchoke)
 DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that knows a new asker
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
-CROSS_START = 0.5  # seconds the region's designated crosser has to show it is fetching a chunk (see _schedule)
+CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 
 
@@ -166,7 +166,7 @@ class Swarm:
         self._closing = False  # set by stop: long polls answer at once
         self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
         self.available_since: dict[tuple[Key, int], float] = {}
-        self.picker = Picker(daemon.node_id, daemon.settings.region, cross_wait=CROSS_START)
+        self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
@@ -252,12 +252,6 @@ class Swarm:
     def _touch(self) -> None:
         self.gen += 1
         self._changed.set()
-
-    async def _announce_fetching(self) -> None:
-        """Peers' long polls answer now (with this node's fetching map); nothing here needs to run again."""
-        self.gen += 1
-        async with self._waiters:
-            self._waiters.notify_all()
 
     async def notify(self) -> None:
         """Wake everything waiting on ``changed`` (also the current folder, once it decoded a version
@@ -784,15 +778,10 @@ class Swarm:
             return
         my_region = self.daemon.settings.region
         # Who shares the region's cross-region fetches (the picker's rendezvous designation): the
-        # region's peers that show chunks in their have-maps (what every node of the region sees
-        # alike, so they agree on the designation), or all of them while none does (a swarm just
-        # formed). A member that never fetches, one designated before that did not bring its share
-        # across, and one caught advertising chunks it does not serve (banned) are left out: each
-        # would hold the region back by cross_wait.
-        local = [p for p in self.peers.values() if p.region == my_region and p.role != "trainer" and not p.stalled]
-        crossed = False
-        active = [p for p in local if any(p.have.values())]
-        region_nodes = [self.daemon.node_id] + [p.node_id for p in (active or local)]
+        # region's peers, less those that were designated before and did not bring their share
+        # across (a member that never fetches would hold the region back by cross_wait each time).
+        region_nodes = [self.daemon.node_id] + [p.node_id for p in self.peers.values()
+                                                 if p.region == my_region and p.role != "trainer" and not p.stalled]
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -801,6 +790,8 @@ class Swarm:
             if not missing:
                 continue
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
+            # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
+            self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
@@ -819,14 +810,9 @@ class Swarm:
                 ps = self.peers.get(req.peer_id)
                 if ps is None:
                     continue
-                crossed |= ps.region != my_region
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
-        if crossed and any(p.region == my_region and p.role != "trainer" for p in self.peers.values()):
-            # The region learns at once that this node is bringing these chunks across (its fetching
-            # map, in the replies to their long polls): they wait for it rather than cross as well.
-            asyncio.get_running_loop().create_task(self._announce_fetching())
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)

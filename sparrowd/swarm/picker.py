@@ -76,7 +76,7 @@ class Picker:
     me: str
     region: str
     rarest_window: int = 4
-    cross_wait: float = 0.5
+    cross_wait: float = 3.0
     endgame_left: int = 8
     rng: random.Random = field(default_factory=random.Random)
 
@@ -113,14 +113,16 @@ class Picker:
         local = [p for p in peers if p.region == self.region]
         out = set()
         for c in missing:
-            if now - available_since.get(c, now) < self.cross_wait:
-                continue
             if any(c in p.have or c in p.fetching for p in local):
                 continue
             d = designated(version, c, nodes)
-            if d != self.me:
+            if d != self.me and self._overdue(now, c, available_since):
                 out.add(d)
         return out
+
+    def _overdue(self, now: float, c: int, available_since: Mapping[int, float]) -> bool:
+        """Whether the chunk's designated crosser had its time (``cross_wait``)."""
+        return now - available_since.get(c, now) >= self.cross_wait
 
     def pick(
         self,
@@ -151,7 +153,7 @@ class Picker:
                 return sorted(local, key=rank)
             if any(c in p.have or c in p.fetching for p in peers if p.region == self.region):
                 return []  # a neighbour has it or is about to: wait for it rather than cross
-            if designated(version, c, nodes) == self.me or now - available_since.get(c, now) >= self.cross_wait:
+            if designated(version, c, nodes) == self.me or self._overdue(now, c, available_since):
                 return sorted(holders, key=rank)
             return [p for p in holders if p.is_trainer]  # the trainer offered it to this node: take it
 

@@ -220,11 +220,11 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     flood = subprocess.Popen([sys.executable, "-m", "tests.daemon.flood", str(cfg)], stdout=subprocess.PIPE,
                              text=True)
     time.sleep(1.5)
-    # The first version after it joined may pay a one-time cost: the region's peers may count on the
-    # newcomer to bring a share of the chunks across and wait for it (0.5 s) before they take it on
-    # (docs/RELIABILITY.md). After that, the swarm runs at its usual pace.
+    # The first version after it joined may pay a one-time cost: the region's peers count on the
+    # newcomer to bring a share of the chunks across and wait cross_wait (3 s) for it before they
+    # pass it over (docs/RELIABILITY.md). After that, the swarm runs at its usual pace.
     first = time_to_all(3)
-    assert first <= baseline + 1.5, f"the first version under attack took {first:.2f} s"
+    assert first <= baseline + 3.0 + 1.5, f"the first version under attack took {first:.2f} s"
     attacked = max(time_to_all(4), time_to_all(5))
     idle_from, t_idle = liar.exchanges, time.monotonic()  # no version moves: only long polls reach the liar
     time.sleep(3.0)
