@@ -277,14 +277,22 @@ def cmd_checkout(args) -> int:
     return 0
 
 
+def local_daemon(data_dir: str | None, hint: str = "") -> tuple[Path, dict, str]:
+    """The daemon running on this machine's data dir: (data dir, its daemon.json, its token)."""
+    from sparrowd.daemon.app import read_runtime
+
+    path = Path(data_dir or default_data_dir()).expanduser().absolute()
+    info = read_runtime(path)
+    if not info or not _alive(int(info.get("pid", 0))):
+        raise InputError(f"no daemon runs on {path}{hint}")
+    token, _ = read_token(Path(info["token_file"]))
+    return path, info, token
+
+
 def cmd_leave(args) -> int:
     from sparrowd.daemon.app import read_runtime
 
-    data_dir = Path(args.data_dir or default_data_dir()).expanduser().absolute()
-    info = read_runtime(data_dir)
-    if not info or not _alive(int(info.get("pid", 0))):
-        raise InputError(f"no daemon runs on {data_dir}")
-    token, _ = read_token(Path(info["token_file"]))
+    data_dir, info, token = local_daemon(args.data_dir)
     http_call(f"{info['url']}/v1/node/leave", token, method="POST")
     deadline = time.monotonic() + args.timeout
     while _alive(int(info["pid"])) and time.monotonic() < deadline:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
 from sparrowd.daemon.calls import http_call
-from sparrowd.daemon.settings import default_data_dir, read_token
+from sparrowd.daemon.settings import default_data_dir
 from sparrowd.errors import InputError
 from sparrowd.swarm.identity import parse_duration
 
-from .daemon import _alive
+from .daemon import local_daemon
 
 
 def register(sub) -> None:
@@ -59,17 +59,11 @@ def register(sub) -> None:
 
 def _trainer(args) -> tuple[str, str]:
     """The local trainer daemon's URL and token."""
-    from sparrowd.daemon.app import read_runtime
-
-    data_dir = Path(args.data_dir or default_data_dir()).expanduser().absolute()
-    info = read_runtime(data_dir)
-    if not info or not _alive(int(info.get("pid", 0))):
-        raise InputError(f"no daemon runs on {data_dir}: run this on the trainer's machine, with its daemon up "
-                         "(or give --data-dir)")
+    data_dir, info, token = local_daemon(args.data_dir, ": run this on the trainer's machine, with its daemon "
+                                                         "up (or give --data-dir)")
     if info.get("role") != "trainer":
         raise InputError(f"the daemon on {data_dir} is a {info.get('role')} node: only the trainer's daemon "
                          "issues credentials")
-    token, _ = read_token(Path(info["token_file"]))
     return info["url"], token
 
 

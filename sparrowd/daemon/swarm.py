@@ -111,7 +111,6 @@ class PeerState:
     push_again: bool = False
     strikes: int = 0  # requests that timed out or failed in a row
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
-    lied: set[tuple[Key, int]] = field(default_factory=set)  # advertised, then answered "not held"
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
@@ -748,7 +747,6 @@ class Swarm:
         elsewhere. (An honest peer that retired the version between its have-map and the request
         would be caught too; it retires only versions older than what its peers still fetch.)"""
         self.lies += 1
-        ps.lied.add((key, index))
         self._ban(ps, f"advertised chunk {index} of {key} and did not serve it", kind="false-have")
 
     def _ban(self, ps: PeerState, reason: str, kind: str = "bad-chunk") -> None:
