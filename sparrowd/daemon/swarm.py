@@ -113,6 +113,7 @@ class PeerState:
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
+    delivered: int = 0  # chunks it sent this node (a member that never serves is not counted on to cross)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
 
@@ -774,12 +775,8 @@ class Swarm:
         now = time.monotonic()
         if now < self.store_paused_until:
             return
-        my_region = self.daemon.settings.region
-        # Who shares the region's cross-region fetches (the picker's rendezvous designation): the
-        # region's peers, less those that were designated before and did not bring their share
-        # across (a member that never fetches would hold the region back by cross_wait each time).
-        region_nodes = [self.daemon.node_id] + [p.node_id for p in self.peers.values()
-                                                 if p.region == my_region and p.role != "trainer" and not p.stalled]
+        served = any(p.delivered for p in self._neighbours())
+        region_nodes = [self.daemon.node_id] + [p.node_id for p in self._neighbours() if self._proven(p, served)]
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -793,7 +790,8 @@ class Swarm:
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
-                              slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now))
+                              slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now),
+                              proven=self._proven(p, served))
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             since = {i: self.available_since.get((k, i), now) for i in missing}
@@ -801,8 +799,9 @@ class Swarm:
                                            region_nodes=region_nodes, available_since=since):
                 if (ps := self.peers.get(pid)) is not None and not ps.stalled:
                     ps.stalled = True
-                    event(log, logging.INFO, "peer did not bring its share of chunks across; others will",
-                          peer=pid, object=str(k))
+                    event(log, logging.INFO, "peer held this node back (it did not bring its share of chunks across, "
+                          "or claimed chunks it did not deliver); passed over until it delivers", peer=pid,
+                          object=str(k))
             for req in self.picker.pick(now, version=k.tag, missing=missing, inflight=inflight, peers=views,
                                         region_nodes=region_nodes, available_since=since):
                 ps = self.peers.get(req.peer_id)
@@ -811,6 +810,23 @@ class Swarm:
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
+
+    def _neighbours(self) -> list[PeerState]:
+        return [p for p in self.peers.values() if p.region == self.daemon.settings.region and p.role != "trainer"]
+
+    @staticmethod
+    def _proven(ps: PeerState, served: bool) -> bool:
+        """Whether this node counts on a peer of its region: to share the region's cross-region
+        fetches (the picker's rendezvous designation) and to deliver what it claims to be fetching.
+        It must have sent this node chunks (any neighbour will do while none has, ``served`` false:
+        a swarm just formed), and not have held this node back since (``Picker.stalled``). A member
+        that never serves (a dead box, or a hostile member) would otherwise cost the region
+        ``cross_wait`` the first time each node counted on it. Views differ between nodes (who
+        served whom); a node that counts on fewer peers crosses for more chunks itself, which costs
+        a duplicate crossing, never a wait."""
+        if ps.stalled:
+            return False
+        return ps.delivered > 0 or not served
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)
@@ -856,6 +872,7 @@ class Swarm:
             self.store_failures = 0
             ps.strikes = 0
             ps.stalled = False
+            ps.delivered += 1
             self.error = None
             event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)

@@ -18,6 +18,13 @@ spreads inside it from there. If the chunk has still not appeared in the
 region ``cross_wait`` seconds after it became available outside (the winner
 is slow, or dead), anyone may fetch it across.
 
+A neighbour that holds the chunk and serves this node keeps it from crossing
+(it waits for a slot). A neighbour's claim (fetching the chunk, or holding it
+while choking this node) does too, but only if that neighbour has served
+this node before (``PeerView.proven``) and only for ``claim_wait`` times
+``cross_wait``: a member that claims everything and serves nothing must not
+hold the region back.
+
 Requests per peer are capped by ``PeerView.slots``, which the driver sizes
 from the peer's measured rate (several streams to a fast peer, one to a slow
 one). A node designated for a chunk that did not bring it across in time is
@@ -34,6 +41,12 @@ from dataclasses import dataclass, field
 __all__ = ["PeerView", "Request", "Picker", "designated", "slots_for_rate"]
 
 
+def _claims(p: PeerView, c: int) -> bool:
+    """Whether a neighbour says it will have chunk ``c`` for this node: it is fetching it, or holds
+    it and chokes this node for now."""
+    return not p.is_trainer and (c in p.fetching or (p.choking and c in p.have))
+
+
 @dataclass
 class PeerView:
     peer_id: str
@@ -45,6 +58,7 @@ class PeerView:
     inflight: int = 0
     slots: int = 2
     rate: float = 0.0  # bytes/s measured from this peer
+    proven: bool = True  # it has served this node (a neighbour's claims are waited on only then)
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class Picker:
     rarest_window: int = 4
     cross_wait: float = 3.0
     endgame_left: int = 8
+    claim_wait: float = 2.0  # a proven neighbour's claim holds this node back this many cross_waits
     rng: random.Random = field(default_factory=random.Random)
 
     def _order(self, chunks: list[int], peers: list[PeerView]) -> list[int]:
@@ -105,24 +120,36 @@ class Picker:
         region_nodes: Iterable[str],
         available_since: Mapping[int, float],
     ) -> set[str]:
-        """Region nodes that were designated to bring a chunk across and have not: the chunk has been
-        available outside for ``cross_wait`` and no node of the region has it or is fetching it. The
-        driver leaves them out of ``region_nodes`` until they deliver something (a dead or slow node,
-        or a member that takes its share and never fetches, costs ``cross_wait`` once, not per chunk)."""
+        """Region peers that held this node back and did not deliver, for the driver to pass over
+        (leave out of ``region_nodes``, and stop waiting on their claims) until they deliver
+        something to it:
+
+        * a node designated to bring a chunk across that, ``cross_wait`` after the chunk became
+          available outside, neither holds it nor is fetching it, whether or not a neighbour crossed
+          in its place (that neighbour's view may already leave it out; for designations to agree,
+          every node that counted on it must too);
+        * a neighbour whose claim (fetching the chunk, or holding it while choking this node) has
+          not turned into a chunk this node can fetch ``claim_wait`` times ``cross_wait`` after the
+          chunk became available.
+
+        So a dead or slow node, or a member that claims chunks and never serves them, costs each
+        node that waited on it one wait, not one per chunk or per version."""
         nodes = sorted(set(region_nodes) | {self.me})
-        local = [p for p in peers if p.region == self.region]
+        local = {p.peer_id: p for p in peers if p.region == self.region}
         out = set()
         for c in missing:
-            if any(c in p.have or c in p.fetching for p in local):
-                continue
             d = designated(version, c, nodes)
-            if d != self.me and self._overdue(now, c, available_since):
+            p = local.get(d)
+            if d != self.me and p is not None and c not in p.have and c not in p.fetching and \
+                    self._overdue(now, c, available_since):
                 out.add(d)
+            if self._overdue(now, c, available_since, self.claim_wait):
+                out |= {p.peer_id for p in local.values() if p.proven and _claims(p, c)}
         return out
 
-    def _overdue(self, now: float, c: int, available_since: Mapping[int, float]) -> bool:
-        """Whether the chunk's designated crosser had its time (``cross_wait``)."""
-        return now - available_since.get(c, now) >= self.cross_wait
+    def _overdue(self, now: float, c: int, available_since: Mapping[int, float], factor: float = 1.0) -> bool:
+        """Whether ``factor`` times ``cross_wait`` has passed since the chunk became available."""
+        return now - available_since.get(c, now) >= self.cross_wait * factor
 
     def pick(
         self,
@@ -151,9 +178,14 @@ class Picker:
             local = [p for p in holders if p.region == self.region]
             if local:
                 return sorted(local, key=rank)
-            if any(c in p.have or c in p.fetching for p in peers if p.region == self.region):
-                return []  # a neighbour has it or is about to: wait for it rather than cross
-            if designated(version, c, nodes) == self.me or self._overdue(now, c, available_since):
+            here = [p for p in peers if p.region == self.region]
+            if any(c in p.have and not p.choking for p in here):
+                return []  # a neighbour that serves this node has it: wait for a slot rather than cross
+            if any(p.proven and _claims(p, c) for p in here) and \
+                    not self._overdue(now, c, available_since, self.claim_wait):
+                return []  # a neighbour is about to have it: wait for it rather than cross (for a while)
+            overdue = self._overdue(now, c, available_since)
+            if designated(version, c, nodes) == self.me or overdue:
                 return sorted(holders, key=rank)
             return [p for p in holders if p.is_trainer]  # the trainer offered it to this node: take it
 

@@ -55,6 +55,8 @@ class Daemon:
             self.args += ["--tracker", tracker]
         if ttl:
             self.args += ["--lease-ttl", str(ttl)]
+        if level := os.environ.get("SPARROWD_TEST_LOG_LEVEL"):  # e.g. debug, to see every chunk move
+            self.args += ["--log-level", level]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARROWD_", "NOTIFY_SOCKET"))}
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None

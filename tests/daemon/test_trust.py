@@ -220,16 +220,14 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     flood = subprocess.Popen([sys.executable, "-m", "tests.daemon.flood", str(cfg)], stdout=subprocess.PIPE,
                              text=True)
     time.sleep(1.5)
-    # The first version after it joined may pay a one-time cost: the region's peers count on the
-    # newcomer to bring a share of the chunks across and wait cross_wait (3 s) for it before they
-    # pass it over (docs/RELIABILITY.md). After that, the swarm runs at its usual pace.
-    first = time_to_all(3)
-    assert first <= baseline + 3.0 + 1.5, f"the first version under attack took {first:.2f} s"
-    attacked = max(time_to_all(4), time_to_all(5))
+    # It never served anyone, so no honest node counts on it to bring chunks into the region (nor
+    # waits on its claims), and its lies are found out the first time it is asked (docs/RELIABILITY.md).
+    attacked = max(time_to_all(3), time_to_all(4), time_to_all(5))
     idle_from, t_idle = liar.exchanges, time.monotonic()  # no version moves: only long polls reach the liar
     time.sleep(3.0)
     per_second = (liar.exchanges - idle_from) / (time.monotonic() - t_idle) / 3
     codes = json.loads(flood.communicate(timeout=30)[0])
+    print(f"time to all: {baseline:.2f} s alone, {attacked:.2f} s under attack")
     assert attacked <= 1.5 * baseline + 0.5, f"time to all {attacked:.2f} s under attack, {baseline:.2f} s without"
     assert codes.get("429", 0) >= 30, f"in-flight limits did not hold: {codes}"
     assert per_second < 6, f"honest nodes asked the instantly answering liar {per_second:.0f} times a second each"

@@ -68,6 +68,54 @@ def test_a_chunk_crosses_into_a_region_once_unless_the_designated_node_is_slow()
     assert [r.peer_id for r in got] == ["far"]
 
 
+def test_a_designated_node_that_does_not_cross_is_reported_even_when_a_neighbour_crossed_in_its_place():
+    region = ["n1", "n2", "idle"]
+    c = next(c for c in range(40) if designated(7, c, region) == "idle")
+    p = Picker("n1", "eu", cross_wait=3.0)
+
+    def stalled(now, *, neighbour_fetching=(), idle_fetching=()):
+        views = [PeerView("far", "us", {c}), PeerView("n2", "eu", set(), fetching=set(neighbour_fetching)),
+                 PeerView("idle", "eu", set(), fetching=set(idle_fetching))]
+        return p.stalled(now, version=7, missing=[c], peers=views, region_nodes=region, available_since={c: 0.0})
+
+    assert stalled(2.9) == set()  # it still has time
+    assert stalled(3.0) == {"idle"}
+    # n2 already crossed for it (its view left "idle" out): n1 must leave it out too, or the two
+    # nodes' designations disagree and each waits on a node the other does not count on.
+    assert stalled(3.0, neighbour_fetching={c}) == {"idle"}
+    assert stalled(3.0, idle_fetching={c}) == set()  # it is on it: not stalled
+    # A chunk designated to this node itself is never a reason to report anyone.
+    mine = next(c for c in range(40) if designated(7, c, region) == "n1")
+    assert p.stalled(9.0, version=7, missing=[mine], peers=[PeerView("far", "us", {mine})], region_nodes=region,
+                     available_since={mine: 0.0}) == set()
+
+
+def test_a_neighbours_claim_holds_a_node_back_only_while_it_is_worth_waiting_for():
+    region = ["n1", "n2"]
+    c = next(c for c in range(40) if designated(7, c, region) == "n2")  # n2 is to bring it across
+    far = PeerView("far", "us", {c})
+    p = Picker("n1", "eu", cross_wait=3.0)  # claim_wait: two cross_waits
+
+    def pick(now, n2):
+        return [r.peer_id for r in p.pick(now, version=7, missing=[c], inflight={}, peers=[far, n2],
+                                          region_nodes=region, available_since={c: 0.0})]
+
+    def stalled(now, n2):
+        return p.stalled(now, version=7, missing=[c], peers=[far, n2], region_nodes=region, available_since={c: 0.0})
+
+    fetching = PeerView("n2", "eu", set(), fetching={c})
+    choking = PeerView("n2", "eu", {c}, choking=True)
+    for claim in (fetching, choking):
+        assert pick(5.9, claim) == [] and stalled(5.9, claim) == set()  # it is about to have it: wait
+        assert pick(6.0, claim) == ["far"] and stalled(6.0, claim) == {"n2"}  # it did not: cross, pass it over
+    # A neighbour that has never served this node is not waited on: its claim could be a lie.
+    unproven = PeerView("n2", "eu", set(), fetching={c}, proven=False)
+    assert pick(3.0, unproven) == ["far"] and stalled(6.0, unproven) == set()
+    # One that holds the chunk and serves this node is: the node waits for a slot, however long.
+    busy = PeerView("n2", "eu", {c}, inflight=2, slots=2)
+    assert pick(60.0, busy) == [] and stalled(60.0, busy) == set()
+
+
 def test_endgame_duplicates_the_last_requests_and_respects_slots():
     peers = [PeerView(x, "eu", {0, 1, 2}, slots=4) for x in ("a", "b", "c")]
     p = Picker("me", "eu", endgame_left=4)
