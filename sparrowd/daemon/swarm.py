@@ -170,6 +170,7 @@ class Swarm:
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
+        self.counted: dict[Key, frozenset[str]] = {}  # the region's peers counted on, per version (_counted)
         self.up = TokenBucket(upload_rate)
         self.down = TokenBucket(download_rate)
         self.wan_up = TokenBucket(wan_upload_rate)
@@ -775,8 +776,7 @@ class Swarm:
         now = time.monotonic()
         if now < self.store_paused_until:
             return
-        served = any(p.delivered for p in self._neighbours())
-        region_nodes = [self.daemon.node_id] + [p.node_id for p in self._neighbours() if self._proven(p, served)]
+        self.counted = {k: c for k, c in self.counted.items() if k in self.versions and not self.versions[k].complete}
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -784,6 +784,9 @@ class Swarm:
             missing = vs.missing()
             if not missing:
                 continue
+            if (counted := self.counted.get(k)) is None:
+                counted = self.counted[k] = self._counted()
+            region_nodes = [self.daemon.node_id] + [p for p in counted if p in self.peers and not self.peers[p].stalled]
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
@@ -791,7 +794,7 @@ class Swarm:
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now),
-                              proven=self._proven(p, served))
+                              proven=p.node_id in counted and not p.stalled)
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             since = {i: self.available_since.get((k, i), now) for i in missing}
@@ -811,22 +814,20 @@ class Swarm:
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
 
-    def _neighbours(self) -> list[PeerState]:
-        return [p for p in self.peers.values() if p.region == self.daemon.settings.region and p.role != "trainer"]
-
-    @staticmethod
-    def _proven(ps: PeerState, served: bool) -> bool:
-        """Whether this node counts on a peer of its region: to share the region's cross-region
-        fetches (the picker's rendezvous designation) and to deliver what it claims to be fetching.
-        It must have sent this node chunks (any neighbour will do while none has, ``served`` false:
-        a swarm just formed), and not have held this node back since (``Picker.stalled``). A member
-        that never serves (a dead box, or a hostile member) would otherwise cost the region
-        ``cross_wait`` the first time each node counted on it. Views differ between nodes (who
-        served whom); a node that counts on fewer peers crosses for more chunks itself, which costs
-        a duplicate crossing, never a wait."""
-        if ps.stalled:
-            return False
-        return ps.delivered > 0 or not served
+    def _counted(self) -> frozenset[str]:
+        """The peers of this node's region it counts on for a version, fixed when it starts fetching
+        the version: to share the region's cross-region fetches (the picker's rendezvous
+        designation) and to deliver what they claim to be fetching. A peer is counted on once it
+        has sent this node chunks (every peer is while none has: a swarm just formed), and for the
+        version only until it holds this node back (``Picker.stalled``). A member that never
+        serves (a dead box, or a hostile member) would otherwise cost the region ``cross_wait``
+        the first time each node counted on it. Views differ between nodes (who served whom); a
+        node that counts on fewer peers crosses for more chunks itself, which costs a duplicate
+        crossing, never a wait. Fixed per version so that designations do not move under a
+        version in flight (they would, as peers deliver their first chunks)."""
+        mine = [p for p in self.peers.values() if p.region == self.daemon.settings.region and p.role != "trainer"]
+        served = any(p.delivered for p in mine)
+        return frozenset(p.node_id for p in mine if p.delivered or not served)
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)
