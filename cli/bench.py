@@ -60,9 +60,11 @@ def register_swarm(bs) -> None:
                                   "measure star distribution (every node pulls from the trainer) in the same run.")
     s.add_argument("--nodes", type=int, default=16, help="rollout daemons (default 16)")
     s.add_argument("--regions", type=int, default=4, help="regions (default 4)")
-    s.add_argument("--patch-mib", type=int, default=64, help="patch size in MiB (default 64)")
+    s.add_argument("--patch-mib", type=float, default=64, help="patch size in MiB (default 64)")
     s.add_argument("--versions", type=int, default=2, help="versions to publish (default 2)")
-    s.add_argument("--chunk", default="2M", help="chunk size (default 2M)")
+    s.add_argument("--chunk", default="auto",
+                   help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
+                        "256K and 2M)")
     s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
     s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
     s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import check_start, http_call, published_state, tracker_status
+from sparrowd.daemon.calls import check_start, http_call, publish_file, published_state, tracker_status
 from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
-from sparrowd.swarm.chain import Key
 from sparrowd.swarm.leases import ROLES
 
 from .status import render_status
@@ -358,24 +357,6 @@ def _count(n: int, noun: str) -> str:
 # ---------------------------------------------------------------- publish
 
 
-def _publish_file(path, daemon: str, token: str):
-    """Send a patch file's chunks, then its manifest; returns (manifest, bytes newly taken, new)."""
-    from sparrowd.delta import open_patch
-
-    base = daemon.rstrip("/")
-    with open_patch(path) as view:
-        view.verify_chunks()
-        m = view.manifest
-        sent = 0
-        for i, data in enumerate(view.chunks):
-            key = Key(m.version, m.base_version is None)
-            r = http_call(f"{base}/v1/publish/{key.tag}/chunk/{i}", token, method="POST", data=bytes(data),
-                          timeout=60.0)
-            sent += len(data) if r.get("new") else 0
-        r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=60.0)
-    return m, sent, bool(r.get("new"))
-
-
 def _publish_anchor(src: Path, version: int, state: Path, args, token: str) -> None:
     from sparrowd.current import model_files
     from sparrowd.delta import diff_files
@@ -384,7 +365,7 @@ def _publish_anchor(src: Path, version: int, state: Path, args, token: str) -> N
     try:
         diff_files(None, src, path, values=args.values, version=version,
                    files=model_files(src) if src.is_dir() else None)
-        m, _, _ = _publish_file(path, args.daemon, token)
+        m, _, _ = publish_file(path, args.daemon, token)
     finally:
         path.unlink(missing_ok=True)
     print(f"anchor {version} published from {src}: {_count(len(m.chunks), 'chunk')}, {m.patch_bytes} bytes")
@@ -445,7 +426,7 @@ def _publish_checkpoint(args, token: str) -> int:
     patch = state / f"v{args.version}.sprw"
     try:
         diff_files(old, src, patch, values=args.values, version=args.version, base_version=last)
-        m, sent, new = _publish_file(patch, args.daemon, token)
+        m, sent, new = publish_file(patch, args.daemon, token)
     finally:
         patch.unlink(missing_ok=True)
     keep()  # only once the daemon took the manifest: a failed publish leaves the base as it was
@@ -465,7 +446,7 @@ def cmd_publish(args) -> int:
         raise InputError("give a PATCH file or --checkpoint DIR, one of the two")
     if args.checkpoint:
         return _publish_checkpoint(args, token)
-    m, sent, new = _publish_file(args.patch, args.daemon, token)
+    m, sent, new = publish_file(args.patch, args.daemon, token)
     state = "published" if new else "was already published"
     print(f"version {m.version} (base {m.base_version}) {state}: {_count(len(m.chunks), 'chunk')}, "
           f"{m.patch_bytes} bytes, {sent} sent now")

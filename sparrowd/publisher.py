@@ -61,7 +61,7 @@ import numpy as np
 from .codec.bits import RawTensor
 from .codec.chunk import ULP
 from .codec.extract import diff_fingerprint, fingerprint
-from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder
+from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
 from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
@@ -159,7 +159,7 @@ class _Pending:
 
 class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
-                 values: str = ULP, dtype: str = "bfloat16", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 values: str = ULP, dtype: str = "bfloat16", chunk_size: int | None = None,
                  anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0,
                  model_files: str | Path | None = None):
         torch = _torch()
@@ -173,6 +173,7 @@ class Publisher:
         self.daemon = daemon.rstrip("/")
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
+        self._last_patch_bytes: int | None = None  # the size of the last patch published (chunk sizing)
         self.anchor_every = anchor_every
         self.model_files = Path(model_files) if model_files is not None else None
         if self.model_files is not None and not self.model_files.is_dir():
@@ -306,7 +307,7 @@ class Publisher:
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version)
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
-                           chunk_size=self.chunk_size)
+                           chunk_size=self._patch_chunk_size())
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
 
@@ -403,11 +404,23 @@ class Publisher:
             self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved)
             raise
         self._advance(version, updates)
+        self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
         if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
             a = self._publish_anchor(version)
             stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
         return stats
+
+    def _patch_chunk_size(self) -> int:
+        """``chunk_size`` if given; else sized for the patch (``auto_chunk_size``), which is expected to
+        be about as large as the last one, or, for the first, 1% of the elements at 11 bits each (an
+        RL step in ``ulp``)."""
+        if self.chunk_size:
+            return self.chunk_size
+        expected = self._last_patch_bytes
+        if expected is None:
+            expected = sum(t.bits.numel() for t in self._last.values()) // 100 * 11 // 8
+        return auto_chunk_size(expected)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -486,7 +499,8 @@ class Publisher:
         tensors = self._last if tensors is None else tensors
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=None)
-        enc = PatchEncoder(version=version, base_version=None, values=self.values, chunk_size=self.chunk_size)
+        enc = PatchEncoder(version=version, base_version=None, values=self.values,
+                           chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE)
         stream = _Stream(self, Key(version, True), stats, t_start)
         # Two stages: this thread encodes, the worker hands chunks off in order; a few tensors'
         # chunks at most wait between them.

@@ -40,8 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from ..codec.bits import RawTensor
-from ..codec.patch import encode_patch
+from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
+from ..daemon.calls import publish_file
 from ..localswarm import free_port
 from ..units import format_bytes, parse_size
 from . import write_json
@@ -165,7 +166,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
     return time.monotonic() - t0
 
 
-def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int = 2, chunk: str = "2M",
+def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning") -> int:
@@ -191,7 +192,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
     patches = []
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
-        _write_patch(p, v, patch_mib * MB, parse_size(chunk), rng)
+        size = int(patch_mib * MB)
+        _write_patch(p, v, size, auto_chunk_size(size) if chunk == "auto" else parse_size(chunk), rng)
         patches.append(p)
     results = []
     try:
@@ -232,11 +234,10 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: int = 64, versions: int
         for p in patches:
             view = parse_patch(p.read_bytes())
             m = view.manifest
+            # Published from this process (as `sparrowd publish` does it): a command's own start-up,
+            # a few tenths of a second on this machine, is not the swarm's time.
             t0, cpu0 = time.monotonic(), _cpu_seconds(procs.procs)
-            r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "publish", str(p), "--daemon", direct,
-                                "--token-file", str(token_file)], capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(r.stderr.strip())
+            publish_file(p, direct, token)
             trainer_done = None
 
             def everyone_holds() -> bool:

@@ -48,6 +48,26 @@ def http_call(url: str, token: str | None, *, method: str = "GET", timeout: floa
         raise SparrowError(f"{url}: the reply is not JSON") from None
 
 
+def publish_file(path, daemon: str, token: str, *, timeout: float = 60.0):
+    """Hand a patch file to the trainer's daemon: its chunks (checked against the manifest first),
+    then its manifest. Returns (manifest, bytes the daemon newly took, whether the version is new)."""
+    from ..delta import open_patch
+    from ..swarm.chain import Key
+
+    base = daemon.rstrip("/")
+    with open_patch(path) as view:
+        view.verify_chunks()
+        m = view.manifest
+        key = Key(m.version, m.base_version is None)
+        sent = 0
+        for i, data in enumerate(view.chunks):
+            r = http_call(f"{base}/v1/publish/{key.tag}/chunk/{i}", token, method="POST", data=bytes(data),
+                          timeout=timeout)
+            sent += len(data) if r.get("new") else 0
+        r = http_call(f"{base}/v1/publish/manifest", token, method="POST", data=view.manifest_bytes, timeout=timeout)
+    return m, sent, bool(r.get("new"))
+
+
 def tracker_status(tracker: str, token: str, *, timeout: float = 5.0) -> dict:
     """The tracker's status snapshot (docs/STATUS.md)."""
     snap = http_call(f"{tracker.rstrip('/')}/v1/tracker/status", token, timeout=timeout)

@@ -11,7 +11,7 @@ import torch
 from sparrowd import Publisher
 from sparrowd.codec.bits import RawTensor
 from sparrowd.codec.manifest import Manifest
-from sparrowd.codec.patch import apply_patch
+from sparrowd.codec.patch import apply_patch, auto_chunk_size
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.signing import Signed
 from tests.daemon.harness import get, status, wait_for
@@ -57,6 +57,8 @@ def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster, compare):
         assert stats.version == step and stats.base_version == step - 1
         assert 0 < stats.elements_changed < stats.elements and stats.chunks >= 1
         assert stats.first_chunk_seconds is not None and stats.patch_bytes > 0
+        # The next patch is cut for the size of this one.
+        assert pub._patch_chunk_size() == auto_chunk_size(stats.patch_bytes)
     with pytest.raises(InputError, match="does not follow"):
         pub.publish(model, version=3)
 
