@@ -478,7 +478,7 @@ class Swarm:
         """What this node shows a peer of a version: all it holds, or the super-seed's offer."""
         if self.signer is None:
             return vs.have
-        if self._choking_active() and remote.node_id not in self.unchoked:
+        if not self._may_download(remote):
             return set()  # no assignments to a peer that cannot fetch them now
         if not self.daemon.settings.super_seed:  # peers that cannot reach each other: everyone gets everything
             return vs.have
@@ -525,12 +525,19 @@ class Swarm:
             out.append({"version": k.version, "anchor": k.anchor,
                         "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
-        reply = {"gen": self.gen, "versions": out, "choked": remote.node_id not in self.unchoked and
-                 self._choking_active()}
+        if any(vs.have - remote.have.get(k, set()) for k, vs in self.versions.items()):
+            choked = not self._may_download(remote)  # it wants something: a free slot is its now
+        else:
+            choked = self._choking_active() and remote.node_id not in self.unchoked
+        reply = {"gen": self.gen, "versions": out, "choked": choked}
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
     def _choking_active(self) -> bool:
         return len([r for r in self.remotes.values() if time.monotonic() - r.last_seen < 30]) > self.choker.slots
+
+    def _may_download(self, remote: Remote) -> bool:
+        """Unchoked, or given a slot left free since the last decision (``Choker.admit``)."""
+        return not self._choking_active() or self.choker.admit(self.unchoked, remote.node_id)
 
     async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -544,7 +551,7 @@ class Swarm:
         vs = self.versions.get(key)
         if vs is None or i not in vs.have:
             return web.json_response({"error": "not held"}, status=404)
-        if self._choking_active() and remote.node_id not in self.unchoked:
+        if not self._may_download(remote):
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)

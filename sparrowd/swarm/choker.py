@@ -6,7 +6,9 @@ holds everything (a seed) gives them to the peers it uploads to fastest,
 which finishes them soonest. One more slot, the optimistic unchoke, goes to a
 random other interested peer and moves every ``optimistic_interval``
 seconds, so newcomers with nothing to give get a start and faster partners
-are found. Pure: ``decide(now, ...)`` returns the unchoked set.
+are found. Between decisions, a slot left free (fewer peers were interested)
+goes to the first peer that asks (``admit``). Pure: ``decide(now, ...)``
+returns the unchoked set.
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ class Choker:
     rng: random.Random = field(default_factory=random.Random)
     _optimistic: str | None = None
     _optimistic_since: float = float("-inf")
+
+    def admit(self, unchoked: set[str], peer_id: str) -> bool:
+        """Whether ``peer_id`` may download now: it is unchoked, or a slot is free (the last decision
+        found fewer interested peers than slots), which it then takes (added to ``unchoked``). A
+        peer that became interested since the last decision (this node just got a chunk it lacks)
+        is served at once rather than at the next one: waiting a decision period per hop is what
+        made small patches slow in swarms of more than ``slots`` peers."""
+        if peer_id in unchoked:
+            return True
+        if len(unchoked) < self.slots:
+            unchoked.add(peer_id)
+            return True
+        return False
 
     def decide(self, now: float, peers: list[ChokerPeer], *, seed: bool) -> set[str]:
         interested = [p for p in peers if p.interested]
