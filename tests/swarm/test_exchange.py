@@ -156,6 +156,19 @@ def test_choker_tit_for_tat_and_a_rotating_optimistic_unchoke():
     assert Choker(slots=4).decide(0.0, peers[:3], seed=False) == {"p0", "p1", "p2"}
 
 
+def test_a_slot_left_free_goes_to_the_first_peer_that_asks_before_the_next_decision():
+    c = Choker(slots=3)
+    # Nobody was interested at the last decision (the version had just started): nobody unchoked.
+    unchoked = c.decide(0.0, [ChokerPeer(f"p{i}", False) for i in range(6)], seed=False)
+    assert unchoked == set()
+    # This node gets its first chunk; the peers that ask are served at once, up to the slots.
+    assert [c.admit(unchoked, f"p{i}") for i in range(5)] == [True, True, True, False, False]
+    assert unchoked == {"p0", "p1", "p2"} and c.admit(unchoked, "p1")
+    # The next decision ranks them again, by what they give.
+    peers = [ChokerPeer(f"p{i}", True, rate_from=i * 10.0) for i in range(6)]
+    assert {"p5", "p4"} <= c.decide(1.0, peers, seed=False)
+
+
 def test_super_seed_gives_distinct_chunks_before_repeating_any():
     s = SuperSeed(chunks=8, per_peer=1, regive_after=5.0, claim_within=100.0, rng=random.Random(0))
     offers = [s.offer(0.0, f"n{i}", set(), {}) for i in range(8)]
