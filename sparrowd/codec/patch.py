@@ -60,6 +60,7 @@ __all__ = [
 
 DEFAULT_CHUNK_SIZE = 2 << 20
 MIN_CHUNK_SIZE = 4 << 10
+DEFAULT_LEVEL = 3
 AUTO_CHUNKS = 16  # chunks a patch is cut into by default, between the two sizes below
 MIN_AUTO_CHUNK_SIZE = 256 << 10
 
@@ -72,7 +73,6 @@ def auto_chunk_size(expected_bytes: int) -> int:
     request (a 64 MiB patch in 512 KiB chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md."""
     size = min(DEFAULT_CHUNK_SIZE, max(MIN_AUTO_CHUNK_SIZE, int(expected_bytes) // AUTO_CHUNKS))
     return size // (4 << 10) * (4 << 10)
-DEFAULT_LEVEL = 3
 
 
 class PatchEncoder:

@@ -1,6 +1,7 @@
 """The membership loop against an in-process tracker with a fake failure switch: no sockets."""
 
 import asyncio
+import statistics
 import time
 
 import msgpack
@@ -53,7 +54,11 @@ async def test_renews_about_every_third_of_the_ttl_and_rejoins_when_the_lease_is
         renews = [t for name, t in calls if name == "renew"]
         gaps = [b - a for a, b in zip(renews, renews[1:])]
         assert len(renews) >= 10
-        assert all(0.8 * TTL / 3 <= g <= 1.1 * TTL / 3 + 0.05 for g in gaps), gaps  # jittered, never late
+        # Jittered around a third of the TTL and never early; late only by a hiccup (the event loop of
+        # a loaded 2-CPU machine wakes a sleeper 0.1-0.2 s late now and then), while the median holds
+        # the schedule to 10%.
+        assert all(0.8 * TTL / 3 - 0.01 <= g <= 1.1 * TTL / 3 + 0.25 for g in gaps), gaps
+        assert 0.85 * TTL / 3 <= statistics.median(gaps) <= 1.1 * TTL / 3, gaps
         assert len({round(g, 3) for g in gaps}) > 1  # jitter: not lock-step
         assert service.table.get("a", time.time()).versions == (4,)
 
