@@ -12,6 +12,7 @@ indices and decisions out; the chunk store does the I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,13 +138,32 @@ def check_kind(m: Manifest, anchor: bool) -> None:
 
 def to_bitmap(indices, n: int) -> bytes:
     """A have-map: bit i (big-endian within bytes) set when chunk i is held."""
+    return _to_bitmap_cached(frozenset(indices), n) if n <= _CACHED_CHUNKS else _to_bitmap(indices, n)
+
+
+def from_bitmap(data: bytes, limit: int = MAX_CHUNKS_PER_VERSION) -> frozenset[int]:
+    """The chunk indices a have-map sets."""
+    if len(data) * 8 > limit + 7:
+        raise FormatError(f"have-map of {len(data)} bytes exceeds {limit} chunks")
+    data = bytes(data)
+    return _from_bitmap_cached(data) if len(data) * 8 <= _CACHED_CHUNKS else _from_bitmap(data)
+
+
+def _to_bitmap(indices, n: int) -> bytes:
     bits = np.zeros(n, dtype=bool)
     idx = np.fromiter((i for i in indices if 0 <= i < n), dtype=np.int64)
     bits[idx] = True
     return np.packbits(bits).tobytes()
 
 
-def from_bitmap(data: bytes, limit: int = MAX_CHUNKS_PER_VERSION) -> set[int]:
-    if len(data) * 8 > limit + 7:
-        raise FormatError(f"have-map of {len(data)} bytes exceeds {limit} chunks")
-    return set(np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8))).tolist())
+def _from_bitmap(data: bytes) -> frozenset[int]:
+    return frozenset(np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8))).tolist())
+
+
+# Every exchange carries a have-map per retained version, mostly the same ones again (a node's
+# have-maps change when it stores a chunk, and it sends them to every peer): numpy's fixed cost per
+# call was a tenth of a daemon's CPU while a small version moved (docs/PERFORMANCE.md). Maps of up to
+# 256 chunks are cached (a few MB at most); larger ones are converted each time.
+_CACHED_CHUNKS = 256
+_to_bitmap_cached = functools.lru_cache(maxsize=1024)(_to_bitmap)
+_from_bitmap_cached = functools.lru_cache(maxsize=1024)(_from_bitmap)

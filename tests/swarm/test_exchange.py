@@ -6,10 +6,12 @@ import random
 
 import pytest
 
+from sparrowd.swarm import versions
 from sparrowd.swarm.choker import Choker, ChokerPeer
 from sparrowd.swarm.picker import PeerView, Picker, designated, slots_for_rate
 from sparrowd.swarm.rate import Rate
 from sparrowd.swarm.superseed import SuperSeed
+from sparrowd.swarm.versions import from_bitmap, to_bitmap
 
 
 def test_rarest_first_with_random_order_among_equals():
@@ -318,3 +320,17 @@ def test_super_seed_gives_nothing_to_untrusted_peers_and_rests_a_peer_that_let_a
     s.grow(4)
     assert s.offer(4.0, "idle", set(), {}) == set()
     assert s.offer(34.0, "idle", set(), {}) == {2, 3}  # rested long enough: trusted with chunks again
+
+
+def test_have_maps_round_trip_at_every_size_and_small_ones_are_cached():
+    rng = random.Random(5)
+    for n in (1, 7, 8, 9, 255, 256, 257, 4096):
+        have = {i for i in range(n) if rng.random() < 0.4}
+        data = to_bitmap(have, n)
+        assert len(data) == (n + 7) // 8 and from_bitmap(data) == have
+        assert to_bitmap(sorted(have), n) == data and to_bitmap(iter(have), n) == data  # any iterable
+        assert to_bitmap(have | {n, n + 5, -1}, n) == data  # indices outside the version are left out
+    assert from_bitmap(bytes([0b1010_0000])) == {0, 2}
+    hits = versions._to_bitmap_cached.cache_info().hits
+    assert to_bitmap({0, 2}, 8) == to_bitmap([2, 0], 8)  # the second from the cache
+    assert versions._to_bitmap_cached.cache_info().hits >= hits + 1
