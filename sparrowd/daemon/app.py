@@ -57,7 +57,7 @@ from .engine import EngineServer
 from .folder import FolderKeeper
 from .follow import VllmFollower
 from .leasedb import SqliteLeaseStore
-from .logs import event
+from .logs import Throttle, event
 from .membership import (
     MAX_TRACKER_MESSAGE,
     MSGPACK,
@@ -153,8 +153,8 @@ class Daemon:
         self.key: NodeKey | None = None
         self._credentials_seen: dict[str, Credential | None] = {}  # credential text -> claims (None: bad)
         self.engines: EngineServer | None = None
-        self._last_unauthorized_log: dict[str, float] = {}
-        self._last_flood_log: dict[str, float] = {}
+        self._unauthorized_log = Throttle(_UNAUTHORIZED_LOG_EVERY)  # a warning per address, not per request
+        self._flood_log = Throttle(_UNAUTHORIZED_LOG_EVERY)
         self._inflight: collections.Counter = collections.Counter()
         self._tracker_event = asyncio.Event()  # set (and replaced) whenever the lease table changes
 
@@ -485,11 +485,7 @@ class Daemon:
         if not ok:
             self.metrics.unauthorized += 1
             peer = request.remote or "?"
-            now = time.monotonic()
-            if now - self._last_unauthorized_log.get(peer, -1e9) >= _UNAUTHORIZED_LOG_EVERY:
-                if len(self._last_unauthorized_log) > 4096:  # many addresses: forget, never grow without bound
-                    self._last_unauthorized_log.clear()
-                self._last_unauthorized_log[peer] = now
+            if self._unauthorized_log.due(peer, time.monotonic()):
                 event(log, logging.WARNING, "refused a request without the swarm token", remote=peer,
                       method=request.method, path=request.path[:100])
             return web.json_response({"error": "unauthorized"}, status=401)
@@ -499,11 +495,7 @@ class Daemon:
         peer = (addr, request.headers.get(NODE_HEADER, "")[:64])
         if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or self._inflight[addr] >= MAX_INFLIGHT_PER_ADDRESS:
             self.metrics.requests[(_route(request), 429)] += 1
-            now = time.monotonic()
-            if now - self._last_flood_log.get(addr, -1e9) >= _UNAUTHORIZED_LOG_EVERY:
-                if len(self._last_flood_log) > 4096:
-                    self._last_flood_log.clear()
-                self._last_flood_log[addr] = now
+            if self._flood_log.due(addr, time.monotonic()):
                 event(log, logging.WARNING, "refused requests over the in-flight limit", remote=addr,
                       node=peer[1] or "?", path=request.path[:100])
             return web.json_response({"error": "too many requests in flight from this peer"}, status=429)

@@ -13,11 +13,29 @@ import logging
 import sys
 import time
 
-__all__ = ["setup_logging", "event"]
+__all__ = ["setup_logging", "event", "Throttle"]
 
 
 def event(log: logging.Logger, level: int, msg: str, **fields) -> None:
     log.log(level, msg, extra={"fields": fields})
+
+
+class Throttle:
+    """At most one log line per key (an address, a refusal reason) every ``every`` seconds, so that a
+    flood is reported without flooding the log; forgets every key past ``keys`` of them rather than
+    grow without bound."""
+
+    def __init__(self, every: float = 10.0, keys: int = 4096):
+        self.every, self.keys = every, keys
+        self._last: dict = {}
+
+    def due(self, key, now: float) -> bool:
+        if now - self._last.get(key, float("-inf")) < self.every:
+            return False
+        if len(self._last) >= self.keys:
+            self._last.clear()
+        self._last[key] = now
+        return True
 
 
 def _ts(record: logging.LogRecord) -> str:

@@ -58,7 +58,7 @@ from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_ki
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import ChunkRef, VersionState, announce_body, check_kind, from_bitmap, to_bitmap
 from .bodies import read_limited
-from .logs import event
+from .logs import Throttle, event
 from .membership import outgoing
 from .store import ChunkStore
 
@@ -159,7 +159,7 @@ class Swarm:
         self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
         self.lies = 0  # chunks peers advertised and did not serve
         self._proofs_ok: dict[tuple[str, str], float] = {}  # (node, proof) -> checked at
-        self._refusal_logged: dict[str, float] = {}
+        self._refusal_log = Throttle(10.0)  # a warning per refusal reason every 10 s
         self.gen = 0
         self._changed = asyncio.Event()
         self._waiters = asyncio.Condition()
@@ -453,9 +453,7 @@ class Swarm:
 
     def _refuse(self, request: web.Request, node: str, reason: str, status: int, text: str) -> web.Response:
         self.refused[reason] += 1
-        now = time.monotonic()
-        if reason != "unknown" and now - self._refusal_logged.get(reason, -1e9) >= 10.0:
-            self._refusal_logged[reason] = now
+        if reason != "unknown" and self._refusal_log.due(reason, time.monotonic()):
             event(log, logging.WARNING, "refused a peer request", reason=reason, node=node or "?",
                   remote=request.remote or "?", path=request.path[:100])
         return web.json_response({"error": text}, status=status, headers={"Retry-After": "1"})
@@ -525,7 +523,7 @@ class Swarm:
             out.append({"version": k.version, "anchor": k.anchor,
                         "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
-        if any(vs.have - remote.have.get(k, set()) for k, vs in self.versions.items()):
+        if self._wants(remote):
             choked = not self._may_download(remote)  # it wants something: a free slot is its now
         else:
             choked = self._choking_active() and remote.node_id not in self.unchoked
@@ -534,6 +532,10 @@ class Swarm:
 
     def _choking_active(self) -> bool:
         return len([r for r in self.remotes.values() if time.monotonic() - r.last_seen < 30]) > self.choker.slots
+
+    def _wants(self, remote: Remote) -> bool:
+        """Whether this node holds a chunk the peer lacks (as far as its last exchange told)."""
+        return any(vs.have - remote.have.get(k, frozenset()) for k, vs in self.versions.items())
 
     def _may_download(self, remote: Remote) -> bool:
         """Unchoked, or given a slot left free since the last decision (``Choker.admit``)."""
@@ -604,9 +606,8 @@ class Swarm:
             for r in self.remotes.values():
                 if now - r.last_seen > 30:
                     continue
-                wants = any(vs.have - r.have.get(k, set()) for k, vs in self.versions.items())
                 p = self.peers.get(r.node_id)
-                peers.append(ChokerPeer(r.node_id, wants, rate_from=p.rate.rate(now) if p else 0.0,
+                peers.append(ChokerPeer(r.node_id, self._wants(r), rate_from=p.rate.rate(now) if p else 0.0,
                                         rate_to=r.rate_to.rate(now)))
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
@@ -793,7 +794,9 @@ class Swarm:
                 continue
             if (counted := self.counted.get(k)) is None:
                 counted = self.counted[k] = self._counted()
-            region_nodes = [self.daemon.node_id] + [p for p in counted if p in self.peers and not self.peers[p].stalled]
+            # Counted on for this version, less those that held this node back since it started.
+            trusted = {p for p in counted if p in self.peers and not self.peers[p].stalled}
+            region_nodes = [self.daemon.node_id, *trusted]
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
@@ -801,7 +804,7 @@ class Swarm:
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now),
-                              proven=p.node_id in counted and not p.stalled)
+                              proven=p.node_id in trusted)
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             since = {i: self.available_since.get((k, i), now) for i in missing}
