@@ -118,6 +118,7 @@ class LeaseTable:
         self._store = store
         self._nodes: dict[str, Node] = {}
         self._all, self._regions = _Index(), {}  # node ids, all and by region: peers() samples them
+        self._trainers = _Index()  # every peer list names them
         self._meta = _Meta()
         if store is not None:
             nodes, meta = store.load()
@@ -229,7 +230,15 @@ class LeaseTable:
         self, node_id: str, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT,
         rng: random.Random | None = None
     ) -> list[Node]:
-        """Live nodes other than ``node_id``: its region first, then the others, at most ``limit``.
+        """Live nodes other than ``node_id``, at most ``limit``: the trainer, then its region, then the
+        others, with a quarter of the list kept for other regions.
+
+        The trainer is on every list: it is where every chunk starts, and its super-seeding
+        hands first copies to peers of every region. A quarter goes to other regions even when the
+        node's region alone could fill the list, so that every region's nodes know holders
+        outside it: with lists filled region-first, a region of more than ``limit`` nodes knew
+        nobody outside it, and only the trainer's region ever received anything (found by
+        ``sparrowd bench sim`` at 1,000 nodes in 8 regions).
 
         Each group is a uniform random sample (``rng``), so that nodes asking at the same time do
         not all pick the same few peers. It costs O(limit), not O(nodes): every renewal asks.
@@ -241,10 +250,17 @@ class LeaseTable:
             n = self._nodes.get(i)
             return n if n is not None and i != node_id and n.expires_at > now else None
 
-        same = _sample(self._regions.get(region, _Index()).items, limit, live, rng)
-        other = _sample(self._all.items, limit - len(same),
-                        lambda i: n if (n := live(i)) is not None and n.region != region else None, rng)
-        return same + other
+        def live_rollout(i: str) -> Node | None:
+            return n if (n := live(i)) is not None and n.role != "trainer" else None
+
+        trainers = [n for i in self._trainers.items if (n := live(i)) is not None][:limit]
+        k = limit - len(trainers)
+        region_ix = self._regions.get(region, _Index())
+        far = min(k // 4, len(self._all.items) - len(region_ix.items))
+        same = _sample(region_ix.items, k - far, live_rollout, rng)
+        other = _sample(self._all.items, k - len(same),
+                        lambda i: n if (n := live_rollout(i)) is not None and n.region != region else None, rng)
+        return trainers + same + other
 
     @property
     def latest_version(self) -> int | None:
@@ -284,6 +300,10 @@ class LeaseTable:
         self._nodes[node.node_id] = node
         self._all.add(node.node_id)
         self._regions.setdefault(node.region, _Index()).add(node.node_id)
+        if node.role == "trainer":
+            self._trainers.add(node.node_id)
+        else:
+            self._trainers.remove(node.node_id)
 
     def _put(self, node: Node) -> None:
         self._index(node)
@@ -294,6 +314,7 @@ class LeaseTable:
         node = self._nodes.pop(node_id, None)
         if node is not None:
             self._all.remove(node_id)
+            self._trainers.remove(node_id)
             self._regions[node.region].remove(node_id)
             if not self._regions[node.region].items:
                 del self._regions[node.region]

@@ -33,12 +33,13 @@ reported by :meth:`Picker.stalled`, and left out of the designation from then on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PeerView", "Request", "Picker", "designated", "slots_for_rate"]
+__all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "slots_for_rate"]
 
 
 def _claims(p: PeerView, c: int) -> bool:
@@ -68,14 +69,35 @@ class Request:
     duplicate: bool = False
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _score(version: int | str, index: int, node: str) -> bytes:
+    return hashlib.blake2b(f"{version}/{index}/{node}".encode(), digest_size=8).digest()
+
+
 def designated(version: int | str, index: int, nodes: Iterable[str]) -> str | None:
-    """Rendezvous hashing: the node of a region that fetches this chunk across the boundary."""
+    """Rendezvous hashing: the node of a region that fetches this chunk across the boundary. (Scores
+    are cached: every scheduling pass asks again for every missing chunk.)"""
     best, best_key = None, b""
     for n in nodes:
-        key = hashlib.blake2b(f"{version}/{index}/{n}".encode(), digest_size=8).digest()
+        key = _score(version, index, n)
         if best is None or key > best_key:
             best, best_key = n, key
     return best
+
+
+def count_on(neighbours: Iterable[tuple[str, int]]) -> frozenset[str]:
+    """The peers of this node's region it counts on for a version (to share the region's
+    cross-region fetches, the rendezvous designation, and to deliver what they claim to be
+    fetching), from ``(peer id, chunks it has sent this node)`` for each non-trainer peer of the
+    region: those that have sent it chunks, or all of them while none has (a swarm just formed).
+    A member that never serves (a dead box, or a hostile member) would otherwise cost the region
+    ``cross_wait`` the first time each node counted on it. Views differ between nodes (who served
+    whom); a node that counts on fewer peers crosses for more chunks itself, which costs a duplicate
+    crossing, never a wait. The driver fixes the set per version, so that designations do not move
+    under a version in flight (they would, as peers deliver their first chunks)."""
+    neighbours = list(neighbours)
+    served = any(d for _, d in neighbours)
+    return frozenset(p for p, d in neighbours if d or not served)
 
 
 def slots_for_rate(rate: float, chunk_size: int, *, target_seconds: float = 1.0, lo: int = 1, hi: int = 8) -> int:

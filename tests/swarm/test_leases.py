@@ -111,7 +111,8 @@ def test_peer_lists_are_region_aware_and_limited():
 
 def test_peer_lists_of_a_large_swarm_are_uniform_samples_and_cheap():
     """Every renewal asks for a peer list: with 10,000 nodes it samples instead of sorting the
-    table, and stays region-first, live-only and spread over the whole swarm."""
+    table, and stays region-first with a quarter from other regions, live-only and spread over the
+    whole swarm; the trainer is on every list."""
     import collections
     import time
 
@@ -124,14 +125,29 @@ def test_peer_lists_of_a_large_swarm_are_uniform_samples_and_cheap():
     lists = [t.peers("n1", "eu", now, limit=32, rng=rng) for _ in range(2000)]
     per_call = (time.perf_counter() - t0) / 2000
     assert per_call < 0.002, f"{per_call * 1e3:.2f} ms per peer list"
-    seen = collections.Counter()
+    seen, far = collections.Counter(), collections.Counter()
     for peers in lists:
         assert len(peers) == 32 and len({p.node_id for p in peers}) == 32
-        assert all(p.region == "eu" and p.node_id != "n1" and p.expires_at > now for p in peers)
-        seen.update(p.node_id for p in peers)
+        assert all(p.node_id != "n1" and p.expires_at > now for p in peers)
+        # A region bigger than a list still leaves a quarter of it to the others: else its nodes
+        # know nobody outside it and nothing reaches it.
+        assert [p.region for p in peers] == ["eu"] * 24 + [p.region for p in peers[24:]]
+        assert all(p.region != "eu" for p in peers[24:])
+        seen.update(p.node_id for p in peers[:24])
+        far.update(p.region for p in peers[24:])
     live_eu = {f"n{i}" for i in range(300) if i % 10 and i != 1}
     assert set(seen) == live_eu  # every live peer of the region turns up, no dead one
     assert max(seen.values()) < 3 * min(seen.values())
+    assert set(far) == {f"r{j}" for j in range(7)} and max(far.values()) < 1.5 * min(far.values())
+    # The trainer heads every list, whatever its region.
+    t.join("trainer", "trainer", "r3", "h:t", now=1009.0)
+    for _ in range(20):
+        peers = t.peers("n1", "eu", now, limit=32, rng=rng)
+        assert peers[0].node_id == "trainer" and len(peers) == 32
+        assert [p.region for p in peers[1:25]] == ["eu"] * 24
+    assert t.peers("trainer", "r3", now, rng=rng)[0].node_id != "trainer"
+    t.leave("trainer", t.get("trainer", now).epoch, now)
+    assert all(p.node_id != "trainer" for p in t.peers("n1", "eu", now, limit=32, rng=rng))
     # A node of a small region gets its region, then the others sampled across all regions.
     t.join("lone", "rollout", "tiny", "h:lone", now=1009.0)
     t.join("mate", "rollout", "tiny", "h:mate", now=1009.0)

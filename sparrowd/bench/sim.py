@@ -1,0 +1,672 @@
+"""``sparrowd bench sim``: the swarm's own decision code at any scale, on a virtual clock.
+
+A discrete-event simulation that drives the real pure state machines, the
+same objects the daemon's drivers call: the lease table (joins, the peer
+lists it samples), the picker (rarest first, the region's rendezvous
+designation, stalled crossers, the endgame), the choker (upload slots,
+free-slot admission), super-seeding and ``count_on``. What stands in for the
+daemon's asyncio drivers is written here, step for step beside
+``daemon/swarm.py``: a node re-plans when something it can see changed and
+every 0.25 s, asks the chosen peer for a chunk, and is refused when choked
+or over its per-peer cap; a server sends at most two chunks at once
+(``RELAY_CONCURRENT``) and queues the rest; a node that stores a chunk tells
+its peers (a have message, one one-way delay later); the trainer shows each
+peer its super-seed offer.
+
+The link model is fluid. Every upload shares its node's uplink with the
+node's other uploads, an upload to another region is further held to the
+node's WAN limit and to its share of the ordered pair of regions' link,
+and what those leave of the uplink goes to the node's uploads inside its
+region. Rates are re-shared every ``dt`` (5 ms). A request reaches its
+server one one-way delay after it is sent, and a chunk is stored one
+one-way delay after its server sent the last byte. Nothing here costs CPU
+time, so at 16 nodes the simulation shows what the protocol does where the
+real benchmark (``sparrowd bench swarm``) shares two cores among 16 daemons.
+
+What it leaves out: TCP's own dynamics (slow start, loss), the exchange
+long poll's own delays beyond one one-way delay, statements and have-maps
+as bytes, and the trainer's CPU. Offers from the trainer are computed when a
+node plans, as if its long poll had just answered.
+
+Churn: ``churn`` of the rollout nodes leave at ``churn_at`` of the bound
+into the last version; their peers' requests to them fail (the peer cools
+down, as the daemon does), and their peers learn from the tracker within a
+renewal interval that they are gone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..codec.patch import auto_chunk_size
+from ..daemon.swarm import (
+    CROSS_RATE,
+    QUEUE_ADMIT,
+    RELAY_CONCURRENT,
+    SEED_CONCURRENT,
+    SEED_PER_PEER,
+    UPLOAD_SLOTS,
+    UPLOADS_PER_PEER,
+)
+from ..swarm.choker import Choker, ChokerPeer
+from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
+from ..swarm.picker import PeerView, Picker, count_on, slots_for_rate
+from ..swarm.rate import Rate
+from ..swarm.superseed import SuperSeed
+from ..units import format_bytes
+
+MB = 1 << 20
+CONCURRENT = {True: SEED_CONCURRENT, False: RELAY_CONCURRENT}  # chunks a node sends at once, by trainer or not
+PLAN_EVERY = 0.25  # the daemon's scheduler also runs this often with nothing new
+PLAN_GAP = 0.01  # the least time between two plans of one node
+CHOKE_EVERY = 1.0  # the trainer's choke decisions
+
+
+@dataclass
+class Config:
+    nodes: int = 16
+    regions: int = 4
+    patch: int = 64 * MB
+    chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch
+    versions: int = 2
+    trainer_rate: float = 4 * MB
+    node_rate: float = 8 * MB
+    wan_rate: float = 4 * MB
+    link_rate: float = 32 * MB  # each ordered pair of regions
+    rtt: float = 0.08
+    local_rtt: float = 0.001
+    peer_limit: int = DEFAULT_PEER_LIMIT
+    churn: float = 0.0
+    churn_at: float = 0.5
+    dt: float = 0.005
+    seed: int = 0
+
+    @property
+    def chunk_size(self) -> int:
+        return self.chunk or auto_chunk_size(self.patch)
+
+    @property
+    def bound(self) -> float:
+        return self.patch / self.trainer_rate + self.rtt
+
+
+@dataclass
+class Req:
+    dst: "Node"
+    src: "Node"
+    chunk: int
+    version: int
+    size: int
+    cancelled: bool = False
+    left: float = 0.0
+
+
+@dataclass
+class Known:
+    """What a node knows of one peer (the daemon's ``PeerState``)."""
+
+    node: "Node"
+    have: set[int] = field(default_factory=set)  # from its have messages
+    delivered: int = 0
+    stalled: bool = False
+    strikes: int = 0
+    cooldown_until: float = 0.0
+    inflight: int = 0
+    rate: Rate = field(default_factory=Rate)
+    rate_to: Rate = field(default_factory=Rate)  # what this node uploads to it (the choker's view as a server)
+    uploads: int = 0  # its requests this node is serving or has queued
+
+
+class Node:
+    def __init__(self, idx: int, node_id: str, region: int, trainer: bool, cfg: Config, rng: random.Random):
+        self.idx, self.id, self.region, self.trainer = idx, node_id, region, trainer
+        self.rname = f"r{region}"
+        self.up = cfg.trainer_rate if trainer else cfg.node_rate
+        self.wan = float("inf") if trainer else cfg.wan_rate
+        self.known: dict[str, Known] = {}
+        self.have: set[int] = set()
+        self.fetching: dict[int, dict[str, Req]] = {}
+        self.available_since: dict[int, float] = {}
+        self.counted: frozenset[str] | None = None
+        self.picker = Picker(node_id, self.rname, rng=random.Random(rng.random()))
+        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, rng=random.Random(rng.random()))
+        self.unchoked: set[str] = set()
+        self.queue: deque[Req] = deque()
+        self.active = 0
+        self.alive = True
+        self.aware = trainer  # knows of the current version
+        self.done_at: float | None = None
+        self.superseed: SuperSeed | None = None
+        self.held_by: dict[int, int] = {}  # the trainer: how many peers it knows hold each chunk
+        self.planned_at = -1.0
+
+
+class Sim:
+    """One run: ``run()`` returns a row per version."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.now = 0.0
+        self.events: list = []
+        self.seq = itertools.count()
+        self.dirty: set[Node] = set()
+        self.chunk_size = cfg.chunk_size
+        self.chunks = max(1, math.ceil(cfg.patch / self.chunk_size))
+        self.sizes = [min(self.chunk_size, cfg.patch - i * self.chunk_size) for i in range(self.chunks)]
+        self.version = 0
+        self.cross_bytes = 0
+        self.wasted = 0
+        r = cfg.regions
+        self.trainer = Node(0, "trainer", 0, True, cfg, self.rng)
+        self.nodes = [self.trainer] + [Node(i + 1, f"n{i}-r{i % r}", i % r, False, cfg, self.rng)
+                                       for i in range(cfg.nodes)]
+        self.by_id = {n.id: n for n in self.nodes}
+        self._join()
+        # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
+        self.flows: list[Req] = []
+        self.f_src = np.zeros(1024, np.int64)
+        self.f_pair = np.zeros(1024, np.int64)
+        self.f_cross = np.zeros(1024, bool)
+        self.f_left = np.zeros(1024, np.float64)
+        self.cancel_pending = False
+        self.up = np.array([n.up for n in self.nodes], np.float64)
+        self.wan = np.array([n.wan for n in self.nodes], np.float64)
+        self.sent = np.zeros(len(self.nodes), np.float64)  # bytes each node uploaded
+        self.pending: set[Node] = set()  # live rollout nodes without the current version
+
+    # ------------------------------------------------------------ membership (the real lease table)
+
+    def _join(self) -> None:
+        """Every node joins, then takes a peer list from the table as its first renewal would; a node
+        that another lists learns of it when it is first contacted (the daemon's ``ask``), so peer
+        relations are symmetric."""
+        table = LeaseTable(DEFAULT_TTL, now=0.0)
+        for n in self.nodes:
+            table.join(n.id, "trainer" if n.trainer else "rollout", n.rname, n.id, 0.0)
+        rng = random.Random(self.cfg.seed + 1)
+        for n in self.nodes:
+            for p in table.peers(n.id, n.rname, 0.0, limit=self.cfg.peer_limit, rng=rng):
+                m = self.by_id[p.node_id]
+                n.known.setdefault(m.id, Known(m))
+                m.known.setdefault(n.id, Known(n))
+        self.table = table
+
+    # ------------------------------------------------------------ events
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), fn, args))
+
+    def owd(self, a: Node, b: Node) -> float:
+        return (self.cfg.local_rtt if a.region == b.region else self.cfg.rtt) / 2
+
+    # ------------------------------------------------------------ the server side (handle_exchange, handle_chunk)
+
+    def wants(self, x: Node, y: Node) -> bool:
+        k = x.known.get(y.id)
+        return bool(x.have - k.have) if k is not None else bool(x.have)
+
+    def choking_active(self, x: Node) -> bool:
+        return len(x.known) > x.choker.slots
+
+    def may_download(self, x: Node, y: Node) -> bool:
+        if not x.trainer:
+            return len(x.queue) < QUEUE_ADMIT  # a relay admits by queue depth
+        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id)
+
+    def choked_for(self, x: Node, y: Node) -> bool:
+        """The ``choked`` flag of x's exchange reply to y."""
+        if not x.trainer:
+            return len(x.queue) >= QUEUE_ADMIT
+        if self.wants(x, y):
+            return not self.may_download(x, y)
+        return self.choking_active(x) and y.id not in x.unchoked
+
+    def shown(self, x: Node, y: Node) -> set[int]:
+        """What x shows y of the version: all it holds, or for the trainer its super-seed offer."""
+        if not x.trainer:
+            return x.have
+        if not self.may_download(x, y):
+            return set()
+        k = x.known[y.id]
+        trusted = bool(k.have) or not any(x.held_by.values())
+        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted) & x.have
+
+    def choke(self, x: Node) -> None:
+        peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),
+                            rate_to=k.rate_to.rate(self.now)) for pid, k in x.known.items()]
+        seed = len(x.have) == self.chunks
+        unchoked = x.choker.decide(self.now, peers, seed=seed)
+        if unchoked != x.unchoked:
+            if x.superseed is not None:
+                for pid in x.unchoked - unchoked:
+                    x.superseed.forget(pid, unclaimed_only=True)
+            x.unchoked = unchoked
+            self.dirty.update(k.node for k in x.known.values())
+
+    def request_arrives(self, r: Req) -> None:
+        x, y = r.src, r.dst
+        if r.cancelled or r.version != self.version:
+            return self.release(r)
+        if not x.alive:
+            return self.at(self.now + self.owd(x, y), self.failed, r)
+        k = x.known.get(y.id)
+        if k is None or r.chunk not in x.have or not self.may_download(x, y) or k.uploads >= UPLOADS_PER_PEER:
+            return self.at(self.now + self.owd(x, y), self.refused, r)
+        k.uploads += 1
+        if x.superseed is not None:
+            x.superseed.claim(r.chunk, y.id)
+        x.queue.append(r)
+        self.start_uploads(x)
+
+    def start_uploads(self, x: Node) -> None:
+        while x.active < CONCURRENT[x.trainer] and x.queue:
+            r = x.queue.popleft()
+            if r.cancelled:
+                x.known[r.dst.id].uploads -= 1
+                self.release(r)
+                continue
+            x.active += 1
+            r.left = float(r.size)
+            self._add_flow(r)
+
+    def _add_flow(self, r: Req) -> None:
+        i = len(self.flows)
+        if i == len(self.f_src):
+            self.f_src, self.f_pair, self.f_cross, self.f_left = (
+                np.concatenate([a, np.zeros_like(a)]) for a in (self.f_src, self.f_pair, self.f_cross, self.f_left))
+        self.flows.append(r)
+        self.f_src[i] = r.src.idx
+        self.f_pair[i] = r.src.region * self.cfg.regions + r.dst.region
+        self.f_cross[i] = r.src.region != r.dst.region
+        self.f_left[i] = r.left
+
+    def _remove_flow(self, i: int) -> None:
+        last = len(self.flows) - 1
+        if i != last:
+            self.flows[i] = self.flows[last]
+            for a in (self.f_src, self.f_pair, self.f_cross, self.f_left):
+                a[i] = a[last]
+        self.flows.pop()
+
+    def step_flows(self, dt: float) -> None:
+        """Share the links for ``dt`` seconds; finished (or cancelled) flows end."""
+        nf = len(self.flows)
+        if not nf:
+            return
+        n = len(self.nodes)
+        src, cross, left = self.f_src[:nf], self.f_cross[:nf], self.f_left[:nf]
+        n_src = np.bincount(src, minlength=n)
+        rate = self.up[src] / n_src[src]
+        if cross.any():
+            xs = src[cross]
+            n_wan = np.bincount(xs, minlength=n)
+            pairs = self.f_pair[:nf][cross]
+            n_pair = np.bincount(pairs, minlength=self.cfg.regions ** 2)
+            xr = np.minimum(rate[cross], np.minimum(self.wan[xs] / n_wan[xs], self.cfg.link_rate / n_pair[pairs]))
+            rate[cross] = xr
+            # What the node's cross-region uploads leave of its uplink goes to its uploads inside the region.
+            used = np.bincount(xs, weights=xr, minlength=n)
+            local = ~cross
+            ls = src[local]
+            n_local = np.bincount(ls, minlength=n)
+            rate[local] = np.maximum(self.up[ls] - used[ls], 0) / np.maximum(n_local[ls], 1)
+        sent = np.minimum(left, rate * dt)
+        left -= sent
+        self.sent += np.bincount(src, weights=sent, minlength=n)
+        self.cross_bytes += float(sent[cross].sum())
+        done = left <= 1e-6
+        if self.cancel_pending:
+            self.cancel_pending = False
+            done |= np.fromiter((r.cancelled for r in self.flows), bool, nf)
+        ended = []
+        for i in sorted(np.nonzero(done)[0].tolist(), reverse=True):
+            r = self.flows[i]
+            r.left = float(left[i])
+            ended.append(r)
+            self._remove_flow(i)
+        for r in ended:
+            x = r.src
+            x.active -= 1
+            if r.dst.id in x.known:
+                x.known[r.dst.id].uploads -= 1
+            if r.cancelled:
+                self.wasted += r.size - r.left
+                self.release(r)
+            else:
+                if r.dst.id in x.known:
+                    x.known[r.dst.id].rate_to.add(self.now, r.size)
+                self.at(self.now + self.owd(x, r.dst), self.arrives, r)
+            self.start_uploads(x)
+
+    # ------------------------------------------------------------ the fetching side (_fetch, _ingest, _schedule)
+
+    def release(self, r: Req) -> None:
+        """The request is over for its node: the chunk goes back to the picker."""
+        y = r.dst
+        reqs = y.fetching.get(r.chunk)
+        if reqs is not None and reqs.get(r.src.id) is r:
+            del reqs[r.src.id]
+            if not reqs:
+                del y.fetching[r.chunk]
+            k = y.known.get(r.src.id)
+            if k is not None:
+                k.inflight -= 1
+        self.dirty.add(y)
+
+    def refused(self, r: Req) -> None:
+        self.release(r)
+
+    def failed(self, r: Req) -> None:
+        k = r.dst.known.get(r.src.id)
+        if k is not None:
+            k.strikes += 1
+            k.cooldown_until = self.now + min(60.0, 2.0 ** k.strikes)
+        self.release(r)
+
+    def arrives(self, r: Req) -> None:
+        y, x = r.dst, r.src
+        self.release(r)
+        if r.version != self.version or not y.alive:
+            return
+        if r.chunk in y.have:
+            self.wasted += r.size
+            return
+        y.have.add(r.chunk)
+        k = y.known.get(x.id)
+        if k is not None:
+            k.delivered += 1
+            k.stalled = False
+            k.strikes = 0
+            k.rate.add(self.now, r.size)
+        for other in list(y.fetching.get(r.chunk, {}).values()):  # endgame: cancel the losers
+            other.cancelled = True
+            self.cancel_pending = True
+        if len(y.have) == self.chunks:
+            y.done_at = self.now
+            self.pending.discard(y)
+        self.tell(y, r.chunk)
+
+    def tell(self, y: Node, c: int) -> None:
+        """Have messages: every peer hears one one-way delay later."""
+        near = [k.node for k in y.known.values() if k.node.region == y.region]
+        far = [k.node for k in y.known.values() if k.node.region != y.region]
+        if near:
+            self.at(self.now + self.cfg.local_rtt / 2, self.heard, y, c, near)
+        if far:
+            self.at(self.now + self.cfg.rtt / 2, self.heard, y, c, far)
+
+    def heard(self, y: Node, c: int, nodes: list[Node]) -> None:
+        for z in nodes:
+            k = z.known.get(y.id)
+            if k is None or not z.alive:
+                continue
+            if c not in k.have:
+                k.have.add(c)
+                if z.trainer:
+                    z.held_by[c] = z.held_by.get(c, 0) + 1
+            if not z.aware and not z.trainer:
+                z.aware = True  # the statements come with the first exchange that shows the version
+            z.available_since.setdefault(c, self.now)
+            if z.done_at is None and c not in z.have:
+                self.dirty.add(z)
+            if z.trainer:
+                self.dirty.add(y)  # the trainer may offer it more now
+
+    def plan(self, y: Node) -> None:
+        """The daemon's ``_schedule`` for the current version."""
+        now = self.now
+        if y.trainer or not y.alive or not y.aware or y.done_at is not None:
+            return
+        if now - y.planned_at < PLAN_GAP:
+            self.dirty.add(y)  # again at the next tick: a daemon's scheduler runs one pass at a time
+            return
+        y.planned_at = now
+        missing = [c for c in range(self.chunks) if c not in y.have]
+        asked = [len(y.fetching.get(c, ())) for c in missing]
+        if min(asked) >= (2 if len(missing) <= y.picker.endgame_left else 1):
+            return  # everything it lacks is asked for (twice in the endgame): nothing to decide
+        if y.counted is None:
+            y.counted = count_on((pid, k.delivered) for pid, k in y.known.items()
+                                 if k.node.region == y.region and not k.node.trainer)
+        trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
+        region_nodes = [y.id, *trusted]
+        y.picker.cross_wait = 3.0 + self.chunk_size / CROSS_RATE
+        views = []
+        for pid, k in y.known.items():
+            x = k.node
+            if x.trainer:
+                have = self.shown(x, y)
+                for c in have:
+                    y.available_since.setdefault(c, now)
+            else:
+                have = k.have
+            views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=x.fetching.keys(),
+                                  choking=self.choked_for(x, y) or now < k.cooldown_until, inflight=k.inflight,
+                                  slots=slots_for_rate(k.rate.rate(now), self.chunk_size),
+                                  rate=k.rate.rate(now), proven=pid in trusted))
+        inflight = {c: set(y.fetching.get(c, ())) for c in missing}
+        since = {c: y.available_since.get(c, now) for c in missing}
+        for pid in y.picker.stalled(now, version=self.version, missing=missing, peers=views,
+                                    region_nodes=region_nodes, available_since=since):
+            y.known[pid].stalled = True
+        for q in y.picker.pick(now, version=self.version, missing=missing, inflight=inflight, peers=views,
+                               region_nodes=region_nodes, available_since=since):
+            x = self.by_id[q.peer_id]
+            r = Req(y, x, q.index, self.version, self.sizes[q.index])
+            y.fetching.setdefault(q.index, {})[x.id] = r
+            y.known[x.id].inflight += 1
+            self.at(now + self.owd(y, x), self.request_arrives, r)
+
+    # ------------------------------------------------------------ churn
+
+    def leave(self, gone: list[Node]) -> None:
+        for g in gone:
+            g.alive = False
+            self.pending.discard(g)
+            self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)
+            for r in list(g.queue):
+                self.at(self.now + self.owd(g, r.dst), self.failed, r)
+            g.queue.clear()
+            for r in self.flows:
+                if r.src is g or r.dst is g:
+                    r.cancelled = True  # its uploads end; the requester hears below
+                    self.cancel_pending = True
+                    if r.src is g:
+                        self.at(self.now + self.owd(g, r.dst), self.failed, Req(r.dst, g, r.chunk, r.version, 0))
+            for k in g.known.values():  # each peer learns from the tracker within a renewal interval
+                self.at(self.now + self.rng.random() * renew_interval(DEFAULT_TTL), self.forget, k.node, g)
+
+    def forget(self, z: Node, g: Node) -> None:
+        k = z.known.pop(g.id, None)
+        if k is None:
+            return
+        if z.trainer:
+            for c in k.have:
+                z.held_by[c] -= 1
+            z.superseed.forget(g.id)
+        z.unchoked.discard(g.id)
+        if z.counted is not None:
+            z.counted = z.counted - {g.id}
+        self.dirty.add(z)
+
+    # ------------------------------------------------------------ the run
+
+    def publish(self) -> None:
+        self.version += 1
+        t = self.trainer
+        t.have = set(range(self.chunks))
+        t.held_by = {}
+        t.superseed = SuperSeed(self.chunks, per_peer=SEED_PER_PEER, rng=random.Random(self.rng.random()))
+        for n in self.nodes:
+            for k in n.known.values():
+                k.have = set(t.have) if k.node.trainer else set()
+            if n.trainer:
+                continue
+            n.have, n.fetching, n.available_since, n.counted, n.done_at = set(), {}, {}, None, None
+            n.aware = False
+            if n.alive:
+                self.pending.add(n)
+            if t.id in n.known:  # the trainer's long poll answers with the version's statements
+                self.at(self.now + self.owd(t, n), self._aware, n)
+        self.at(self.now + self.rng.random() * CHOKE_EVERY, self._choke_tick, t)  # only the trainer chokes
+
+    def _choke_tick(self, n: Node) -> None:
+        if n.alive:
+            self.choke(n)
+            self.at(self.now + CHOKE_EVERY, self._choke_tick, n)
+
+    def _aware(self, n: Node) -> None:
+        n.aware = True
+        self.dirty.add(n)
+
+    def run(self, *, progress=None, horizon: float = 60.0) -> list[dict]:
+        cfg = self.cfg
+        rows = []
+        for v in range(cfg.versions):
+            t0 = self.now
+            sent0, cross0, wasted0 = self.sent[0], self.cross_bytes, self.wasted
+            self.publish()
+            churn_left = cfg.churn > 0 and v == cfg.versions - 1
+            limit = t0 + horizon * cfg.bound
+            next_plan = self.now
+            one_copy = None
+            while self.pending and self.now <= limit:
+                if churn_left and self.now - t0 >= cfg.churn_at * cfg.bound:
+                    churn_left = False
+                    live = [n for n in self.nodes[1:] if n.alive]
+                    self.leave(self.rng.sample(live, max(1, round(cfg.churn * len(live)))))
+                while self.events and self.events[0][0] <= self.now:
+                    _, _, fn, args = heapq.heappop(self.events)
+                    fn(*args)
+                if self.now >= next_plan:  # the scheduler's 0.25 s timeout
+                    next_plan += PLAN_EVERY
+                    self.dirty |= self.pending
+                dirty, self.dirty = self.dirty, set()
+                for n in dirty:
+                    self.plan(n)
+                self.step_flows(cfg.dt)
+                self.now += cfg.dt
+                if one_copy is None and self.sent[0] - sent0 >= cfg.patch - 1:
+                    one_copy = self.now - t0
+            live = [n for n in self.nodes[1:] if n.alive]
+            finished = [n.done_at for n in live if n.done_at is not None]
+            elapsed = (max(finished) if len(finished) == len(live) else self.now) - t0
+            row = {"version": self.version, "nodes": len(live), "chunks": self.chunks,
+                   "seconds": elapsed, "lower_bound_seconds": cfg.bound, "time_over_bound": elapsed / cfg.bound,
+                   "all_done": len(finished) == len(live), "trainer_sent_one_copy_seconds": one_copy,
+                   "done_quartiles": [float(q) - t0 for q in np.quantile(finished, [0.25, 0.5, 0.75])]
+                   if finished else None,
+                   "trainer_upload_over_patch": (self.sent[0] - sent0) / cfg.patch,
+                   "cross_region_over_r_minus_1": (self.cross_bytes - cross0) / max(1, (cfg.regions - 1) * cfg.patch),
+                   "wasted_over_patch": (self.wasted - wasted0) / cfg.patch,
+                   "left": cfg.nodes - len(live)}
+            rows.append(row)
+            if progress:
+                progress(row)
+            for n in self.nodes:  # the next version starts from a quiet swarm, as the benchmark's does
+                n.queue.clear()
+                n.active = 0
+                for k in n.known.values():
+                    k.inflight = k.uploads = 0
+            self.flows, self.events, self.dirty = [], [], set()
+            self.now += 0.5
+        return rows
+
+
+def simulate(cfg: Config, progress=None) -> list[dict]:
+    return Sim(cfg).run(progress=progress)
+
+
+def _svg(points: dict[str, list[tuple[int, float]]], path: str) -> None:
+    """A small line plot (log N against time to all over the bound), with no plotting library."""
+    from pathlib import Path
+
+    from ..checkpoint import atomic_file
+
+    w, h, m = 560, 320, 50
+    xs = [x for pts in points.values() for x, _ in pts]
+    ys = [y for pts in points.values() for _, y in pts] + [1.0, 1.25]
+    lx0, lx1 = math.log10(min(xs)), math.log10(max(xs)) + 1e-9
+    y1 = max(ys) * 1.1
+
+    def px(x):
+        return m + (math.log10(x) - lx0) / (lx1 - lx0) * (w - 2 * m)
+
+    def py(y):
+        return h - m - y / y1 * (h - 2 * m)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="12"><rect width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+           f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+           f'<line x1="{m}" y1="{py(1.25):.1f}" x2="{w - m}" y2="{py(1.25):.1f}" stroke="gray" '
+           f'stroke-dasharray="4 3"/><text x="{w - m - 70}" y="{py(1.25) - 4:.1f}" fill="gray">target 1.25x</text>']
+    for x in sorted(set(xs)):
+        out.append(f'<text x="{px(x):.1f}" y="{h - m + 16}" text-anchor="middle">{x}</text>')
+    for i in range(0, int(y1 * 2) + 1):
+        y = i / 2
+        out.append(f'<text x="{m - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
+    out.append(f'<text x="{w / 2}" y="{h - 10}" text-anchor="middle">rollout nodes (log scale)</text>')
+    out.append(f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" text-anchor="middle">'
+               'time to all / bound</text>')
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    for (name, pts), col in zip(points.items(), colours):
+        pts = sorted(pts)
+        path_d = " ".join(f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for i, (x, y) in enumerate(pts))
+        out.append(f'<path d="{path_d}" fill="none" stroke="{col}" stroke-width="2"/>')
+        for x, y in pts:
+            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{col}"/>')
+        out.append(f'<text x="{m + 10}" y="{m + 14 + 16 * list(points).index(name)}" fill="{col}">{name}</text>')
+    out.append("</svg>")
+    with atomic_file(Path(path)) as tmp:
+        tmp.write_text("\n".join(out) + "\n")
+
+
+def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int, chunk: int | None,
+        trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
+        seed: int, json_path: str | None = None, plot: str | None = None) -> int:
+    from . import write_json
+
+    results = []
+    print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_bytes(trainer_rate)}/s, nodes "
+          f"{format_bytes(node_rate)}/s ({format_bytes(wan_rate)}/s to other regions), links "
+          f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms"
+          + (f", {churn:.0%} of the nodes leave mid-version" if churn else ""))
+    for p in patch_mib:
+        for n in nodes:
+            cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,
+                         trainer_rate=trainer_rate, node_rate=node_rate, wan_rate=wan_rate, link_rate=link_rate,
+                         rtt=rtt, churn=churn, seed=seed)
+            t = time.monotonic()
+            rows = simulate(cfg)
+            wall = time.monotonic() - t
+            for r in rows:
+                r.update(patch_mib=p, rollouts=n, regions=regions)
+                results.append(r)
+                star = n * cfg.patch / cfg.trainer_rate + rtt
+                print(f"   {n:>6} nodes, {format_bytes(cfg.patch):>9} in {r['chunks']:>3} chunks, version "
+                      f"{r['version']}: all in {r['seconds']:7.2f} s ({r['time_over_bound']:.2f}x the bound of "
+                      f"{cfg.bound:.2f} s{'' if r['all_done'] else ', NOT ALL'}; star {star / r['seconds']:.0f}x "
+                      f"slower); trainer {r['trainer_upload_over_patch']:.2f}x the patch; cross-region "
+                      f"{r['cross_region_over_r_minus_1']:.2f}x (R-1) x patch"
+                      + (f"; {r['left']} left mid-version" if r["left"] else ""), flush=True)
+            print(f"          (simulated in {wall:.1f} s)", flush=True)
+    if plot:
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in results:
+            if r["version"] == versions:
+                series.setdefault(f"{r['patch_mib']:g} MiB", []).append((r["rollouts"], r["time_over_bound"]))
+        _svg(series, plot)
+        print(f"   plot written to {plot}")
+    if json_path:
+        write_json(json_path, {"runs": results})
+    return 0
