@@ -35,6 +35,7 @@ def register(sub) -> None:
     c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
+    register_sim(bs)
     register_publish(bs)
     register_apply(bs)
     register_serve(bs)
@@ -86,6 +87,58 @@ def cmd_swarm(args) -> int:
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate,
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
+
+
+def register_sim(bs) -> None:
+    s = bs.add_parser("sim", help="the swarm's own decision code at any scale, on a virtual clock",
+                      description="A discrete-event simulation that drives the real lease table, picker, choker and "
+                                  "super-seeding with a virtual clock and a fluid link model (uplinks, per-node WAN "
+                                  "limits, per-region-pair links and RTT), at 16 to 10,000 nodes. Reports time to "
+                                  "all over the lower bound, trainer upload and cross-region bytes per version; "
+                                  "star distribution's time is the baseline. Same defaults as `bench swarm`, whose "
+                                  "figures it reproduces at 16 nodes.")
+    s.add_argument("--nodes", default="16,100,1000",
+                   help="rollout node counts, comma-separated (default 16,100,1000; 10000 takes a few minutes)")
+    s.add_argument("--regions", type=int, default=8, help="regions (default 8)")
+    s.add_argument("--patch-mib", default="6", help="patch sizes in MiB, comma-separated (default 6)")
+    s.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
+    s.add_argument("--chunk", default="auto", help="chunk size, e.g. 512K (default auto, as the Publisher cuts)")
+    s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
+    s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
+    s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
+    s.add_argument("--link-rate", default="32M",
+                   help="bandwidth of each ordered pair of regions, bytes/s (default 32M)")
+    s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
+    s.add_argument("--churn", type=float, default=0.0,
+                   help="fraction of the nodes that leave halfway through the last version (default 0; try 0.1)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--plot", metavar="SVG", help="also plot time to all over the bound against N (an SVG file)")
+    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    s.set_defaults(func=cmd_sim)
+
+
+def cmd_sim(args) -> int:
+    from sparrowd.bench.sim import run
+    from sparrowd.errors import InputError
+    from sparrowd.units import parse_size
+
+    try:
+        nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
+        patches = [float(x) for x in args.patch_mib.split(",") if x.strip()]
+    except ValueError:
+        raise InputError("--nodes takes comma-separated integers, --patch-mib comma-separated numbers") from None
+    if not nodes or min(nodes) < 1 or not patches or min(patches) <= 0:
+        raise InputError("--nodes must be at least 1 and --patch-mib positive")
+    if args.regions < 1 or args.versions < 1 or not 0 <= args.churn < 1 or args.rtt < 0:
+        raise InputError("--regions and --versions must be at least 1, --churn in [0, 1), --rtt not negative")
+    rates = {k: parse_size(getattr(args, k)) for k in ("trainer_rate", "node_rate", "wan_rate", "link_rate")}
+    if min(rates.values()) <= 0:
+        raise InputError("rates must be positive")
+    if args.plot and not os.access(Path(args.plot).parent, os.W_OK):
+        raise InputError(f"--plot {args.plot}: its folder is not writable")
+    return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
+               chunk=None if args.chunk == "auto" else parse_size(args.chunk), rtt=args.rtt, churn=args.churn,
+               seed=args.seed, json_path=args.json, plot=args.plot, **rates)
 
 
 def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):

@@ -28,10 +28,11 @@ long poll's own delays beyond one one-way delay, statements and have-maps
 as bytes, and the trainer's CPU. Offers from the trainer are computed when a
 node plans, as if its long poll had just answered.
 
-Churn: ``churn`` of the rollout nodes leave at ``churn_at`` of the bound
-into the last version; their peers' requests to them fail (the peer cools
-down, as the daemon does), and their peers learn from the tracker within a
-renewal interval that they are gone.
+Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
+``churn_at`` of the bound into the last version; their peers' requests to
+them fail (the peer cools down, as the daemon does). The trainer, which
+hosts the tracker, hears of each leave at once; the other peers at their
+next renewal (within a third of the lease TTL).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Config:
 
     @property
     def bound(self) -> float:
-        return self.patch / self.trainer_rate + self.rtt
+        """The patch over the trainer's uplink, plus the longest round trip."""
+        return self.patch / self.trainer_rate + (self.rtt if self.regions > 1 else self.local_rtt)
 
 
 @dataclass
@@ -126,6 +128,11 @@ class Known:
 
 
 class Node:
+    """A daemon: what it holds and fetches, what it knows of its peers, its upload queue."""
+
+    def __hash__(self) -> int:  # sets of nodes iterate in the same order in every run of a seed
+        return self.idx
+
     def __init__(self, idx: int, node_id: str, region: int, trainer: bool, cfg: Config, rng: random.Random):
         self.idx, self.id, self.region, self.trainer = idx, node_id, region, trainer
         self.rname = f"r{region}"
@@ -136,6 +143,7 @@ class Node:
         self.fetching: dict[int, dict[str, Req]] = {}
         self.available_since: dict[int, float] = {}
         self.counted: frozenset[str] | None = None
+        self.gateways: list[str] = []
         self.picker = Picker(node_id, self.rname, rng=random.Random(rng.random()))
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, rng=random.Random(rng.random()))
         self.unchoked: set[str] = set()
@@ -194,6 +202,7 @@ class Sim:
             table.join(n.id, "trainer" if n.trainer else "rollout", n.rname, n.id, 0.0)
         rng = random.Random(self.cfg.seed + 1)
         for n in self.nodes:
+            n.gateways = [g.node_id for g in table.gateways(n.rname, 0.0, limit=self.cfg.peer_limit)]
             for p in table.peers(n.id, n.rname, 0.0, limit=self.cfg.peer_limit, rng=rng):
                 m = self.by_id[p.node_id]
                 n.known.setdefault(m.id, Known(m))
@@ -370,6 +379,7 @@ class Sim:
         if k is not None:
             k.strikes += 1
             k.cooldown_until = self.now + min(60.0, 2.0 ** k.strikes)
+            k.stalled = True  # not counted on to cross until it delivers again
         self.release(r)
 
     def arrives(self, r: Req) -> None:
@@ -438,7 +448,8 @@ class Sim:
             y.counted = count_on((pid, k.delivered) for pid, k in y.known.items()
                                  if k.node.region == y.region and not k.node.trainer)
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
-        region_nodes = [y.id, *trusted]
+        gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]
+        region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
         y.picker.cross_wait = 3.0 + self.chunk_size / CROSS_RATE
         views = []
         for pid, k in y.known.items():
@@ -482,8 +493,17 @@ class Sim:
                     self.cancel_pending = True
                     if r.src is g:
                         self.at(self.now + self.owd(g, r.dst), self.failed, Req(r.dst, g, r.chunk, r.version, 0))
-            for k in g.known.values():  # each peer learns from the tracker within a renewal interval
-                self.at(self.now + self.rng.random() * renew_interval(DEFAULT_TTL), self.forget, k.node, g)
+            for k in g.known.values():  # the trainer hosts the tracker: it hears of the leave at once;
+                # the other peers at their next renewal
+                later = 0.0 if k.node.trainer else self.rng.random() * renew_interval(DEFAULT_TTL)
+                self.at(self.now + later, self.forget, k.node, g)
+                self.at(self.now + self.owd(g, k.node), self.hung_up, k.node, g)
+
+    def hung_up(self, z: Node, g: Node) -> None:
+        """z's long poll to g failed (g's daemon stopped): g is not counted on to cross."""
+        if (k := z.known.get(g.id)) is not None:
+            k.stalled = True
+            self.dirty.add(z)
 
     def forget(self, z: Node, g: Node) -> None:
         k = z.known.pop(g.id, None)
@@ -494,6 +514,7 @@ class Sim:
                 z.held_by[c] -= 1
             z.superseed.forget(g.id)
         z.unchoked.discard(g.id)
+        z.gateways = [i for i in z.gateways if i != g.id]
         if z.counted is not None:
             z.counted = z.counted - {g.id}
         self.dirty.add(z)

@@ -167,6 +167,7 @@ class LeaseState:
     renew_interval: float = 5.0
     expires_at: float | None = None  # time.monotonic() on this node
     peers: list[dict] = field(default_factory=list)
+    gateways: list[str] = field(default_factory=list)  # a large region's crossers (LeaseTable.gateways)
     revoked: frozenset[str] = frozenset()  # credential ids the trainer revoked: refused at this node's door
     tracker_reachable: bool = False
     joins: int = 0
@@ -250,6 +251,7 @@ class Membership:
             if {p.get("node_id") for p in peers} != {p.get("node_id") for p in s.peers}:
                 self.peers_changed.set()
             s.peers = peers
+            s.gateways = [g for g in reply.get("gateways") or [] if isinstance(g, str)][:64]
             self._peers_at = time.monotonic()
         for m in reply.get("members") or []:
             if isinstance(m, dict) and isinstance(m.get("node_id"), str):

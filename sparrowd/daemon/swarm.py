@@ -709,6 +709,7 @@ class Swarm:
                 return
             except (SparrowError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 event(log, logging.DEBUG, "exchange failed", peer=ps.node_id, reason=str(e) or type(e).__name__)
+                ps.stalled = True  # gone or failing: its neighbours do not wait on it to cross until it delivers
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
@@ -818,7 +819,7 @@ class Swarm:
                 counted = self.counted[k] = self._counted()
             # Counted on for this version, less those that held this node back since it started.
             trusted = {p for p in counted if p in self.peers and not self.peers[p].stalled}
-            region_nodes = [self.daemon.node_id, *trusted]
+            region_nodes = self._crossers(trusted)
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
             self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
@@ -845,6 +846,17 @@ class Swarm:
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
+
+    def _crossers(self, trusted: set[str]) -> list[str]:
+        """The nodes that share this region's cross-region fetches, as this node sees them: itself
+        and the neighbours it counts on; in a region larger than a peer list shows, the gateways
+        the tracker names (the same for every node of the region), less those that held this
+        node back."""
+        me = self.daemon.node_id
+        m = self.daemon.membership
+        gateways = [g for g in (m.state.gateways if m is not None else ())
+                    if g == me or (g in self.peers and not self.peers[g].stalled)]
+        return gateways or [me, *trusted]
 
     def _counted(self) -> frozenset[str]:
         """The peers of this node's region it counts on for a version (``picker.count_on``), fixed
@@ -919,6 +931,7 @@ class Swarm:
             # (longer each time in a row), so a stalled peer does not get the chunk again.
             ps.strikes += 1
             ps.cooldown_until = time.monotonic() + min(60.0, 2.0 ** ps.strikes)
+            ps.stalled = True  # a peer that fails requests (gone, say) is not counted on to cross until it delivers
             event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, object=str(vs.key),
                   index=index, reason=type(e).__name__, seconds=min(60.0, 2.0 ** ps.strikes))
         finally:

@@ -115,6 +115,8 @@ class TrackerService:
         if peers:  # most of a reply's bytes and of a renewal's work in a large swarm
             listed = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
             reply["peers"] = [self.entry(p) for p in listed]
+            if gateways := self.table.gateways(node.region, now, limit=self.peer_limit):
+                reply["gateways"] = [g.node_id for g in gateways]
         return reply
 
     def join(self, sealed, *, credential: Credential | None = None) -> dict:

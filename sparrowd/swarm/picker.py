@@ -11,7 +11,8 @@ trainer (whose uplink is the one thing the swarm must spare), then measured
 throughput. A chunk is fetched across a region boundary only when no peer in
 the region has it or is fetching it, and then only by one node of the
 region: the one that wins a rendezvous hash of (version, chunk, node id)
-among the region's live nodes, or the one the trainer offered the chunk to
+among the region's live nodes (in a region larger than a peer list shows,
+among its gateways, which the tracker names to all of them), or the one the trainer offered the chunk to
 (super-seeding picks a node per chunk too). Every node computes the same
 winner without talking, so each chunk crosses into a region about once and
 spreads inside it from there. If the chunk has still not appeared in the
@@ -156,7 +157,7 @@ class Picker:
 
         So a dead or slow node, or a member that claims chunks and never serves them, costs each
         node that waited on it one wait, not one per chunk or per version."""
-        nodes = sorted(set(region_nodes) | {self.me})
+        nodes = sorted(set(region_nodes))
         local = {p.peer_id: p for p in peers if p.region == self.region}
         out = set()
         for c in missing:
@@ -185,11 +186,12 @@ class Picker:
         available_since: Mapping[int, float],
     ) -> list[Request]:
         """Requests to send now. ``missing``: chunk indices this node lacks (and knows of);
-        ``inflight``: chunk -> peers already asked; ``region_nodes``: live nodes of this
-        region, this one included; ``available_since``: when this node first saw a peer
-        offering each chunk."""
+        ``inflight``: chunk -> peers already asked; ``region_nodes``: the nodes of this region
+        that share its cross-region fetches (this one and the neighbours it counts on; in a region
+        larger than a peer list shows, its gateways, this node only if it is one);
+        ``available_since``: when this node first saw a peer offering each chunk."""
         missing = list(missing)
-        nodes = sorted(set(region_nodes) | {self.me})
+        nodes = sorted(set(region_nodes))
         free = {p.peer_id: max(0, p.slots - p.inflight) for p in peers if not p.choking}
         usable = [p for p in peers if not p.choking]
         out: list[Request] = []

@@ -183,6 +183,16 @@ def test_super_seed_gives_distinct_chunks_before_repeating_any():
     assert s.offer(2.0, "n9", set(), held) == set()  # n5 may still be fetching it
     s.forget("n5")
     assert s.offer(2.0, "n9", set(), held) == {c5}
+    # One that leaves after receiving its chunk, before anyone else got it, takes the only copy away:
+    # that chunk goes again at once too (not ``regive_after`` later), unless a peer is known to hold it.
+    c6 = next(iter(offers[6]))
+    assert s.offer(2.0, "n6", offers[6], held) == set()  # n6 holds c6 now: nothing pending
+    nobody = {c: 1 for c in range(8) if c not in (c5, c6)}
+    assert s.offer(2.5, "n10", set(), nobody) == set()
+    s.forget("n6")
+    assert s.offer(2.5, "n10", set(), nobody) == {c6}
+    s.forget("n10")
+    assert s.offer(2.5, "n11", set(), held | {c6: 1}) == set()  # another peer holds it: not given again
     # n3's chunk never showed up anywhere (n3 stalls): after the wait it is given again, to someone else.
     lost = next(iter(offers[3]))
     held = {c: 1 for c in range(8) if c != lost}

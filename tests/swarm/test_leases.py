@@ -6,7 +6,7 @@ import pytest
 
 from sparrowd.daemon.leasedb import SqliteLeaseStore
 from sparrowd.errors import InputError
-from sparrowd.swarm.leases import LeaseGone, LeaseTable, node_state, renew_interval
+from sparrowd.swarm.leases import GATEWAYS, LeaseGone, LeaseTable, node_state, renew_interval
 
 TTL = 15.0
 
@@ -137,7 +137,13 @@ def test_peer_lists_of_a_large_swarm_are_uniform_samples_and_cheap():
         far.update(p.region for p in peers[24:])
     live_eu = {f"n{i}" for i in range(300) if i % 10 and i != 1}
     assert set(seen) == live_eu  # every live peer of the region turns up, no dead one
-    assert max(seen.values()) < 3 * min(seen.values())
+    # The region is larger than a list shows of it: its 8 gateways head every list (the same for
+    # every node of the region, live rollouts only), the rest are uniform samples.
+    gateways = [n.node_id for n in t.gateways("eu", now)]
+    assert len(gateways) == GATEWAYS and set(gateways) <= live_eu | {"n1"}
+    assert all([p.node_id for p in peers[:len(gateways)]] == [g for g in gateways if g != "n1"] for peers in lists)
+    rest = [c for i, c in seen.items() if i not in gateways]
+    assert max(rest) < 3 * min(rest)
     assert set(far) == {f"r{j}" for j in range(7)} and max(far.values()) < 1.5 * min(far.values())
     # The trainer heads every list, whatever its region.
     t.join("trainer", "trainer", "r3", "h:t", now=1009.0)
