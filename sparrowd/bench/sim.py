@@ -462,8 +462,8 @@ class Sim:
                 have = k.have
             views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=x.fetching.keys(),
                                   choking=self.choked_for(x, y) or now < k.cooldown_until, inflight=k.inflight,
-                                  slots=slots_for_rate(k.rate.rate(now), self.chunk_size),
-                                  rate=k.rate.rate(now), proven=pid in trusted))
+                                  slots=slots_for_rate(rate := k.rate.rate(now), self.chunk_size),
+                                  rate=rate, proven=pid in trusted))
         inflight = {c: set(y.fetching.get(c, ())) for c in missing}
         since = {c: y.available_since.get(c, now) for c in missing}
         for pid in y.picker.stalled(now, version=self.version, missing=missing, peers=views,

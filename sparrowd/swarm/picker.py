@@ -194,6 +194,8 @@ class Picker:
         nodes = sorted(set(region_nodes))
         free = {p.peer_id: max(0, p.slots - p.inflight) for p in peers if not p.choking}
         usable = [p for p in peers if not p.choking]
+        serving_here = [p for p in usable if p.region == self.region]
+        proven_here = [p for p in peers if p.region == self.region and p.proven]
         out: list[Request] = []
 
         def sources(c: int, exclude: set[str]) -> list[PeerView]:
@@ -202,10 +204,9 @@ class Picker:
             local = [p for p in holders if p.region == self.region]
             if local:
                 return sorted(local, key=rank)
-            here = [p for p in peers if p.region == self.region]
-            if any(c in p.have and not p.choking for p in here):
+            if any(c in p.have for p in serving_here):
                 return []  # a neighbour that serves this node has it: wait for a slot rather than cross
-            if any(p.proven and _claims(p, c) for p in here) and \
+            if any(_claims(p, c) for p in proven_here) and \
                     not self._overdue(now, c, available_since, self.claim_wait):
                 return []  # a neighbour is about to have it: wait for it rather than cross (for a while)
             overdue = self._overdue(now, c, available_since)

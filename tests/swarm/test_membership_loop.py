@@ -146,3 +146,24 @@ async def test_a_full_peer_list_is_asked_for_only_when_due_or_wanted():
     await m2._join()
     await m2._renew()
     assert sent[-1] is True
+
+
+@pytest.mark.asyncio
+async def test_a_region_larger_than_a_peer_list_learns_its_gateways():
+    """Every node of a large region gets the same gateways, first on its peer list: they share the
+    region's cross-region fetches. A small region has none (its nodes all know each other)."""
+    service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
+    for i in range(40):
+        service.join(members.join(new_key(), f"n{i}", address=f"127.0.0.1:{i + 2}"))
+    service.join(members.join(new_key(), "far", region="us", address="127.0.0.1:99"))
+    gateways = [n.node_id for n in service.table.gateways("eu", time.time())]
+    assert len(gateways) == 8
+    for node_id in ("a", "b"):
+        m = Membership(LocalTrackerClient(service), me(node_id), new_key(), report=dict)
+        await m._join()
+        assert m.state.gateways == gateways
+        assert [p["node_id"] for p in m.state.peers[:8]] == gateways
+        assert "far" in {p["node_id"] for p in m.state.peers}  # a quarter of the list is kept for other regions
+    lone = Membership(LocalTrackerClient(service), {**me("c"), "region": "us"}, new_key(), report=dict)
+    await lone._join()
+    assert lone.state.gateways == []
