@@ -52,6 +52,16 @@ def cmd_codec(args) -> int:
     return run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json, model=args.model)
 
 
+def _link_options(s, link_help: str = "") -> None:
+    """The emulated WAN's rates and RTT, shared by ``bench swarm`` and ``bench sim``."""
+    s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
+    s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
+    s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
+    s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
+    s.add_argument("--link-rate", default="32M",
+                   help=f"bandwidth of each ordered pair of regions, bytes/s (default 32M{link_help})")
+
+
 def register_swarm(bs) -> None:
     s = bs.add_parser("swarm", help="a trainer and N rollout daemons on loopback, against star distribution",
                       description="Run a trainer and N rollout daemons as separate processes on loopback in R "
@@ -66,12 +76,7 @@ def register_swarm(bs) -> None:
     s.add_argument("--chunk", default="auto",
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
                         "256K and 2M)")
-    s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
-    s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
-    s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
-    s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
-    s.add_argument("--link-rate", default="32M",
-                   help="bandwidth of each ordered pair of regions, bytes/s (default 32M; 0: none)")
+    _link_options(s, link_help="; 0: none")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -103,12 +108,7 @@ def register_sim(bs) -> None:
     s.add_argument("--patch-mib", default="6", help="patch sizes in MiB, comma-separated (default 6)")
     s.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
     s.add_argument("--chunk", default="auto", help="chunk size, e.g. 512K (default auto, as the Publisher cuts)")
-    s.add_argument("--trainer-rate", default="4M", help="trainer uplink, bytes/s (default 4M)")
-    s.add_argument("--node-rate", default="8M", help="rollout uplinks, bytes/s (default 8M)")
-    s.add_argument("--wan-rate", default="4M", help="per-node cross-region upload limit, bytes/s (default 4M)")
-    s.add_argument("--link-rate", default="32M",
-                   help="bandwidth of each ordered pair of regions, bytes/s (default 32M)")
-    s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
+    _link_options(s)
     s.add_argument("--churn", type=float, default=0.0,
                    help="fraction of the nodes that leave halfway through the last version (default 0; try 0.1)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
