@@ -13,8 +13,12 @@ def test_bench_tracker_measures_a_real_daemon_and_writes_its_figures(tmp_path):
     doc = json.loads(out.read_text())
     http = doc["http"]
     assert http["joins"] == 200 and http["renewals"] > 50 and 0 < http["daemon_cpu_share"] <= 1.5
-    assert [row["store"] for row in doc["in_process"]] == [False, True]
+    assert [(row["store"], row["signed"]) for row in doc["in_process"]] == [(False, False), (True, False),
+                                                                              (True, True)]
     assert all(row["renewals_per_s"] > 0 and row["python_bytes_per_lease"] > 0 for row in doc["in_process"])
+    # renewals under a session (an HMAC) cost the tracker less than signed ones (an Ed25519 check each)
+    session, signed = doc["in_process"][1]["renewals_per_s"], doc["in_process"][2]["renewals_per_s"]
+    assert session > 1.3 * signed, (session, signed)
     # the capacity is the measured rate, at half a core, over the renewal interval
     assert doc["capacity_nodes"] == int(http["renewals_per_cpu_s"] * 0.5 * doc["renew_interval"])
     assert "one tracker holds 10,000 nodes" in r.stdout

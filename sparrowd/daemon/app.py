@@ -45,6 +45,7 @@ from ..swarm.identity import (
     Identities,
     NodeKey,
     Refused,
+    SessionUnknown,
     default_node_id,
     parse_duration,
 )
@@ -532,6 +533,8 @@ class Daemon:
                 return web.json_response({"error": str(e), "reason": e.reason}, status=403)
             except LeaseGone as e:
                 return web.json_response({"error": str(e)}, status=410)
+            except SessionUnknown as e:
+                return web.json_response({"error": str(e)}, status=409)
             except (FormatError, InputError) as e:
                 return web.json_response({"error": str(e)}, status=400)
             return web.Response(body=pack(reply), content_type=MSGPACK)

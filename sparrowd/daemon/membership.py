@@ -31,7 +31,7 @@ import aiohttp
 
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
-from ..swarm.identity import NodeKey, Refused, seal
+from ..swarm.identity import NodeKey, Refused, SessionKey, SessionUnknown, seal, seal_session
 from ..swarm.leases import DEFAULT_PEER_LIMIT, LeaseGone
 from .bodies import read_limited
 from .logs import event
@@ -106,6 +106,8 @@ class HttpTrackerClient:
                     raise Unauthorized(f"tracker {self.url} refused {path.rsplit('/', 1)[-1]}: {reason}")
                 if r.status == 410:
                     raise LeaseGone(reason)
+                if r.status == 409:
+                    raise SessionUnknown(reason)
                 if r.status == 400:
                     raise FormatError(f"tracker refused {path}: {reason}")
                 raise TrackerUnavailable(f"tracker {self.url}{path}: HTTP {r.status} {reason}")
@@ -195,6 +197,7 @@ class Membership:
         self._last_ts = 0.0
         self.members: dict[str, tuple[float, dict]] = {}  # strangers the tracker confirmed (``ask``): (when, entry)
         self._asking: set[str] = set()
+        self._secret: bytes | None = None  # the lease's session secret (identity.SessionKey): renewals by HMAC
         self.report = report or (lambda: {})
         self.rng = rng or random.Random(
             int.from_bytes(hashlib.sha256(me["node_id"].encode()).digest()[:8]) ^ time.time_ns())
@@ -268,13 +271,22 @@ class Membership:
 
     async def _join(self) -> None:
         sent = time.monotonic()
-        msg = {**self.me, "key": self.key.public, "ts": self._ts()}
+        kx = SessionKey()
+        msg = {**self.me, "key": self.key.public, "ts": self._ts(), "kx": kx.public}
         reply = await self.client.join(seal(self.key, "join", msg))
         self._take(reply, sent)
+        self._start_session(kx, reply)
         self.state.joins += 1
         self.joined.set()
         event(log, logging.INFO, "joined the swarm", node_id=self.me["node_id"], epoch=self.state.epoch,
               lease_ttl=self.state.ttl, peers=len(self.state.peers))
+
+    def _start_session(self, kx: SessionKey, reply: dict) -> None:
+        """Renewals from now on are sealed with the session secret (an HMAC the tracker checks in
+        microseconds) rather than signed; a tracker that offered no session gets signatures."""
+        theirs = reply.get("kx")
+        self._secret = kx.secret(theirs, self.me["node_id"], self.state.epoch) if isinstance(theirs, bytes) \
+            and len(theirs) == 32 else None
 
     def want_peers(self) -> None:
         """Ask for a fresh peer list with the next renewal, and renew soon (a stranger asked this
@@ -297,7 +309,18 @@ class Membership:
                "want_peers": want}
         if asking:
             msg["ask"] = asking
-        self._take(await self.client.renew(seal(self.key, "renew", msg)), sent)
+        if self._secret is not None:
+            try:
+                self._take(await self.client.renew(seal_session(self._secret, "renew", msg)), sent)
+            except SessionUnknown as e:  # the tracker restarted: this renewal again, signed, with a new kx
+                event(log, logging.INFO, "tracker session unknown; renewing signed", reason=str(e))
+                self._secret = None
+                msg["ts"] = self._ts()
+        if self._secret is None:
+            kx = SessionKey()
+            reply = await self.client.renew(seal(self.key, "renew", {**msg, "kx": kx.public}))
+            self._take(reply, sent)
+            self._start_session(kx, reply)
         if want:
             self._peers_wanted = False
 

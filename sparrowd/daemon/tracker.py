@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ..errors import FormatError, InputError
 from ..schema import Bool, Bytes, Int, List, Map, NonNegInt, Num, Opt, Str, fields
-from ..swarm.identity import Credential, CredentialBook, Identities, Refused, open_sealed
+from ..swarm.identity import Credential, CredentialBook, Identities, Refused, open_sealed, open_session_sealed
 from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, check_name, renew_interval
 from .logs import event
 
@@ -31,11 +31,12 @@ log = logging.getLogger("sparrowd.tracker")
 MAX_MESSAGE = 256 << 10
 MAX_ASK = 64  # node ids one renewal may ask the tracker about (strangers that contacted the node)
 MAX_REVOKED_LISTED = 10_000
-JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str, "key": Bytes, "ts": Num}
+JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str, "key": Bytes, "ts": Num, "kx": Opt(Bytes)}
 RENEW = {
     "node_id": Str,
     "epoch": NonNegInt,
     "ts": Num,
+    "kx": Opt(Bytes),  # a signed renewal may set up a new session (identity.SessionKey)
     "versions": Opt(List),
     "engine_version": Opt(Int),
     "bytes_up": Opt(NonNegInt),
@@ -141,7 +142,19 @@ class TrackerService:
         event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
               address=node.address, epoch=node.epoch, credential=binding.credential)
         self._changed()
-        return self._lease_reply(node, now)
+        reply = self._lease_reply(node, now)
+        self._session(reply, node, m["kx"])
+        return reply
+
+    def _session(self, reply: dict, node: Node, kx: bytes | None) -> None:
+        """A signed join or renewal that carries an exchange key sets up the lease's session: its
+        renewals are then sealed with an HMAC instead of a signature (``identity.SessionKey``)."""
+        if kx is None:
+            return
+        try:
+            reply["kx"] = self.identities.start_session(node.node_id, node.epoch, kx)
+        except (FormatError, ValueError) as e:
+            raise FormatError(f"kx: {e}") from None
 
     def _check(self, op: str, body: bytes, sig: bytes, m: dict, now: float) -> None:
         """A renewal or leave: from the key bound to the node id, newer than the last one."""
@@ -154,8 +167,21 @@ class TrackerService:
             self._refuse(op, e, m["node_id"])
             raise
 
+    def _check_mac(self, body: bytes, mac: bytes, m: dict, now: float) -> None:
+        try:
+            self.identities.check_mac(m["node_id"], m["epoch"], "renew", body, mac, float(m["ts"]), now)
+        except Refused as e:
+            self._refuse("renew", e, m["node_id"])
+            raise
+
     def renew(self, sealed, *, credential: Credential | None = None) -> dict:
-        msg, body, sig = open_sealed(sealed, "renew", max_len=MAX_MESSAGE)
+        """A renewal, sealed with the lease's session (an HMAC) or signed (the first after a join
+        without ``kx``, or after :class:`SessionUnknown`)."""
+        session = isinstance(sealed, dict) and "mac" in sealed
+        if session:
+            msg, body, mac = open_session_sealed(sealed, "renew", max_len=MAX_MESSAGE)
+        else:
+            msg, body, sig = open_sealed(sealed, "renew", max_len=MAX_MESSAGE)
         m = fields(msg, RENEW, what="renew")
         versions = m["versions"]
         if versions is not None and (
@@ -176,7 +202,10 @@ class TrackerService:
         if ask is not None and (len(ask) > MAX_ASK or not all(isinstance(i, str) and len(i) <= 64 for i in ask)):
             raise FormatError(f"renew: field 'ask' must be at most {MAX_ASK} node ids")
         now = self.clock()
-        self._check("renew", body, sig, m, now)
+        if session:
+            self._check_mac(body, mac, m, now)
+        else:
+            self._check("renew", body, sig, m, now)
         try:
             node = self.table.renew(
                 m["node_id"], m["epoch"], now, versions=versions, engine_version=m["engine_version"],
@@ -189,6 +218,8 @@ class TrackerService:
             raise
         self._changed()
         reply = self._lease_reply(node, now, peers=m.get("want_peers") is not False)
+        if not session:
+            self._session(reply, node, m["kx"])
         if ask:
             reply["members"] = [self.entry(n) for i in ask[:MAX_ASK] if (n := self.table.get(i, now)) is not None]
         return reply
@@ -199,6 +230,7 @@ class TrackerService:
         now = self.clock()
         self._check("leave", body, sig, m, now)
         node = self.table.leave(m["node_id"], m["epoch"], now)
+        self.identities.end_session(node.node_id)
         event(log, logging.INFO, "node left", node_id=node.node_id, region=node.region, epoch=node.epoch)
         self._changed()
         return {}
@@ -231,6 +263,7 @@ class TrackerService:
         node = self.table.get(node_id, now) if node_id is not None else None
         if node is not None:
             self.table.leave(node.node_id, node.epoch, now)
+            self.identities.end_session(node.node_id)
         event(log, logging.WARNING, "credential revoked", id=credential_id, node_id=node_id,
               lease_ended=node is not None)
         self._changed()
@@ -249,6 +282,7 @@ class TrackerService:
     def sweep(self) -> list[Node]:
         gone = self.table.expire(self.clock())
         for n in gone:
+            self.identities.end_session(n.node_id)
             event(log, logging.WARNING, "lease expired", node_id=n.node_id, region=n.region, epoch=n.epoch)
         if gone:
             self._changed()

@@ -24,6 +24,19 @@ a credential can be revoked, and members learn the revoked ids from the tracker.
 ``ms.signature`` over (from, to, ms), made for one receiver (a member that
 receives a proof cannot pass it on to a third) and good for :data:`PROOF_TTL`.
 
+**Sessions** make renewals cheap for the tracker: checking an Ed25519
+signature costs about 190 µs here, a renewal comes every TTL/3 from every
+node, and that halved what one tracker holds. A join (signed, as above)
+carries a fresh X25519 key of the node (``kx``); the tracker answers with one
+of its own, and both derive a 32-byte session secret (HKDF-SHA256 of the
+X25519 secret, bound to the node id and the lease's epoch). Renewals are then
+sealed ``{msg, mac}``: an HMAC-SHA256 under that secret (about 2 µs), with the
+same clock and replay rules. The tracker keeps sessions in memory only; a
+renewal under a session it does not know (it restarted) is answered with
+:class:`SessionUnknown`, and the node sends that renewal again signed, with a
+new ``kx``, which sets up a new session without ending the lease. Leaves stay
+signed.
+
 The rules are pure: they take ``now`` and return decisions or raise
 :class:`Refused`. Only :meth:`NodeKey.load_or_create` touches a file.
 """
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import os
 import secrets
 from dataclasses import dataclass
@@ -39,8 +53,10 @@ from pathlib import Path
 from typing import Protocol
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..checkpoint import atomic_file
 from ..errors import FormatError, SparrowError
@@ -62,6 +78,10 @@ __all__ = [
     "load_or_create_private_key",
     "seal",
     "open_sealed",
+    "SessionKey",
+    "SessionUnknown",
+    "seal_session",
+    "open_session_sealed",
     "make_proof",
     "check_proof",
     "parse_duration",
@@ -74,7 +94,9 @@ MAX_CREDENTIAL = 2048
 _TRACKER_DOMAIN = b"sparrowd-tracker-v1\x00"
 _CREDENTIAL_DOMAIN = b"sparrowd-credential-v1\x00"
 _PROOF_DOMAIN = b"sparrowd-peer-v1\x00"
+_SESSION_DOMAIN = b"sparrowd-session-v1\x00"
 _SEALED = {"msg": Bytes, "sig": Bytes}
+_MACED = {"msg": Bytes, "mac": Bytes}
 
 
 class Refused(SparrowError):
@@ -166,6 +188,49 @@ def open_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
     if not isinstance(msg, dict):
         raise FormatError(f"{op}: the message must be a map")
     return msg, env["msg"], env["sig"]
+
+
+class SessionUnknown(SparrowError):
+    """A renewal sealed under a session the tracker does not hold (it restarted, or the lease's
+    epoch moved): the node renews again, signed, with a new exchange key."""
+
+
+class SessionKey:
+    """One side's X25519 key for a session: ``public`` goes to the other side, :meth:`secret` derives
+    the shared secret from the other side's public key."""
+
+    def __init__(self):
+        self._key = X25519PrivateKey.generate()
+        self.public = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    def secret(self, other: bytes, node_id: str, epoch: int) -> bytes:
+        if not isinstance(other, bytes) or len(other) != 32:
+            raise FormatError("a session key exchange must carry 32 bytes")
+        shared = self._key.exchange(X25519PublicKey.from_public_bytes(other))
+        info = _SESSION_DOMAIN + node_id.encode() + b"\x00" + str(int(epoch)).encode()
+        return HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(shared)
+
+
+def _mac(secret: bytes, op: str, body: bytes) -> bytes:
+    return hmac.new(secret, _TRACKER_DOMAIN + op.encode() + b"\x00" + body, hashlib.sha256).digest()
+
+
+def seal_session(secret: bytes, op: str, msg: dict) -> dict:
+    """A tracker message sealed with the session secret (:func:`open_session_sealed` opens it)."""
+    body = pack(msg)
+    return {"msg": body, "mac": _mac(secret, op, body)}
+
+
+def open_session_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
+    """The message inside a session-sealed one, its bytes and MAC (checked by
+    :meth:`Identities.check_mac`)."""
+    env = fields(sealed, _MACED, what=op)
+    if len(env["mac"]) != 32:
+        raise FormatError(f"{op}: mac must be 32 bytes")
+    msg = unpack(env["msg"], what=op, max_len=max_len)
+    if not isinstance(msg, dict):
+        raise FormatError(f"{op}: the message must be a map")
+    return msg, env["msg"], env["mac"]
 
 
 def _signed_by(public: bytes, op: str, body: bytes, sig: bytes) -> bool:
@@ -315,6 +380,7 @@ class Identities:
         self._by_id: dict[str, Binding] = {}
         self._by_credential: dict[str, str] = {}  # credential id -> node id
         self._last: dict[str, float] = {}  # last ts accepted per node id (renewals: not persisted)
+        self._sessions: dict[str, tuple[int, bytes]] = {}  # node id -> (epoch, secret): in memory only
         if store is not None:
             for b in store.load_bindings():
                 self._put(b)
@@ -370,6 +436,26 @@ class Identities:
         self._check_time(node_id, ts, now)
         self._last[node_id] = ts
 
+    def start_session(self, node_id: str, epoch: int, theirs: bytes) -> bytes:
+        """A session for the node's lease from its exchange key (``kx``, carried by a signed join or
+        renewal); returns the tracker's exchange key for the reply."""
+        mine = SessionKey()
+        self._sessions[node_id] = (int(epoch), mine.secret(theirs, node_id, epoch))
+        return mine.public
+
+    def check_mac(self, node_id: str, epoch: int, op: str, body: bytes, mac: bytes, ts: float, now: float) -> None:
+        """A renewal sealed with the lease's session secret, and not one seen before."""
+        s = self._sessions.get(node_id)
+        if s is None or s[0] != epoch:
+            raise SessionUnknown(f"no session for node {node_id!r} at epoch {epoch}: renew signed, with a new kx")
+        if not hmac.compare_digest(mac, _mac(s[1], op, body)):
+            raise Refused("bad-signature", f"{op} for node {node_id!r} is not sealed with its session secret")
+        self._check_time(node_id, ts, now)
+        self._last[node_id] = ts
+
+    def end_session(self, node_id: str) -> None:
+        self._sessions.pop(node_id, None)
+
     def check_join_signature(self, key: bytes, body: bytes, sig: bytes) -> None:
         if len(key) != 32 or not _signed_by(key, "join", body, sig):
             raise Refused("bad-signature", "join is not signed by the key it carries")
@@ -386,6 +472,7 @@ class Identities:
         """An operator released the id (a box rebuilt with a new key)."""
         b = self._by_id.pop(node_id, None)
         self._last.pop(node_id, None)
+        self._sessions.pop(node_id, None)
         if b is not None and b.credential:
             self._by_credential.pop(b.credential, None)
         if self._store is not None:

@@ -19,11 +19,14 @@ from sparrowd.swarm.identity import (
     Identities,
     NodeKey,
     Refused,
+    SessionKey,
+    SessionUnknown,
     check_proof,
     default_node_id,
     key_id,
     make_proof,
     parse_duration,
+    seal_session,
 )
 from sparrowd.swarm.leases import LeaseGone, LeaseTable
 from sparrowd.swarm.signing import load_or_create_key
@@ -96,6 +99,56 @@ def test_renewals_and_leaves_must_be_signed_by_the_lease_key_and_never_replayed(
     assert [n["node_id"] for n in svc.status()["nodes"]] == ["r0"]
     assert "only the tracker" in refused("role", svc.join, members.join(mallory, "boss", role="trainer"))
     assert svc.refused[("renew", "bad-signature")] == 1 and svc.refused[("leave", "bad-signature")] == 1
+
+
+def test_renewals_under_a_session_are_checked_by_hmac_and_rekeyed_after_a_tracker_restart(tmp_path):
+    """A join carrying an exchange key sets up a session; renewals sealed with its secret pass the
+    same clock and replay rules as signed ones, and nothing else passes. A restarted tracker knows
+    no session: the node renews signed with a new exchange key, keeping its lease and epoch."""
+    svc, store = tracker(tmp_path)
+    a, mallory = new_key(), new_key()
+    kx = SessionKey()
+    reply = svc.join(members.seal(a, "join", {"node_id": "r0", "role": "rollout", "region": "eu",
+                                             "address": "127.0.0.1:1", "key": a.public, "ts": members.clock(),
+                                             "kx": kx.public}))
+    epoch = reply["epoch"]
+    secret = kx.secret(reply["kx"], "r0", epoch)
+
+    def renew(secret_, *, op="renew", ts=None, **extra):
+        return seal_session(secret_, op, {"node_id": "r0", "epoch": epoch,
+                                          "ts": members.clock() if ts is None else ts, **extra})
+
+    ok = renew(secret, versions=[3])
+    assert svc.renew(ok)["epoch"] == epoch
+    assert svc.status()["nodes"][0]["versions"] == [3]
+    assert "not newer" in refused("replay", svc.renew, ok)
+    refused("bad-signature", svc.renew, renew(bytes(32)))  # a secret nobody was given
+    refused("bad-signature", svc.renew, renew(SessionKey().secret(reply["kx"], "r0", epoch)))  # mallory's own kx
+    refused("bad-signature", svc.renew, renew(secret, op="leave"))  # sealed for another operation
+    tampered = renew(secret)
+    tampered["msg"] = tampered["msg"].replace(b"r0", b"r1")
+    with pytest.raises((SessionUnknown, LeaseGone, Refused)):
+        svc.renew(tampered)
+    body_changed = renew(secret, versions=[4])
+    body_changed["mac"] = renew(secret, versions=[5])["mac"]
+    refused("bad-signature", svc.renew, body_changed)
+    refused("clock", svc.renew, renew(secret, ts=time.time() + 2 * MAX_SKEW))
+    with pytest.raises(FormatError, match="32 bytes"):
+        svc.renew({"msg": renew(secret)["msg"], "mac": b"short"})
+    # The tracker restarts (sessions live in memory): the lease is back from its store, the session is not.
+    restarted, _ = tracker(tmp_path)
+    with pytest.raises(SessionUnknown):
+        restarted.renew(renew(secret))
+    kx2 = SessionKey()
+    again = restarted.renew(members.renew(a, "r0", epoch, kx=kx2.public))
+    assert again["epoch"] == epoch and isinstance(again["kx"], bytes)
+    secret2 = kx2.secret(again["kx"], "r0", epoch)
+    assert secret2 != secret and restarted.renew(renew(secret2))["epoch"] == epoch
+    refused("bad-signature", restarted.renew, members.renew(mallory, "r0", epoch, kx=SessionKey().public))
+    # A node that sends no kx (an older one) keeps renewing signed; a leave ends the session.
+    restarted.leave(members.leave(a, "r0", epoch))
+    with pytest.raises(SessionUnknown):
+        restarted.renew(renew(secret2))
 
 
 def test_a_sealed_message_is_checked_before_anything_else():
