@@ -95,8 +95,6 @@ _TRACKER_DOMAIN = b"sparrowd-tracker-v1\x00"
 _CREDENTIAL_DOMAIN = b"sparrowd-credential-v1\x00"
 _PROOF_DOMAIN = b"sparrowd-peer-v1\x00"
 _SESSION_DOMAIN = b"sparrowd-session-v1\x00"
-_SEALED = {"msg": Bytes, "sig": Bytes}
-_MACED = {"msg": Bytes, "mac": Bytes}
 
 
 class Refused(SparrowError):
@@ -181,13 +179,17 @@ def seal(key: NodeKey, op: str, msg: dict) -> dict:
 def open_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
     """The message inside a sealed one, its bytes and signature; the signature is checked by the
     caller, who knows which key must have made it (:meth:`Identities.check_signature`)."""
-    env = fields(sealed, _SEALED, what=op)
-    if len(env["sig"]) != 64:
-        raise FormatError(f"{op}: signature must be 64 bytes")
+    return _open(sealed, op, max_len, "sig", 64)
+
+
+def _open(sealed, op: str, max_len: int, seal_field: str, size: int) -> tuple[dict, bytes, bytes]:
+    env = fields(sealed, {"msg": Bytes, seal_field: Bytes}, what=op)
+    if len(env[seal_field]) != size:
+        raise FormatError(f"{op}: {'signature' if seal_field == 'sig' else seal_field} must be {size} bytes")
     msg = unpack(env["msg"], what=op, max_len=max_len)
     if not isinstance(msg, dict):
         raise FormatError(f"{op}: the message must be a map")
-    return msg, env["msg"], env["sig"]
+    return msg, env["msg"], env[seal_field]
 
 
 class SessionUnknown(SparrowError):
@@ -224,13 +226,7 @@ def seal_session(secret: bytes, op: str, msg: dict) -> dict:
 def open_session_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
     """The message inside a session-sealed one, its bytes and MAC (checked by
     :meth:`Identities.check_mac`)."""
-    env = fields(sealed, _MACED, what=op)
-    if len(env["mac"]) != 32:
-        raise FormatError(f"{op}: mac must be 32 bytes")
-    msg = unpack(env["msg"], what=op, max_len=max_len)
-    if not isinstance(msg, dict):
-        raise FormatError(f"{op}: the message must be a map")
-    return msg, env["msg"], env["mac"]
+    return _open(sealed, op, max_len, "mac", 32)
 
 
 def _signed_by(public: bytes, op: str, body: bytes, sig: bytes) -> bool:
