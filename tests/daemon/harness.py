@@ -113,5 +113,11 @@ def status(tracker_url: str, token: str) -> dict:
     return json.loads(body)
 
 
+def node_row(tracker_url: str, token: str, node_id: str) -> dict:
+    """The tracker's status row for ``node_id``; empty while the node is not in the swarm (not yet
+    joined, or between a stop and a restart), so a wait on a field reads it as not there yet."""
+    return next((n for n in status(tracker_url, token)["nodes"] if n["node_id"] == node_id), {})
+
+
 def node_ids(tracker_url: str, token: str) -> set[str]:
     return {n["node_id"] for n in status(tracker_url, token)["nodes"]}

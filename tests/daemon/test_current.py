@@ -14,7 +14,7 @@ import pytest
 from sparrowd import Publisher
 from sparrowd.checkpoint import open_checkpoint
 from sparrowd.current import read_marker
-from tests.daemon.harness import status, wait_for
+from tests.daemon.harness import node_row, wait_for
 from tests.helpers import sparrowd
 from tests.models import served_bits, train, trained_setup
 
@@ -75,9 +75,9 @@ def test_a_late_box_with_nothing_boots_the_current_policy_from_the_swarm(cluster
     assert read_marker(late.data_dir / "current")["version"] == 7
     # It started from the newest anchor (6) and the patch after it, not from the base.
     assert (late.data_dir / "anchors" / "6").is_dir() and not (late.data_dir / "anchors" / "0").exists()
-    row = next(n for n in status(cluster.tracker, cluster.token)["nodes"] if n["node_id"] == "late")
-    wait_for(lambda: next(n for n in status(cluster.tracker, cluster.token)["nodes"]
-                          if n["node_id"] == "late")["current"] == {"state": "ready", "version": 7}, 10,
+    row = node_row(cluster.tracker, cluster.token, "late")
+    ready = {"state": "ready", "version": 7}
+    wait_for(lambda: node_row(cluster.tracker, cluster.token, "late").get("current") == ready, 10,
              "the folder in the tracker's status")
     assert row["role"] == "rollout"
     out = sparrowd("status", "--tracker", cluster.tracker, "--token-file", cluster.token_file)

@@ -11,7 +11,7 @@ import blake3
 import pytest
 
 from sparrowd.codec.patchfile import parse_patch
-from tests.daemon.harness import get, status, wait_for
+from tests.daemon.harness import get, node_row, status, wait_for
 from tests.daemon.patches import check_store, held, publish, write_chain
 
 pytestmark = pytest.mark.slow
@@ -147,8 +147,7 @@ def test_an_engine_killed_mid_apply_is_never_reported_between_versions_and_catch
     assert proc.stdout.readline().strip() == "scattering"
 
     def engine_version():
-        return next(n for n in status(cluster.tracker, cluster.token)["nodes"]
-                    if n["node_id"] == "r1")["engine_version"]
+        return node_row(cluster.tracker, cluster.token, "r1").get("engine_version")
 
     wait_for(lambda: engine_version() == 0, 5, "the tracker to see the engine at version 0 while it applies")
     assert proc.poll() is None  # still in the middle of the apply

@@ -17,7 +17,7 @@ import pytest
 
 from sparrowd.bench.vllm_server import VllmServer
 from sparrowd.checkpoint import open_checkpoint
-from tests.daemon.harness import Daemon, free_port, make_token, status, wait_for
+from tests.daemon.harness import Daemon, free_port, make_token, node_row, wait_for
 from tests.engine.roles import engine_python, role
 from tests.engine.vllm_roles import PROMPTS
 
@@ -70,7 +70,7 @@ def test_an_empty_box_serves_the_current_policy_with_vllm(tmp_path):
         wait_for(lambda: node.node(token)["current"]["version"] == STEPS + 1, 30, "DATA/current on the next version")
         same_folder(current, out / f"step{STEPS + 1}")
         got[STEPS + 1] = [server.generate(p) for p in PROMPTS]
-        row = next(n for n in status(tracker, token)["nodes"] if n["node_id"] == "late")
+        row = node_row(tracker, token, "late")
         assert row["engine_version"] == STEPS + 1
     finally:
         if server is not None:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from sparrowd.bench.vllm_server import VllmServer
-from tests.daemon.harness import Daemon, free_port, make_token, status, wait_for
+from tests.daemon.harness import Daemon, free_port, make_token, node_row, status, wait_for
 from tests.engine.roles import engine_python, role
 from tests.engine.vllm_roles import PROMPTS
 
@@ -66,8 +66,8 @@ def world(tmp_path_factory):
                 d.proc.wait()
 
 
-def node_row(w, node_id: str = "r1") -> dict:
-    return next(n for n in status(w.tracker, w.token)["nodes"] if n["node_id"] == node_id)
+def r1_row(w) -> dict:
+    return node_row(w.tracker, w.token, "r1")
 
 
 def outputs(w) -> list[dict]:
@@ -104,7 +104,7 @@ def test_vllms_trainer_side_api_moves_the_server_bit_for_bit(world):
         # Every token is labelled with the version that produced it.
         assert all(g["versions"] == [{"version": str(v), "start": 0, "end": len(g["tokens"])}] for g in got)
     # The node reports the server's version as its engine's.
-    wait_for(lambda: node_row(w)["engine_version"] == STEPS, 10, "the engine version in status")
+    wait_for(lambda: r1_row(w).get("engine_version") == STEPS, 10, "the engine version in status")
 
 
 def test_faults_leave_the_server_on_its_last_complete_version(world):
@@ -122,9 +122,9 @@ def test_faults_leave_the_server_on_its_last_complete_version(world):
     # 2. A corrupt chunk is refused before any write. The engine detaches while version v+1
     # arrives, so nothing decodes it before one of its stored chunks is damaged on disk.
     w.server.post("shutdown_weight_transfer_engine")
-    wait_for(lambda: node_row(w)["engine_version"] is None, 10, "the engine to detach")
+    wait_for(lambda: r1_row(w).get("engine_version") is None, 10, "the engine to detach")
     role("more", w.out, w.tracker, w.token_file, v, 1)
-    wait_for(lambda: v + 1 in node_row(w)["versions"], 30, f"r1 to hold version {v + 1}")
+    wait_for(lambda: v + 1 in r1_row(w).get("versions", ()), 30, f"r1 to hold version {v + 1}")
     chunk = w.node.data_dir / "versions" / str(v + 1) / "chunks" / "0.chunk"
     good = chunk.read_bytes()
     chunk.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
@@ -161,7 +161,7 @@ def test_faults_leave_the_server_on_its_last_complete_version(world):
     same_generation(outputs(w), after)
     w.node = w.rollout()
     role("more", w.out, w.tracker, w.token_file, v + 1, 1)
-    wait_for(lambda: v + 2 in node_row(w)["versions"], 30, f"r1 to hold version {v + 2}")
+    wait_for(lambda: v + 2 in r1_row(w).get("versions", ()), 30, f"r1 to hold version {v + 2}")
     w.server.post("start_weight_update")
     w.server.post("update_weights", {"update_info": {"version": v + 2, "timeout": 10}})
     w.server.post("finish_weight_update", {"weight_version": str(v + 2)})
@@ -173,7 +173,7 @@ def test_follow_mode_moves_the_server_while_requests_run(world):
     start = int(w.server.weight_version())
     w.node.stop()
     w.node = w.rollout("--follow-vllm", w.server.url)
-    wait_for(lambda: node_row(w)["engine_version"] == start, 30, "the follower to attach the server")
+    wait_for(lambda: r1_row(w).get("engine_version") == start, 30, "the follower to attach the server")
     done = threading.Event()
     seen: list[tuple[float, object]] = []
 
@@ -207,7 +207,7 @@ def test_follow_mode_moves_the_server_while_requests_run(world):
         order += versions
     assert order == sorted(order)  # and from one response to the next
     assert len(set(order)) >= 3, "the client saw too few versions for the test to mean anything"
-    wait_for(lambda: node_row(w)["engine_version"] == last, 10, "the engine version in status")
+    wait_for(lambda: r1_row(w).get("engine_version") == last, 10, "the engine version in status")
     outputs(w)
 
 

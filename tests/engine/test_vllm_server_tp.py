@@ -12,7 +12,7 @@ import json
 import pytest
 
 from sparrowd.bench.vllm_server import VllmServer
-from tests.daemon.harness import Daemon, free_port, make_token, status, wait_for
+from tests.daemon.harness import Daemon, free_port, make_token, node_row, status, wait_for
 from tests.engine.roles import engine_python, role
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_tensor_parallel_server_follows_trained_steps(tmp_path):
         seen = json.loads((out / "drive.json").read_text())
         assert [s["weight_version"] for s in seen] == [str(v) for v in range(1, STEPS + 1)]
         # Both workers attached as ranks of one engine; the node reports the version they hold.
-        r1 = next(n for n in status(tracker, token)["nodes"] if n["node_id"] == "r1")
+        r1 = node_row(tracker, token, "r1")
         assert r1["engine_version"] == STEPS
         role("reference", out, *(out / f"step{v}" for v in range(STEPS + 1)))
         for v in range(1, STEPS + 1):
