@@ -60,6 +60,8 @@ def _link_options(s, link_help: str = "") -> None:
     s.add_argument("--rtt", type=float, default=0.08, help="round-trip time between regions, seconds (default 0.08)")
     s.add_argument("--link-rate", default="32M",
                    help=f"bandwidth of each ordered pair of regions, bytes/s (default 32M{link_help})")
+    s.add_argument("--no-cut-through", action="store_true",
+                   help="relays hand on whole chunks only (the daemons' --cut-through off), for comparison")
 
 
 def register_swarm(bs) -> None:
@@ -90,7 +92,7 @@ def cmd_swarm(args) -> int:
 
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
-               rtt=args.rtt, link_rate=args.link_rate,
+               rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through,
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
 
 

@@ -20,7 +20,7 @@ from .status import render_status
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
                   "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed",
-                  "current")
+                  "current", "cut_through")
 
 
 def add_follow_flags(p) -> None:
@@ -78,6 +78,9 @@ def register(sub) -> None:
                    help="trainer: hand distinct chunks to distinct peers before repeating any, so its uplink "
                         "carries each chunk about once (default on); off shows peers every chunk it holds, for "
                         "swarms whose rollout boxes cannot reach each other")
+    r.add_argument("--cut-through", choices=("on", "off"),
+                   help="relay the chunks this node is still fetching, each block as it arrives and checks out "
+                        "against the trainer's signed block hashes (default on); off relays only whole chunks")
     add_follow_flags(r)
     add_current_flag(r)
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")

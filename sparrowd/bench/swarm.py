@@ -125,18 +125,36 @@ def _wait(pred, timeout: float, what: str, every: float = 0.1):
 
 
 async def _star(trainer: str, token: str, version: int, manifest, clients: int, regions: int) -> float:
-    """N clients, spread over the regions, each pull every chunk of ``version`` from the trainer."""
+    """N clients, spread over the regions, each pull every chunk of ``version`` from the trainer.
+    Each joins the swarm with a key of its own first, as any member must, and proves it on every
+    request; the clock starts once all have joined."""
     import aiohttp
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    from ..daemon.membership import HttpTrackerClient
+    from ..daemon.swarm import NODE_HEADER, PROOF_HEADER, REGION_HEADER
     from ..schema import pack
+    from ..swarm.identity import NodeKey, make_proof, seal
     from ..swarm.versions import to_bitmap
 
     n = len(manifest.chunks)
+    tracker = HttpTrackerClient(trainer, token)
+    keys = [NodeKey(Ed25519PrivateKey.generate()) for _ in range(clients)]
+    trainer_id = None
+    try:
+        for k, key in enumerate(keys):
+            reply = await tracker.join(seal(key, "join", {
+                "node_id": f"star-{k}", "role": "rollout", "region": "star", "address": f"{_addr(k % regions, 2, k)}:9",
+                "key": key.public, "ts": time.time()}))
+            trainer_id = next(p["node_id"] for p in reply["peers"] if p["role"] == "trainer")
+    finally:
+        await tracker.close()
 
     async def client(k: int, session) -> None:
-        hdr = {"Authorization": f"Bearer {token}", "X-Sparrowd-Node": f"star-{k}", "X-Sparrowd-Region": "star"}
+        hdr = {"Authorization": f"Bearer {token}", NODE_HEADER: f"star-{k}", REGION_HEADER: "star"}
         have: set[int] = set()
         while len(have) < n:
+            hdr[PROOF_HEADER] = make_proof(keys[k], f"star-{k}", trainer_id, time.time())
             msg = {"node_id": f"star-{k}", "region": "star", "after": -1, "wait": 0,
                    "versions": [{"version": version, "statements": 0, "have": to_bitmap(have, n),
                                  "fetching": b""}]}
@@ -168,7 +186,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
-        link_rate: str = "32M", star: bool = True,
+        link_rate: str = "32M", star: bool = True, cut_through: bool = True,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning") -> int:
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
@@ -222,6 +240,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                         "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
                         "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
+                        "--cut-through", "on" if cut_through else "off",
                         "--log-level", log_level,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")

@@ -71,6 +71,10 @@ class DaemonMetrics:
             lies = CounterMetricFamily("sparrowd_peer_false_haves", "Chunks peers advertised and then did not serve")
             lies.add_metric([], d.swarm.lies)
             yield lies
+            relayed = CounterMetricFamily("sparrowd_cut_through_bytes", "Bytes of chunks this node served while "
+                                          "it was still fetching them (cut-through: each block as it checked out)")
+            relayed.add_metric([], d.swarm.cut_through_bytes)
+            yield relayed
             bans = CounterMetricFamily("sparrowd_peers_banned", "Peers banned for the session",
                                        labels=["reason"])
             for reason in ("bad-chunk", "false-have"):

@@ -189,6 +189,7 @@ class Settings:
     follow_every: float = 0.0  # at most one update per this many seconds (0: every version)
     follow_vllm_remote: bool = False  # allow a follow_vllm address that is not loopback
     super_seed: bool = True  # the trainer hands distinct chunks to distinct peers first (off: shows all it holds)
+    cut_through: bool = True  # relays serve chunks they are fetching, block by block as the blocks check out
     current: bool | None = None  # keep DATA/current, the newest version as a model folder (default: rollouts do)
 
     @property
@@ -223,6 +224,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "follow_every": _non_negative_float,
     "follow_vllm_remote": _bool,
     "super_seed": _bool,
+    "cut_through": _bool,
     "current": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}

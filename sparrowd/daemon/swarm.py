@@ -16,6 +16,15 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   patch, ``a12`` for its anchor), oldest first. Each
   chunk is checked against its signed BLAKE3 hash before it is stored or
   served; a peer that sends a bad chunk is banned for the session.
+* Cut-through (``cutthrough.Partial``): each block of a chunk is checked
+  against the block hashes the trainer's announcement signed as it arrives,
+  and a relay serves the chunks it is fetching as well as those it holds,
+  block by block, so a chunk moves down a chain of nodes a block behind the
+  first instead of a chunk behind at each hop. Exchange replies say
+  ``cut_through``, and a node's ``fetching`` map is then a source for its
+  peers' pickers; starting a fetch wakes the peers' long polls so they learn
+  it at once. A stream whose feeding fetch fails is cut, and the requester
+  goes back to its picker, without holding it against that peer.
 * The serving side answers exchanges and chunk requests. A relay serves
   whoever asks while fewer than ``QUEUE_ADMIT`` requests wait for its uplink
   (503 "choked" beyond); the trainer serves the peers its choker unchokes and
@@ -40,6 +49,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import blake3
@@ -57,8 +67,17 @@ from ..swarm.picker import PeerView, Picker, count_on, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed
-from ..swarm.versions import ChunkRef, VersionState, announce_body, check_kind, from_bitmap, to_bitmap
+from ..swarm.versions import (
+    ChunkRef,
+    VersionState,
+    announce_body,
+    block_hashes,
+    check_kind,
+    from_bitmap,
+    to_bitmap,
+)
 from .bodies import read_limited
+from .cutthrough import Partial
 from .logs import Throttle, event
 from .membership import outgoing
 from .store import ChunkStore
@@ -116,6 +135,7 @@ class PeerState:
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
     delivered: int = 0  # chunks it sent this node (a member that never serves is not counted on to cross)
+    cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
 
@@ -168,6 +188,8 @@ class Swarm:
         self._closing = False  # set by stop: long polls answer at once
         self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
         self.available_since: dict[tuple[Key, int], float] = {}
+        self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
+        self.cut_through_bytes = 0  # bytes served from chunks still arriving
         self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
@@ -361,7 +383,8 @@ class Swarm:
             if known != ref:
                 raise IntegrityError(f"{key}: chunk {index} was published with another hash")
             return {"index": index, "new": False}
-        s = self.signer.sign(announce_kind(key.anchor), key.version, announce_body(index, [ref]))
+        s = self.signer.sign(announce_kind(key.anchor), key.version,
+                             announce_body(index, [ref], [block_hashes(data)]))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         vs.have.add(index)
@@ -533,7 +556,8 @@ class Swarm:
             choked = not self._may_download(remote)  # it wants something: a free slot is its now
         else:
             choked = self._choking_active() and remote.node_id not in self.unchoked
-        reply = {"gen": self.gen, "versions": out, "choked": choked}
+        reply = {"gen": self.gen, "versions": out, "choked": choked,
+                 "cut_through": self.signer is None and self.daemon.settings.cut_through}
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
     def _choking_active(self) -> bool:
@@ -565,7 +589,12 @@ class Swarm:
         if isinstance(remote, web.Response):
             return remote
         vs = self.versions.get(key)
-        if vs is None or i not in vs.have:
+        source: Path | Partial | None = None
+        if vs is not None and i in vs.have:
+            source = self.store.chunk_path(key, i)
+        elif (part := self.partials.get((key, i))) is not None and not part.failed:
+            source = part  # being fetched: served block by block as the blocks check out
+        if source is None:
             return web.json_response({"error": "not held"}, status=404)
         if not self._may_download(remote):
             return web.json_response({"error": "choked"}, status=503)
@@ -573,7 +602,6 @@ class Swarm:
             return web.json_response({"error": "too many requests in flight"}, status=429)
         if key in self.superseed:
             self.superseed[key].claim(i, remote.node_id)
-        path = self.store.chunk_path(key, i)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
         remote.uploads += 1
@@ -585,7 +613,7 @@ class Swarm:
                 waiting = False
                 if self.signer is None and self._waiting == QUEUE_ADMIT - 1:
                     await self.notify()  # the queue has room again: peers told "choked" learn it now
-                resp, sent = await self._send(request, path, size, wan)
+                resp, sent = await self._send(request, source, size, wan)
         finally:
             remote.uploads -= 1
             if waiting:
@@ -594,13 +622,18 @@ class Swarm:
             return resp
         remote.rate_to.add(time.monotonic(), size)
         self.daemon.count_bytes("up", size, wan)
+        if isinstance(source, Partial):
+            self.cut_through_bytes += size
         return resp
 
-    async def _send(self, request: web.Request, path, size: int, wan: bool) -> tuple[web.StreamResponse, bool]:
-        """The chunk's bytes, paced by the rate limits; False when the peer hung up (an endgame
-        loser cancelled: not an error)."""
-        if not (self.up.rate or (wan and self.wan_up.rate)):
-            resp = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    async def _send(self, request: web.Request, source: Path | Partial, size: int,
+                    wan: bool) -> tuple[web.StreamResponse, bool]:
+        """The chunk's bytes, from its file or, cut-through, from a fetch in progress, paced by the
+        rate limits; False when the peer hung up (an endgame loser cancelled: not an error) or the
+        fetch it was fed by failed (the connection is cut: the requester must not take what it got
+        for the whole chunk)."""
+        if isinstance(source, Path) and not (self.up.rate or (wan and self.wan_up.rate)):
+            resp = web.FileResponse(source, headers={"Content-Type": "application/octet-stream"})
             try:
                 await resp.prepare(request)  # sendfile where the event loop supports it
             except ConnectionError:
@@ -609,15 +642,18 @@ class Swarm:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
         try:
             await resp.prepare(request)
-            with open(path, "rb") as f:
-                while piece := f.read(PIECE):
-                    now = time.monotonic()
-                    delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
-                    if delay:
-                        await asyncio.sleep(delay)
-                    await resp.write(piece)
+            async for piece in _pieces(source):
+                now = time.monotonic()
+                delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
+                if delay:
+                    await asyncio.sleep(delay)
+                await resp.write(piece)
             await resp.write_eof()
         except ConnectionError:
+            return resp, False
+        except _Cut:
+            if request.transport is not None:
+                request.transport.abort()
             return resp, False
         return resp, True
 
@@ -744,6 +780,7 @@ class Swarm:
             raise FormatError(f"exchange reply from {ps.node_id}: not a map with versions")
         ps.gen = int(reply.get("gen", -1)) if isinstance(reply.get("gen"), int) else -1
         ps.choking = bool(reply.get("choked"))
+        ps.cut_through = reply.get("cut_through") is True
         at = self.floor()
         now = time.monotonic()
         seen = set()
@@ -801,12 +838,15 @@ class Swarm:
             except TimeoutError:
                 pass
             self._changed.clear()
-            self._schedule()
+            if self._schedule():
+                await self.notify()  # peers' long polls learn what this node now fetches (and can relay)
 
-    def _schedule(self) -> None:
+    def _schedule(self) -> int:
+        """Start the requests the picker chooses; returns how many."""
+        started = 0
         now = time.monotonic()
         if now < self.store_paused_until:
-            return
+            return 0
         self.counted = {k: c for k, c in self.counted.items() if k in self.versions and not self.versions[k].complete}
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
@@ -827,7 +867,7 @@ class Swarm:
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
                               slots=slots_for_rate(p.rate.rate(now), chunk_size), rate=p.rate.rate(now),
-                              proven=p.node_id in trusted)
+                              proven=p.node_id in trusted, cut_through=p.cut_through and p.role != "trainer")
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             since = {i: self.available_since.get((k, i), now) for i in missing}
@@ -846,6 +886,8 @@ class Swarm:
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
+                started += 1
+        return started
 
     def _crossers(self, trusted: set[str]) -> list[str]:
         """The nodes that share this region's cross-region fetches, as this node sees them: itself
@@ -870,6 +912,10 @@ class Swarm:
         key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
+        whole = index in ps.have.get(vs.key, ())  # else the peer is fetching it too: served cut-through
+        buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
+        if buf.hashes is not None and self.daemon.settings.cut_through:
+            self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
         try:
             timeout = aiohttp.ClientTimeout(total=5.0 + ref.size / MIN_RATE)
             async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
@@ -878,22 +924,21 @@ class Swarm:
                     ps.choking = True
                     return
                 if r.status == 404:
-                    self._lied(ps, vs.key, index)
+                    if whole:
+                        self._lied(ps, vs.key, index)
+                    else:  # its fetch ended (or moved to another node) since it said so
+                        ps.fetching.get(vs.key, set()).discard(index)
                     return
                 if r.status != 200:
                     return
-                parts, got = [], 0
                 async for piece in r.content.iter_chunked(PIECE):
-                    got += len(piece)
-                    if got > ref.size:
-                        raise IntegrityError(f"chunk {index} of {vs.key} is longer than signed")
-                    parts.append(piece)
+                    buf.feed(piece)  # each block checked as it completes
                     ps.rate.add(time.monotonic(), len(piece))
                     delay = self.down.take(time.monotonic(), len(piece))
                     if delay:
                         await asyncio.sleep(delay)
-            data = b"".join(parts)
-            self.daemon.count_bytes("down", len(data), wan)
+            data = buf.buf
+            self.daemon.count_bytes("down", buf.got, wan)
             if index in vs.have:
                 return
             try:
@@ -907,6 +952,8 @@ class Swarm:
                       reason=self.error, seconds=pause)
                 return
             vs.have.add(index)
+            if (relayed := self.partials.get(key)) is not None and relayed is not buf:
+                relayed.fill(data)  # streams fed by another fetch of it go on from this copy
             self.store_failures = 0
             ps.strikes = 0
             ps.stalled = False
@@ -927,6 +974,11 @@ class Swarm:
         except IntegrityError as e:
             self._ban(ps, str(e))
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            if not whole:  # a stream cut-through: its feeding fetch failed there, not this peer's doing
+                ps.fetching.get(vs.key, set()).discard(index)
+                event(log, logging.DEBUG, "cut-through stream ended early", peer=ps.node_id, object=str(vs.key),
+                      index=index, reason=type(e).__name__)
+                return
             # The request ends and the chunk goes back to the picker; the peer sits out a while
             # (longer each time in a row), so a stalled peer does not get the chunk again.
             ps.strikes += 1
@@ -935,6 +987,10 @@ class Swarm:
             event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, object=str(vs.key),
                   index=index, reason=type(e).__name__, seconds=min(60.0, 2.0 ** ps.strikes))
         finally:
+            if self.partials.get(key) is buf:
+                del self.partials[key]
+                if not buf.whole:
+                    buf.abort()  # streams served from it are cut; their requesters pick again
             ps.inflight -= 1
             tasks = self.inflight.get(key)
             if tasks is not None:
@@ -942,3 +998,26 @@ class Swarm:
                 if not tasks:
                     del self.inflight[key]
             self._changed.set()
+
+
+class _Cut(Exception):
+    """The fetch a cut-through stream was fed by failed."""
+
+
+async def _pieces(source: Path | Partial):
+    """A chunk's bytes in pieces of at most ``PIECE``: from its file, or from a fetch in progress
+    as its blocks check out (``_Cut`` if that fetch fails first)."""
+    if isinstance(source, Path):
+        with open(source, "rb") as f:
+            while piece := f.read(PIECE):
+                yield piece
+        return
+    mv, sent = memoryview(source.buf), 0
+    while sent < source.size:
+        await source.wait(sent)
+        if source.failed:
+            raise _Cut()
+        end = source.ready
+        for o in range(sent, end, PIECE):
+            yield mv[o : min(o + PIECE, end)]
+        sent = end

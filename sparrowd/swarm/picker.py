@@ -19,6 +19,13 @@ spreads inside it from there. If the chunk has still not appeared in the
 region ``cross_wait`` seconds after it became available outside (the winner
 is slow, or dead), anyone may fetch it across.
 
+A neighbour that relays cut-through (``PeerView.cut_through``: it serves a
+chunk's verified blocks while it is still fetching the chunk) is a source
+for what it is fetching as well as for what it holds, after those that hold
+the chunk whole: the region's crosser is fetched from while its chunk is
+still crossing, and a chunk moves down a chain of nodes a block behind the
+first, not a whole chunk behind at each hop.
+
 A neighbour that holds the chunk and serves this node keeps it from crossing
 (it waits for a slot). A neighbour's claim (fetching the chunk, or holding it
 while choking this node) does too, but only if that neighbour has served
@@ -61,6 +68,7 @@ class PeerView:
     slots: int = 2
     rate: float = 0.0  # bytes/s measured from this peer
     proven: bool = True  # it has served this node (a neighbour's claims are waited on only then)
+    cut_through: bool = False  # it serves chunks it is fetching, block by block as they arrive
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ class Picker:
         count = {c: 0 for c in chunks}
         for p in peers:
             for c in chunks:
-                if c in p.have:
+                if c in p.have or (p.cut_through and c in p.fetching):
                     count[c] += 1
         by_rarity = sorted(chunks, key=lambda c: count[c])
         out = []
@@ -199,8 +207,9 @@ class Picker:
         out: list[Request] = []
 
         def sources(c: int, exclude: set[str]) -> list[PeerView]:
-            holders = [p for p in usable if c in p.have and free[p.peer_id] > 0 and p.peer_id not in exclude]
-            rank = lambda p: (p.is_trainer, -p.rate)  # noqa: E731
+            holders = [p for p in usable if (c in p.have or (p.cut_through and c in p.fetching))
+                       and free[p.peer_id] > 0 and p.peer_id not in exclude]
+            rank = lambda p: (c not in p.have, p.is_trainer, -p.rate)  # noqa: E731
             local = [p for p in holders if p.region == self.region]
             if local:
                 return sorted(local, key=rank)

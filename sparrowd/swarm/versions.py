@@ -3,7 +3,9 @@ chunk list and the chunks it holds.
 
 A version's chunks are numbered in the order the trainer produced them. The
 trainer signs announcements of chunks as they are encoded (``first`` index
-and ``[hash, size]`` pairs), then the manifest, whose chunk list must agree
+and ``[hash, size]`` pairs, and for each chunk the hashes of its ``block``-byte
+blocks, which let a node check and relay a chunk block by block while it is
+still arriving: cut-through), then the manifest, whose chunk list must agree
 with everything announced; the version is complete once the manifest is in
 and every chunk is held. A chunk index is known only through a signed
 statement, so nothing else can be stored or served. Pure: statements in,
@@ -15,19 +17,23 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import blake3
 import numpy as np
 
 from ..codec.manifest import FULL, Manifest
 from ..errors import FormatError, IntegrityError
-from ..schema import Bytes, List, NonNegInt, fields, pack, unpack
+from ..schema import Bytes, List, NonNegInt, Opt, fields, pack, unpack
 from .chain import Key, Obj
 from .signing import Signed, Verifier
 
-__all__ = ["ChunkRef", "VersionState", "announce_body", "check_kind", "to_bitmap", "from_bitmap",
-           "MAX_CHUNKS_PER_VERSION"]
+__all__ = ["ChunkRef", "VersionState", "announce_body", "block_hashes", "check_kind", "to_bitmap", "from_bitmap",
+           "MAX_CHUNKS_PER_VERSION", "BLOCK", "BLOCK_HASH"]
 
 MAX_CHUNKS_PER_VERSION = 1 << 20
-_ANNOUNCE = {"first": NonNegInt, "chunks": List}
+BLOCK = 64 << 10  # the grain of cut-through relaying: a node checks and hands on blocks of this size
+BLOCK_HASH = 16  # bytes of BLAKE3 per block (the chunk's own hash, 32 bytes, is checked too before storing)
+MIN_BLOCK, MAX_BLOCK = 4 << 10, 64 << 20
+_ANNOUNCE = {"first": NonNegInt, "chunks": List, "block": Opt(NonNegInt), "blocks": Opt(List)}
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,21 @@ class ChunkRef:
     size: int
 
 
-def announce_body(first: int, chunks: list[ChunkRef]) -> bytes:
-    return pack({"first": first, "chunks": [[c.hash, c.size] for c in chunks]})
+def block_hashes(data, block: int = BLOCK) -> bytes:
+    """The BLAKE3 (``BLOCK_HASH`` bytes) of each ``block``-byte block of a chunk, concatenated."""
+    mv = memoryview(data)
+    return b"".join(blake3.blake3(mv[o : o + block]).digest(length=BLOCK_HASH) for o in range(0, len(mv), block))
 
 
-def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef]]:
+def announce_body(first: int, chunks: list[ChunkRef], blocks: list[bytes] | None = None, block: int = BLOCK) -> bytes:
+    """An announcement of chunks ``first``.., with their blocks' hashes (``block_hashes``) when given."""
+    body = {"first": first, "chunks": [[c.hash, c.size] for c in chunks]}
+    if blocks is not None:
+        body["block"], body["blocks"] = block, list(blocks)
+    return pack(body)
+
+
+def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef], int | None, list[bytes] | None]:
     m = fields(unpack(body, what="chunk announcement", max_len=64 << 20), _ANNOUNCE, what="chunk announcement")
     out = []
     for item in m["chunks"]:
@@ -50,7 +66,16 @@ def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef]]:
         out.append(ChunkRef(item[0], item[1]))
     if m["first"] + len(out) > MAX_CHUNKS_PER_VERSION:
         raise FormatError(f"chunk announcement: more than {MAX_CHUNKS_PER_VERSION} chunks")
-    return m["first"], out
+    block, blocks = m["block"], m["blocks"]
+    if (block is None) != (blocks is None):
+        raise FormatError("chunk announcement: block and blocks go together")
+    if blocks is not None:
+        if not MIN_BLOCK <= block <= MAX_BLOCK:
+            raise FormatError(f"chunk announcement: block size {block} outside {MIN_BLOCK}..{MAX_BLOCK}")
+        if len(blocks) != len(out) or not all(
+                Bytes(b) and len(b) == BLOCK_HASH * -(-c.size // block) for b, c in zip(blocks, out)):
+            raise FormatError(f"chunk announcement: blocks must give {BLOCK_HASH} bytes per block of each chunk")
+    return m["first"], out, block, blocks
 
 
 @dataclass
@@ -61,6 +86,8 @@ class VersionState:
     statements: list[Signed] = field(default_factory=list)
     manifest: Manifest | None = None
     have: set[int] = field(default_factory=set)
+    block: int | None = None  # the block size its announcements hash (None: announced without blocks)
+    blocks: dict[int, bytes] = field(default_factory=dict)  # chunk -> its blocks' hashes (``block_hashes``)
     _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,8 +125,18 @@ class VersionState:
             return []
         verifier.verify(s)
         if not s.is_manifest:
-            first, refs = _parse_announce(s.body)
+            first, refs, block, blocks = _parse_announce(s.body)
+            if blocks is not None:
+                if self.block is not None and block != self.block:
+                    raise FormatError(f"version {self.version}: announced with blocks of {self.block} and {block}")
+                for i, b in enumerate(blocks, start=first):
+                    if self.blocks.get(i, b) != b:
+                        raise IntegrityError(f"version {self.version}: chunk {i} announced twice with different "
+                                             "block hashes")
             new = self._merge(dict(enumerate(refs, start=first)))
+            if blocks is not None:
+                self.block = block
+                self.blocks.update(enumerate(blocks, start=first))
         else:
             m = Manifest.from_bytes(s.body)
             if m.version != self.version:

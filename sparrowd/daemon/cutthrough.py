@@ -1,0 +1,83 @@
+"""Cut-through relaying: a chunk being fetched, served on block by block as its blocks arrive.
+
+Store-and-forward costs a whole chunk's time at every hop, which is most of
+the time to all for a patch of a few chunks. The trainer's announcements
+carry a hash per block of each chunk (``swarm.versions.block_hashes``), so a
+node checks each block as it arrives and may hand it on at once: a chunk
+moves down a chain of nodes a block behind the first. A ``Partial`` is one
+fetch's buffer: ``feed`` appends what the network delivered and checks
+every block it completes (``IntegrityError`` names the first bad one), and
+``ready`` is how much has checked out. The node's first fetch of a chunk
+registers its ``Partial`` for serving; streams served from it wait in
+``wait`` for more, and end when it fails (the requester goes back to its
+picker) or is whole. A chunk announced without block hashes is buffered the
+same way and checked whole, as before, and never served before it is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import blake3
+
+from ..errors import IntegrityError
+from ..swarm.versions import BLOCK_HASH
+
+__all__ = ["Partial"]
+
+
+class Partial:
+    def __init__(self, size: int, block: int | None = None, hashes: bytes | None = None, *, what: str = "chunk"):
+        self.size, self.block, self.hashes, self.what = size, block, hashes, what
+        self.buf = bytearray(size)
+        self.got = 0  # bytes received
+        self.ready = 0  # bytes checked against their block hashes: what may be served on
+        self.failed = False
+        self._moved = asyncio.Event()
+
+    @property
+    def whole(self) -> bool:
+        return self.ready == self.size and not self.failed
+
+    def feed(self, piece) -> None:
+        """Append received bytes; check every block they complete (a chunk without block hashes is
+        checked whole when it is stored, not here)."""
+        n = len(piece)
+        if self.got + n > self.size:
+            raise IntegrityError(f"{self.what} is longer than signed")
+        self.buf[self.got : self.got + n] = piece
+        self.got += n
+        if self.hashes is None:
+            return
+        end = self.got if self.got == self.size else self.got - self.got % self.block
+        if end <= self.ready:
+            return
+        mv = memoryview(self.buf)
+        try:
+            for o in range(self.ready, end, self.block):
+                b, stop = o // self.block, min(o + self.block, self.size)
+                if blake3.blake3(mv[o:stop]).digest(length=BLOCK_HASH) != \
+                        self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
+                    raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
+                self.ready = stop
+        finally:
+            self._pulse()
+
+    def fill(self, data) -> None:
+        """The chunk arrived whole by another request (checked there): serve the rest from it."""
+        self.buf[:] = data
+        self.got = self.ready = self.size
+        self._pulse()
+
+    def abort(self) -> None:
+        self.failed = True
+        self._pulse()
+
+    async def wait(self, past: int) -> None:
+        """Return once more than ``past`` bytes are ready, or the fetch failed."""
+        while self.ready <= past and not self.failed:
+            await self._moved.wait()
+
+    def _pulse(self) -> None:
+        self._moved.set()
+        self._moved = asyncio.Event()

@@ -1,0 +1,127 @@
+"""Cut-through relaying, without sockets: block hashes in announcements, a chunk checked block by
+block as it arrives, and the picker taking a peer's chunk in flight as a source."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import blake3
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from sparrowd.daemon.cutthrough import Partial
+from sparrowd.errors import FormatError, IntegrityError
+from sparrowd.swarm.picker import PeerView, Picker
+from sparrowd.swarm.signing import ANNOUNCE, Signer, Verifier
+from sparrowd.swarm.versions import BLOCK, BLOCK_HASH, ChunkRef, VersionState, announce_body, block_hashes
+
+SIGNER = Signer(Ed25519PrivateKey.generate())
+VERIFIER = Verifier(SIGNER.public)
+
+
+def ref(data: bytes) -> ChunkRef:
+    return ChunkRef(blake3.blake3(data).digest(), len(data))
+
+
+def test_block_hashes_cover_every_block_the_last_one_short():
+    data = os.urandom(2 * BLOCK + 100)
+    h = block_hashes(data)
+    assert len(h) == 3 * BLOCK_HASH
+    assert h[2 * BLOCK_HASH :] == blake3.blake3(data[2 * BLOCK :]).digest(length=BLOCK_HASH)
+    assert block_hashes(b"") == b""
+
+
+def test_an_announcement_carries_block_hashes_and_they_must_fit_the_chunks():
+    a, b = os.urandom(BLOCK + 1), os.urandom(10)
+    vs = VersionState(3)
+    vs.add(SIGNER.sign(ANNOUNCE, 3, announce_body(0, [ref(a), ref(b)], [block_hashes(a), block_hashes(b)])),
+           VERIFIER)
+    assert vs.block == BLOCK and vs.blocks == {0: block_hashes(a), 1: block_hashes(b)}
+    # Without blocks (a trainer before cut-through): the chunks are known, and relayed whole only.
+    old = VersionState(3)
+    old.add(SIGNER.sign(ANNOUNCE, 3, announce_body(0, [ref(a)])), VERIFIER)
+    assert old.chunks and old.block is None and old.blocks == {}
+    for body, err in [
+        (announce_body(0, [ref(a)], [block_hashes(a)[:BLOCK_HASH]]), "16 bytes per block"),  # one block short
+        (announce_body(0, [ref(a), ref(b)], [block_hashes(a)]), "16 bytes per block"),  # a chunk without
+        (announce_body(0, [ref(a)], [block_hashes(a, 1024)], block=1024), "block size 1024"),
+        (msgpack.packb({"first": 0, "chunks": [[ref(a).hash, ref(a).size]], "blocks": [block_hashes(a)]}),
+         "go together"),
+    ]:
+        with pytest.raises(FormatError, match=err):
+            VersionState(3).add(SIGNER.sign(ANNOUNCE, 3, body), VERIFIER)
+    # The same chunk announced again with other block hashes is a lie about the chunk.
+    other = bytes(BLOCK_HASH) + block_hashes(a)[BLOCK_HASH:]
+    with pytest.raises(IntegrityError, match="different block hashes"):
+        vs.add(SIGNER.sign(ANNOUNCE, 3, announce_body(0, [ref(a)], [other])), VERIFIER)
+
+
+def test_a_partial_checks_each_block_as_it_completes_and_serves_only_what_checked_out():
+    data = os.urandom(3 * BLOCK + 5)
+    p = Partial(len(data), BLOCK, block_hashes(data))
+    p.feed(data[: BLOCK - 1])
+    assert p.ready == 0  # no block complete yet
+    p.feed(data[BLOCK - 1 : 2 * BLOCK + 7])
+    assert p.ready == 2 * BLOCK and not p.whole
+    p.feed(data[2 * BLOCK + 7 :])
+    assert p.ready == len(data) and p.whole and bytes(p.buf) == data
+    with pytest.raises(IntegrityError, match="longer than signed"):
+        p.feed(b"x")
+
+    bad = bytearray(data)
+    bad[BLOCK + 3] ^= 1
+    q = Partial(len(data), BLOCK, block_hashes(data), what="chunk 4 of 9")
+    with pytest.raises(IntegrityError, match="chunk 4 of 9: block 1 does not match"):
+        q.feed(bytes(bad[: 2 * BLOCK]))
+    assert q.ready == BLOCK  # the good block before it had checked out; the bad one never does
+
+    whole = Partial(len(data))  # no block hashes: nothing is ready (relayed) before the chunk is stored
+    whole.feed(data)
+    assert whole.ready == 0 and bytes(whole.buf) == data
+
+
+@pytest.mark.asyncio
+async def test_readers_wait_for_blocks_and_learn_of_a_failed_fetch():
+    data = os.urandom(2 * BLOCK)
+    p = Partial(len(data), BLOCK, block_hashes(data))
+    waiting = asyncio.create_task(p.wait(0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    p.feed(data[:BLOCK])
+    await asyncio.wait_for(waiting, 1)
+    assert p.ready == BLOCK
+    more = asyncio.create_task(p.wait(BLOCK))
+    await asyncio.sleep(0.01)
+    p.abort()
+    await asyncio.wait_for(more, 1)
+    assert p.failed and not p.whole
+    # Another fetch of the chunk stored it whole: the readers go on from that copy.
+    r = Partial(len(data), BLOCK, block_hashes(data))
+    r.feed(data[:100])
+    later = asyncio.create_task(r.wait(0))
+    r.fill(data)
+    await asyncio.wait_for(later, 1)
+    assert r.whole and bytes(r.buf) == data
+
+
+def test_the_picker_fetches_from_a_neighbour_still_fetching_the_chunk_when_it_relays_cut_through():
+    p = Picker("me", "eu", endgame_left=0)
+
+    def pick(*peers):
+        return [(r.peer_id, r.index) for r in p.pick(0.0, version=1, missing=[0], inflight={}, peers=list(peers),
+                                                    region_nodes=["me", "n2"], available_since={0: 0.0})]
+
+    far = PeerView("far", "us", {0})
+    relaying = PeerView("n2", "eu", set(), fetching={0}, cut_through=True)
+    whole = PeerView("n3", "eu", {0})
+    assert pick(far, relaying) == [("n2", 0)]  # not across the boundary, and not a wait for the chunk to land
+    assert pick(far, relaying, whole) == [("n3", 0)]  # one that holds it whole goes first
+    # A neighbour that relays whole chunks only is a claim to wait for (or to cross past, later), not a source.
+    assert pick(far, PeerView("n2", "eu", set(), fetching={0})) in ([], [("far", 0)])
+    assert ("n2", 0) not in pick(far, PeerView("n2", "eu", set(), fetching={0}))
+    # Nor is one that chokes this node, or has no slot free.
+    assert ("n2", 0) not in pick(far, PeerView("n2", "eu", set(), fetching={0}, cut_through=True, choking=True))
+    assert ("n2", 0) not in pick(far, PeerView("n2", "eu", set(), fetching={0}, cut_through=True, inflight=2,
+                                               slots=2))
