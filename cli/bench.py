@@ -140,7 +140,7 @@ def cmd_sim(args) -> int:
         raise InputError(f"--plot {args.plot}: its folder is not writable")
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
                chunk=None if args.chunk == "auto" else parse_size(args.chunk), rtt=args.rtt, churn=args.churn,
-               seed=args.seed, json_path=args.json, plot=args.plot, **rates)
+               seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through, **rates)
 
 
 def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparrowd.bench.sim import MB, Config, Sim, simulate
+from sparrowd.bench.sim import BLOCK, MB, Config, Sim, simulate
 
 
 def test_sixteen_nodes_get_every_version_near_the_bound_and_the_same_run_twice():
@@ -42,7 +42,7 @@ def test_regions_larger_than_a_peer_list_are_reached_and_cross_once():
     assert all(len(n.gateways) == 8 for n in sim.nodes[1:])
     r = sim.run()[0]
     assert r["all_done"], r
-    assert r["cross_region_over_r_minus_1"] < 1.25, r
+    assert r["cross_region_over_r_minus_1"] < 1.26, r  # at most one of the 4 chunks crosses twice
     assert r["trainer_upload_over_patch"] <= 1.1, r
 
 
@@ -74,3 +74,117 @@ def test_cli_prints_writes_json_and_a_plot(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["rollouts"] for r in runs] == [4, 8] and all(r["all_done"] for r in runs)
     assert svg.read_text().startswith("<svg") and svg.read_text().count("<circle") == 2
+
+
+# ---------------------------------------------------------------- cut-through relaying
+
+
+class _Watched(Sim):
+    """A run that checks cut-through as it goes: no stream from a partial gets ahead of what its feed
+    has delivered, no partial is fed (through others) by a stream it serves, and a chunk streamed from
+    a partial is stored only after its server stored it, one one-way delay earlier at least."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.stored: dict[tuple[str, int], float] = {}
+        self.streamed = 0  # chunks stored from a partial
+        self.depth = 0  # the longest chain of partials a stream was served through
+        self.circles = 0
+        self.cut_by_leave = 0  # partials aborted because their feeding request's server left
+
+    def request_arrives(self, r):
+        super().request_arrives(r)
+        f, d = r.feed, 0
+        while f is not None:
+            d += 1
+            if f is r or d > len(self.nodes):
+                self.circles += 1
+                break
+            f = f.feed
+        self.depth = max(self.depth, d)
+
+    def step_flows(self, dt):
+        fed = [(r, self.s_got[r.feed.serial]) for r in self.flows if r.feed is not None and
+               not self.s_whole[r.feed.serial]]
+        super().step_flows(dt)
+        for r, feed_got in fed:
+            assert self.s_got[r.serial] <= feed_got + 1e-6, "a stream got ahead of its feed"
+            assert self.s_got[r.serial] <= r.size - (r.size % BLOCK or BLOCK) + 1e-6, "last block before whole"
+
+    def arrives(self, r):
+        y, x = r.dst, r.src
+        if r.version == self.version and y.alive and r.chunk not in y.have:
+            if r.feed is not None:
+                self.streamed += 1
+                assert self.stored[x.id, r.chunk] <= self.now - self.owd(x, y) + 1e-9, (x.id, y.id, r.chunk)
+            self.stored[y.id, r.chunk] = self.now
+        super().arrives(r)
+
+    def abort(self, f):
+        if not f.src.alive and any(not r.cancelled for r in f.readers):
+            self.cut_by_leave += 1
+        super().abort(f)
+
+    def publish(self):
+        self.stored = {(self.trainer.id, c): -1.0 for c in range(self.chunks)}
+        super().publish()
+
+
+@pytest.mark.parametrize("regions", [1, 4])
+def test_cut_through_moves_a_one_chunk_patch_faster_than_store_and_forward(regions):
+    """A patch of one chunk is the case store-and-forward is worst at: a whole chunk's time at every
+    hop. Streamed on as its blocks arrive it reaches all 16 nodes in well under that."""
+    kw = dict(nodes=16, regions=regions, patch=MB, chunk=MB, versions=2, seed=1)
+    streamed, stored = simulate(Config(**kw)), simulate(Config(cut_through=False, **kw))
+    for a, b in zip(streamed, stored):
+        assert a["all_done"] and b["all_done"]
+        assert a["seconds"] < 0.85 * b["seconds"], (a, b)
+        assert a["time_over_bound"] < 4.0, a  # (2.9 to 3.6 measured; store-and-forward 5.1 to 6.5)
+        assert a["cut_through_over_patch"] > 10 and b["cut_through_over_patch"] == 0
+
+
+def test_streams_from_partials_never_get_ahead_of_their_feed():
+    sim = _Watched(Config(nodes=16, regions=4, patch=3 * MB, versions=1, seed=2))
+    r = sim.run()[0]
+    assert r["all_done"], r
+    assert sim.streamed > 16 and sim.depth >= 2  # chunks went down chains of partials
+    assert sim.circles == 0
+
+
+class _LeavesMidChunk(_Watched):
+    """The first rollout node found feeding a partial that serves a stream leaves, mid-chunk."""
+
+    gone = None
+    reader = None
+
+    def step_flows(self, dt):
+        super().step_flows(dt)
+        if self.gone is not None:
+            return
+        for r in self.flows:
+            f = r.feed
+            if f is not None and not f.src.trainer and f in self.flows and \
+                    BLOCK <= self.s_got[f.serial] < f.size - BLOCK:
+                self.gone, self.reader = f.src, r
+                self.leave([f.src])
+                return
+
+
+def test_a_partial_whose_feed_left_is_cut_and_everyone_still_completes():
+    sim = _LeavesMidChunk(Config(nodes=16, regions=4, patch=4 * MB, chunk=512 << 10, versions=1, seed=1))
+    r = sim.run()[0]
+    assert sim.gone is not None and r["left"] == 1
+    assert sim.cut_by_leave >= 1 and r["streams_cut"] >= 1 and sim.reader.cut, r
+    assert r["all_done"] and r["nodes"] == 15, r
+    assert sim.reader.dst.done_at is not None
+    assert sim.reader.dst.known[sim.reader.src.id].strikes == 0  # the stream's server was not at fault
+
+
+def test_partials_served_from_their_start_feed_each_other_in_circles():
+    """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
+    region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=2)  # seeds 2 and 4 of 1-5 circle
+    early = _Watched(Config(relay_after_block=False, **cfg))
+    assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
+    later = _Watched(Config(**cfg))
+    assert later.run(horizon=8)[0]["all_done"] and later.circles == 0

@@ -23,9 +23,38 @@ one-way delay after its server sent the last byte. Nothing here costs CPU
 time, so at 16 nodes the simulation shows what the protocol does where the
 real benchmark (``sparrowd bench swarm``) shares two cores among 16 daemons.
 
+Relays serve cut-through (``cut_through``, as the daemon's ``Partial``): a
+node serves a chunk it is fetching as well as one it holds, from the first
+of its requests for it (its partial), a whole block (``BLOCK``) at a time as
+the blocks arrive. A stream served so never gets ahead of the whole blocks
+its feeding request has delivered, and its last block waits until that
+request's last byte has arrived (the chunk is then held whole, and what is
+left is sent at the stream's share); chains of such streams are followed hop
+by hop. The feed is counted as its server sends it, not one one-way delay
+later: each hop's last block is delayed right, the blocks before it slightly
+early. A stream held back by its feed leaves the rest of its share of a
+cross-region upload unused, but what it leaves of the uplink goes to the
+node's uploads inside its region. If the feeding request ends without the
+chunk (refused, failed, cancelled, timed out, or its server left), its
+streams are cut and their requesters, hearing one one-way delay later, pick
+again without holding it against the peer; if the node gets the chunk whole
+by another request, its streams go on from that copy.
+
+A node serves a partial, and shows its peers it is fetching the chunk, only
+once a block of it has checked out (``relay_after_block``): a partial that
+has had data is fed, hop by hop, from a whole copy. Without that rule the
+picker, which takes a neighbour fetching a chunk over a crossing, leads a
+region's nodes to fetch it from each other with none fetching it from
+outside: served from their start, partials end up fed by each other in a
+circle (A streams from B, B from A) and wait until the daemon's request
+timeout (``timed_out``), then form again; refused until a block has come,
+the requests go round and round.
+
 What it leaves out: TCP's own dynamics (slow start, loss), the exchange
 long poll's own delays beyond one one-way delay, statements and have-maps
-as bytes, and the trainer's CPU. Offers from the trainer are computed when a
+as bytes, and the trainer's CPU. A node sees at once what its peers fetch
+(where the daemon's refused 404 drops a chunk from the peer's set until its
+next exchange reply). Offers from the trainer are computed when a
 node plans, as if its long poll had just answered.
 
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
@@ -50,6 +79,7 @@ import numpy as np
 from ..codec.patch import auto_chunk_size
 from ..daemon.swarm import (
     CROSS_RATE,
+    MIN_RATE,
     QUEUE_ADMIT,
     RELAY_CONCURRENT,
     SEED_CONCURRENT,
@@ -62,6 +92,7 @@ from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_in
 from ..swarm.picker import PeerView, Picker, count_on, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed
+from ..swarm.versions import BLOCK
 from ..units import format_bytes
 
 MB = 1 << 20
@@ -89,6 +120,8 @@ class Config:
     churn_at: float = 0.5
     dt: float = 0.005
     seed: int = 0
+    cut_through: bool = True  # relays serve chunks they are fetching, block by block (the trainer never fetches)
+    relay_after_block: bool = True  # ...and shows it fetching, only once a block has checked out (False: at once)
 
     @property
     def chunk_size(self) -> int:
@@ -100,7 +133,7 @@ class Config:
         return self.patch / self.trainer_rate + (self.rtt if self.regions > 1 else self.local_rtt)
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     dst: "Node"
     src: "Node"
@@ -109,6 +142,11 @@ class Req:
     size: int
     cancelled: bool = False
     left: float = 0.0
+    serial: int = -1  # its slot in the Sim's per-request arrays (bytes delivered, whether its partial is whole)
+    whole: bool = True  # the requester saw its server hold the chunk (else a cut-through stream: no strike)
+    feed: "Req | None" = None  # the server's request whose partial this is served from, cut-through
+    readers: list["Req"] | None = None  # as a node's partial: the streams served from it
+    cut: bool = False  # its partial was aborted: its requester hears one one-way delay later
 
 
 @dataclass
@@ -141,6 +179,7 @@ class Node:
         self.known: dict[str, Known] = {}
         self.have: set[int] = set()
         self.fetching: dict[int, dict[str, Req]] = {}
+        self.partial: dict[int, Req] = {}  # chunks being fetched that it relays cut-through: their first requests
         self.available_since: dict[int, float] = {}
         self.counted: frozenset[str] | None = None
         self.gateways: list[str] = []
@@ -173,6 +212,9 @@ class Sim:
         self.version = 0
         self.cross_bytes = 0
         self.wasted = 0
+        self.relayed = 0.0  # bytes sent by streams served from a partial (cut-through)
+        self.cuts = 0  # streams cut because their partial was aborted
+        self.shown_fetching: dict[int, tuple[float, set[int]]] = {}  # by node: (when, what shows_fetching said)
         r = cfg.regions
         self.trainer = Node(0, "trainer", 0, True, cfg, self.rng)
         self.nodes = [self.trainer] + [Node(i + 1, f"n{i}-r{i % r}", i % r, False, cfg, self.rng)
@@ -185,6 +227,15 @@ class Sim:
         self.f_pair = np.zeros(1024, np.int64)
         self.f_cross = np.zeros(1024, bool)
         self.f_left = np.zeros(1024, np.float64)
+        self.f_size = np.zeros(1024, np.float64)
+        self.f_serial = np.zeros(1024, np.int64)
+        self.f_feed = np.zeros(1024, np.int64)  # the serial of its feeding request; -1: served whole
+        self.f_last = np.zeros(1024, np.float64)  # the bytes before its last block
+        # Per request (by serial, grown as requests are made): bytes its server has sent of it, and
+        # whether the partial it feeds is whole (its node got the chunk, by it or another request).
+        self.nreq = 0
+        self.s_got = np.zeros(1024, np.float64)
+        self.s_whole = np.zeros(1024, bool)
         self.cancel_pending = False
         self.up = np.array([n.up for n in self.nodes], np.float64)
         self.wan = np.array([n.wan for n in self.nodes], np.float64)
@@ -268,9 +319,16 @@ class Sim:
         if not x.alive:
             return self.at(self.now + self.owd(x, y), self.failed, r)
         k = x.known.get(y.id)
-        if k is None or r.chunk not in x.have or not self.may_download(x, y) or k.uploads >= UPLOADS_PER_PEER:
-            return self.at(self.now + self.owd(x, y), self.refused, r)
+        feed = None if r.chunk in x.have or not self.cfg.cut_through else x.partial.get(r.chunk)
+        if feed is not None and self.cfg.relay_after_block and not self.ready(feed):
+            feed = None  # nothing has come of it yet: it may be fed, in a circle, by the streams it would serve
+        if k is None or (r.chunk not in x.have and feed is None) or not self.may_download(x, y) \
+                or k.uploads >= UPLOADS_PER_PEER:
+            return self.at(self.now + self.owd(x, y), self.refused, r)  # the daemon's 404 (not a lie) or 503
         k.uploads += 1
+        if feed is not None:
+            r.feed = feed
+            feed.readers.append(r)
         if x.superseed is not None:
             x.superseed.claim(r.chunk, y.id)
         x.queue.append(r)
@@ -281,30 +339,46 @@ class Sim:
             r = x.queue.popleft()
             if r.cancelled:
                 x.known[r.dst.id].uploads -= 1
-                self.release(r)
+                self.dropped(r)
                 continue
             x.active += 1
             r.left = float(r.size)
             self._add_flow(r)
 
+    def _flow_arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,
+                self.f_last)
+
     def _add_flow(self, r: Req) -> None:
         i = len(self.flows)
         if i == len(self.f_src):
-            self.f_src, self.f_pair, self.f_cross, self.f_left = (
-                np.concatenate([a, np.zeros_like(a)]) for a in (self.f_src, self.f_pair, self.f_cross, self.f_left))
+            (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,
+             self.f_last) = (np.concatenate([a, np.zeros_like(a)]) for a in self._flow_arrays())
         self.flows.append(r)
         self.f_src[i] = r.src.idx
         self.f_pair[i] = r.src.region * self.cfg.regions + r.dst.region
         self.f_cross[i] = r.src.region != r.dst.region
         self.f_left[i] = r.left
+        self.f_size[i] = r.size
+        self.f_serial[i] = r.serial
+        self.f_feed[i] = r.feed.serial if r.feed is not None else -1
+        self.f_last[i] = r.size - (r.size % BLOCK or BLOCK)
 
     def _remove_flow(self, i: int) -> None:
         last = len(self.flows) - 1
         if i != last:
             self.flows[i] = self.flows[last]
-            for a in (self.f_src, self.f_pair, self.f_cross, self.f_left):
+            for a in self._flow_arrays():
                 a[i] = a[last]
         self.flows.pop()
+
+    def _serial(self) -> int:
+        s = self.nreq
+        self.nreq += 1
+        if s == len(self.s_got):
+            self.s_got = np.concatenate([self.s_got, np.zeros_like(self.s_got)])
+            self.s_whole = np.concatenate([self.s_whole, np.zeros_like(self.s_whole)])
+        return s
 
     def step_flows(self, dt: float) -> None:
         """Share the links for ``dt`` seconds; finished (or cancelled) flows end."""
@@ -312,24 +386,57 @@ class Sim:
         if not nf:
             return
         n = len(self.nodes)
-        src, cross, left = self.f_src[:nf], self.f_cross[:nf], self.f_left[:nf]
+        src, cross, left, size = self.f_src[:nf], self.f_cross[:nf], self.f_left[:nf], self.f_size[:nf]
+        # A stream served from a partial sends no further than the whole blocks its feed has delivered,
+        # and its last block only once the chunk arrived whole there; as a rate for this step.
+        feed = self.f_feed[:nf]
+        fed = feed >= 0
+        cap = None
+        if fed.any():
+            fi = feed[fed]
+            ready = np.where(self.s_whole[fi], np.inf,
+                             np.minimum(np.floor(self.s_got[fi] / BLOCK) * BLOCK, self.f_last[:nf][fed]))
+            cap = np.full(nf, np.inf)
+            cap[fed] = np.maximum(ready - (size[fed] - left[fed]), 0) / dt
         n_src = np.bincount(src, minlength=n)
         rate = self.up[src] / n_src[src]
+        used = None
         if cross.any():
             xs = src[cross]
             n_wan = np.bincount(xs, minlength=n)
             pairs = self.f_pair[:nf][cross]
             n_pair = np.bincount(pairs, minlength=self.cfg.regions ** 2)
             xr = np.minimum(rate[cross], np.minimum(self.wan[xs] / n_wan[xs], self.cfg.link_rate / n_pair[pairs]))
+            if cap is not None:
+                xr = np.minimum(xr, cap[cross])  # what a held-back stream leaves of its WAN share goes unused
             rate[cross] = xr
-            # What the node's cross-region uploads leave of its uplink goes to its uploads inside the region.
             used = np.bincount(xs, weights=xr, minlength=n)
+        if used is not None or cap is not None:
+            # What the node's cross-region uploads leave of its uplink goes to its uploads inside the region,
+            # shared evenly but for streams held back by their feeds (water-filling, a few rounds).
             local = ~cross
             ls = src[local]
-            n_local = np.bincount(ls, minlength=n)
-            rate[local] = np.maximum(self.up[ls] - used[ls], 0) / np.maximum(n_local[ls], 1)
+            room = self.up - used if used is not None else self.up
+            lim = cap[local] if cap is not None else np.full(len(ls), np.inf)
+            slow = np.zeros(len(ls), bool)
+            for i in range(4):
+                share = np.maximum(room - np.bincount(ls[slow], weights=lim[slow], minlength=n), 0) / \
+                    np.maximum(np.bincount(ls[~slow], minlength=n), 1)
+                more = ~slow & (lim < share[ls])
+                if i == 3 or not more.any():
+                    break
+                slow |= more
+            rate[local] = np.minimum(share[ls], lim)
         sent = np.minimum(left, rate * dt)
+        if self.cfg.cut_through and self.cfg.relay_after_block:  # a partial's first block checked out
+            for i in np.nonzero((size - left < BLOCK) & (size - left + sent >= BLOCK) & (size > BLOCK))[0].tolist():
+                r = self.flows[i]
+                if r.dst.partial.get(r.chunk) is r and not r.cancelled:
+                    self.tell(r.dst, r.chunk, have=False)  # its peers may fetch it from there now
         left -= sent
+        self.s_got[self.f_serial[:nf]] = size - left
+        if cap is not None:
+            self.relayed += float(sent[fed].sum())
         self.sent += np.bincount(src, weights=sent, minlength=n)
         self.cross_bytes += float(sent[cross].sum())
         done = left <= 1e-6
@@ -349,7 +456,7 @@ class Sim:
                 x.known[r.dst.id].uploads -= 1
             if r.cancelled:
                 self.wasted += r.size - r.left
-                self.release(r)
+                self.dropped(r)
             else:
                 if r.dst.id in x.known:
                     x.known[r.dst.id].rate_to.add(self.now, r.size)
@@ -358,9 +465,61 @@ class Sim:
 
     # ------------------------------------------------------------ the fetching side (_fetch, _ingest, _schedule)
 
+    def dropped(self, r: Req) -> None:
+        """A cancelled request left its server: a loser's node already knows; a cut stream's node hears
+        one one-way delay later."""
+        if r.cut:
+            self.at(self.now + self.owd(r.src, r.dst), self.release, r)
+        else:
+            self.release(r)
+
+    def shows_fetching(self, x: Node):
+        """The chunks x tells its peers it is fetching: all it has asked for, or, where it relays only
+        once a block has checked out, those (which it serves)."""
+        if not (self.cfg.cut_through and self.cfg.relay_after_block) or x.trainer:
+            return x.fetching.keys()
+        at, shown = self.shown_fetching.get(x.idx, (None, None))
+        if at != self.now:  # once a step: nothing is received while nodes plan
+            shown = {c for c, f in x.partial.items() if self.ready(f)}
+            self.shown_fetching[x.idx] = (self.now, shown)
+        return shown
+
+    def ready(self, f: Req) -> float:
+        """The bytes of the partial ``f`` feeds that have checked out (the last block only once it is whole)."""
+        if self.s_whole[f.serial]:
+            return f.size
+        return min(self.s_got[f.serial] // BLOCK * BLOCK, f.size - (f.size % BLOCK or BLOCK))
+
+    def timed_out(self, r: Req) -> None:
+        """The daemon's request timeout, for a stream from a partial (which waits as long as its feed
+        does: in a circle of partials, each fed by the next, for ever)."""
+        if r.dst.fetching.get(r.chunk, {}).get(r.src.id) is r:
+            r.cancelled = True
+            self.cancel_pending = True
+            self.release(r)
+
+    def whole(self, y: Node, c: int) -> None:
+        """y got chunk c whole: the streams served from its partial go on from this copy."""
+        if (f := y.partial.pop(c, None)) is not None:
+            self.s_whole[f.serial] = True
+
+    def abort(self, f: Req) -> None:
+        """The request feeding its node's partial ended without the chunk: the streams served from it
+        are cut (their requesters pick again; not the server's fault, so no strike)."""
+        for r in f.readers:
+            if r.cancelled or r.version != self.version:
+                continue
+            r.cancelled = r.cut = True
+            self.cuts += 1
+            self.cancel_pending = True  # a queued one is dropped when its turn comes, an active one now
+
     def release(self, r: Req) -> None:
-        """The request is over for its node: the chunk goes back to the picker."""
+        """The request is over for its node: the chunk goes back to the picker (and a partial it fed
+        without the chunk arriving is aborted)."""
         y = r.dst
+        if y.partial.get(r.chunk) is r:
+            del y.partial[r.chunk]
+            self.abort(r)
         reqs = y.fetching.get(r.chunk)
         if reqs is not None and reqs.get(r.src.id) is r:
             del reqs[r.src.id]
@@ -376,7 +535,7 @@ class Sim:
 
     def failed(self, r: Req) -> None:
         k = r.dst.known.get(r.src.id)
-        if k is not None:
+        if k is not None and r.whole:  # a cut-through stream's end is not held against its server
             k.strikes += 1
             k.cooldown_until = self.now + min(60.0, 2.0 ** k.strikes)
             k.stalled = True  # not counted on to cross until it delivers again
@@ -384,13 +543,16 @@ class Sim:
 
     def arrives(self, r: Req) -> None:
         y, x = r.dst, r.src
+        fresh = r.version == self.version and y.alive and r.chunk not in y.have
+        if fresh:
+            y.have.add(r.chunk)
+            self.whole(y, r.chunk)
         self.release(r)
         if r.version != self.version or not y.alive:
             return
-        if r.chunk in y.have:
+        if not fresh:
             self.wasted += r.size
             return
-        y.have.add(r.chunk)
         k = y.known.get(x.id)
         if k is not None:
             k.delivered += 1
@@ -405,14 +567,21 @@ class Sim:
             self.pending.discard(y)
         self.tell(y, r.chunk)
 
-    def tell(self, y: Node, c: int) -> None:
-        """Have messages: every peer hears one one-way delay later."""
+    def tell(self, y: Node, c: int, have: bool = True) -> None:
+        """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer
+        hears one one-way delay later."""
         near = [k.node for k in y.known.values() if k.node.region == y.region]
         far = [k.node for k in y.known.values() if k.node.region != y.region]
+        fn = self.heard if have else self.heard_relaying
         if near:
-            self.at(self.now + self.cfg.local_rtt / 2, self.heard, y, c, near)
+            self.at(self.now + self.cfg.local_rtt / 2, fn, y, c, near)
         if far:
-            self.at(self.now + self.cfg.rtt / 2, self.heard, y, c, far)
+            self.at(self.now + self.cfg.rtt / 2, fn, y, c, far)
+
+    def heard_relaying(self, y: Node, c: int, nodes: list[Node]) -> None:
+        for z in nodes:
+            if z.alive and z.done_at is None and c not in z.have and y.id in z.known:
+                self.dirty.add(z)
 
     def heard(self, y: Node, c: int, nodes: list[Node]) -> None:
         for z in nodes:
@@ -452,6 +621,7 @@ class Sim:
         region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
         y.picker.cross_wait = 3.0 + self.chunk_size / CROSS_RATE
         views = []
+        haves = {}
         for pid, k in y.known.items():
             x = k.node
             if x.trainer:
@@ -460,10 +630,11 @@ class Sim:
                     y.available_since.setdefault(c, now)
             else:
                 have = k.have
-            views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=x.fetching.keys(),
+            haves[pid] = have
+            views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=self.shows_fetching(x),
                                   choking=self.choked_for(x, y) or now < k.cooldown_until, inflight=k.inflight,
                                   slots=slots_for_rate(rate := k.rate.rate(now), self.chunk_size),
-                                  rate=rate, proven=pid in trusted))
+                                  rate=rate, proven=pid in trusted, cut_through=self.cfg.cut_through and not x.trainer))
         inflight = {c: set(y.fetching.get(c, ())) for c in missing}
         since = {c: y.available_since.get(c, now) for c in missing}
         for pid in y.picker.stalled(now, version=self.version, missing=missing, peers=views,
@@ -472,8 +643,12 @@ class Sim:
         for q in y.picker.pick(now, version=self.version, missing=missing, inflight=inflight, peers=views,
                                region_nodes=region_nodes, available_since=since):
             x = self.by_id[q.peer_id]
-            r = Req(y, x, q.index, self.version, self.sizes[q.index])
+            r = Req(y, x, q.index, self.version, self.sizes[q.index], serial=self._serial(),
+                    whole=q.index in haves[x.id], readers=[])
             y.fetching.setdefault(q.index, {})[x.id] = r
+            y.partial.setdefault(q.index, r)  # the first request for a chunk feeds what the node relays
+            if not r.whole:  # (requests for whole chunks are not held to the timeout here: they always move)
+                self.at(now + 5.0 + r.size / MIN_RATE, self.timed_out, r)
             y.known[x.id].inflight += 1
             self.at(now + self.owd(y, x), self.request_arrives, r)
 
@@ -482,6 +657,7 @@ class Sim:
     def leave(self, gone: list[Node]) -> None:
         for g in gone:
             g.alive = False
+            g.fetching, g.partial = {}, {}  # its peers learn it fetches nothing when their requests to it fail
             self.pending.discard(g)
             self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)
             for r in list(g.queue):
@@ -492,7 +668,8 @@ class Sim:
                     r.cancelled = True  # its uploads end; the requester hears below
                     self.cancel_pending = True
                     if r.src is g:
-                        self.at(self.now + self.owd(g, r.dst), self.failed, Req(r.dst, g, r.chunk, r.version, 0))
+                        self.at(self.now + self.owd(g, r.dst), self.failed,
+                                Req(r.dst, g, r.chunk, r.version, 0, whole=r.whole))
             for k in g.known.values():  # the trainer hosts the tracker: it hears of the leave at once;
                 # the other peers at their next renewal
                 later = 0.0 if k.node.trainer else self.rng.random() * renew_interval(DEFAULT_TTL)
@@ -532,7 +709,7 @@ class Sim:
                 k.have = set(t.have) if k.node.trainer else set()
             if n.trainer:
                 continue
-            n.have, n.fetching, n.available_since, n.counted, n.done_at = set(), {}, {}, None, None
+            n.have, n.fetching, n.partial, n.available_since, n.counted, n.done_at = set(), {}, {}, {}, None, None
             n.aware = False
             if n.alive:
                 self.pending.add(n)
@@ -555,6 +732,7 @@ class Sim:
         for v in range(cfg.versions):
             t0 = self.now
             sent0, cross0, wasted0 = self.sent[0], self.cross_bytes, self.wasted
+            relayed0, cuts0 = self.relayed, self.cuts
             self.publish()
             churn_left = cfg.churn > 0 and v == cfg.versions - 1
             limit = t0 + horizon * cfg.bound
@@ -589,6 +767,7 @@ class Sim:
                    "trainer_upload_over_patch": (self.sent[0] - sent0) / cfg.patch,
                    "cross_region_over_r_minus_1": (self.cross_bytes - cross0) / max(1, (cfg.regions - 1) * cfg.patch),
                    "wasted_over_patch": (self.wasted - wasted0) / cfg.patch,
+                   "cut_through_over_patch": (self.relayed - relayed0) / cfg.patch, "streams_cut": self.cuts - cuts0,
                    "left": cfg.nodes - len(live)}
             rows.append(row)
             if progress:
@@ -654,19 +833,20 @@ def _svg(points: dict[str, list[tuple[int, float]]], path: str) -> None:
 
 def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int, chunk: int | None,
         trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
-        seed: int, json_path: str | None = None, plot: str | None = None) -> int:
+        seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True) -> int:
     from . import write_json
 
     results = []
     print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_bytes(trainer_rate)}/s, nodes "
           f"{format_bytes(node_rate)}/s ({format_bytes(wan_rate)}/s to other regions), links "
-          f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms"
+          f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms, relays "
+          + ("cut-through" if cut_through else "store-and-forward")
           + (f", {churn:.0%} of the nodes leave mid-version" if churn else ""))
     for p in patch_mib:
         for n in nodes:
             cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,
                          trainer_rate=trainer_rate, node_rate=node_rate, wan_rate=wan_rate, link_rate=link_rate,
-                         rtt=rtt, churn=churn, seed=seed)
+                         rtt=rtt, churn=churn, seed=seed, cut_through=cut_through)
             t = time.monotonic()
             rows = simulate(cfg)
             wall = time.monotonic() - t

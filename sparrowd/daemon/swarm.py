@@ -323,8 +323,17 @@ class Swarm:
         return vs.version, len(vs.have), vs.total if vs.total is not None else len(vs.chunks)
 
     def _fetching(self, key: Key) -> set[int]:
-        """Chunks of ``key`` this node has requests out for: what it is "about to" have."""
+        """Chunks of ``key`` this node tells its peers it is "about to" have: those it has requests
+        out for or, relaying cut-through, those of them it can serve already (a block checked out).
+        Shown from the request on, partials would be picked as sources before they had data and
+        could end up fed by each other in a circle, none fetching from a whole copy (``bench sim``:
+        versions never finished)."""
+        if self._relays_partials():
+            return {i for (k, i), part in self.partials.items() if k == key and part.ready > 0 and not part.failed}
         return {i for (k, i) in self.inflight if k == key}
+
+    def _relays_partials(self) -> bool:
+        return self.signer is None and self.daemon.settings.cut_through
 
     def latest(self) -> int | None:
         return max(self.held(), default=None)
@@ -557,7 +566,7 @@ class Swarm:
         else:
             choked = self._choking_active() and remote.node_id not in self.unchoked
         reply = {"gen": self.gen, "versions": out, "choked": choked,
-                 "cut_through": self.signer is None and self.daemon.settings.cut_through}
+                 "cut_through": self._relays_partials()}
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
     def _choking_active(self) -> bool:
@@ -592,8 +601,8 @@ class Swarm:
         source: Path | Partial | None = None
         if vs is not None and i in vs.have:
             source = self.store.chunk_path(key, i)
-        elif (part := self.partials.get((key, i))) is not None and not part.failed:
-            source = part  # being fetched: served block by block as the blocks check out
+        elif (part := self.partials.get((key, i))) is not None and part.ready > 0 and not part.failed:
+            source = part  # being fetched: served block by block as the blocks check out (see _fetching)
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
         if not self._may_download(remote):
@@ -622,8 +631,6 @@ class Swarm:
             return resp
         remote.rate_to.add(time.monotonic(), size)
         self.daemon.count_bytes("up", size, wan)
-        if isinstance(source, Partial):
-            self.cut_through_bytes += size
         return resp
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
@@ -642,7 +649,10 @@ class Swarm:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
         try:
             await resp.prepare(request)
+            relayed = isinstance(source, Partial)
             async for piece in _pieces(source):
+                if relayed:
+                    self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
                 now = time.monotonic()
                 delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
                 if delay:
@@ -838,8 +848,8 @@ class Swarm:
             except TimeoutError:
                 pass
             self._changed.clear()
-            if self._schedule():
-                await self.notify()  # peers' long polls learn what this node now fetches (and can relay)
+            if self._schedule() and not self._relays_partials():
+                await self.notify()  # peers' long polls learn what this node now fetches (its claims)
 
     def _schedule(self) -> int:
         """Start the requests the picker chooses; returns how many."""
@@ -914,7 +924,7 @@ class Swarm:
         wan = ps.region != self.daemon.settings.region
         whole = index in ps.have.get(vs.key, ())  # else the peer is fetching it too: served cut-through
         buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
-        if buf.hashes is not None and self.daemon.settings.cut_through:
+        if buf.hashes is not None and self._relays_partials():
             self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
         try:
             timeout = aiohttp.ClientTimeout(total=5.0 + ref.size / MIN_RATE)
@@ -932,7 +942,10 @@ class Swarm:
                 if r.status != 200:
                     return
                 async for piece in r.content.iter_chunked(PIECE):
+                    first = buf.ready == 0
                     buf.feed(piece)  # each block checked as it completes
+                    if first and buf.ready and self.partials.get(key) is buf:
+                        await self.notify()  # its first block checked out: peers may fetch it from here now
                     ps.rate.add(time.monotonic(), len(piece))
                     delay = self.down.take(time.monotonic(), len(piece))
                     if delay:

@@ -47,3 +47,25 @@ def test_a_chunk_moves_on_from_a_node_still_fetching_it(cluster, tmp_path, cut):
     else:
         assert relayed == 0, relayed
     print(f"cut-through {cut}: all three nodes in {elapsed:.1f} s")
+
+
+def test_a_relay_that_dies_mid_chunk_cuts_its_streams_and_the_others_fetch_it_elsewhere(cluster, tmp_path):
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, CHUNK - 4096, CHUNK, np.random.default_rng(1))
+    m = parse_patch(path.read_bytes()).manifest
+    cluster.trainer(extra=("--upload-rate", "256K"))  # four seconds for the one chunk
+    rollouts = [cluster.rollout(f"r{i}", "eu") for i in range(3)]
+    wait_for(lambda: len(cluster.nodes()) == 4, 15, "four nodes")
+    publish(cluster, path)
+    # Kill the first node seen passing the chunk on while it is still arriving.
+    relay = wait_for(lambda: next((d for d in rollouts
+                                   if metric(d, cluster.token, "sparrowd_cut_through_bytes_total") > 0), None),
+                     30, "a node to relay the chunk cut-through")
+    assert held(cluster).get(relay.name) != [1]  # it was still fetching it
+    relay.kill()
+    rest = [d for d in rollouts if d is not relay]
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rest), 60, "the others to hold version 1",
+             detail=lambda: held(cluster))
+    for d in rest:
+        check_store(d, m)
+        assert "peer banned" not in d.log()  # a cut stream is not held against anyone
