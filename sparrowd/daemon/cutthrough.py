@@ -8,7 +8,8 @@ moves down a chain of nodes a block behind the first. A ``Partial`` is one
 fetch's buffer: ``feed`` appends what the network delivered and checks
 every block it completes (``IntegrityError`` names the first bad one), and
 ``ready`` is how much has checked out. The node's first fetch of a chunk
-registers its ``Partial`` for serving; streams served from it wait in
+registers its ``Partial``, served (and shown to peers) once its first block
+has checked out (``Swarm._fetching`` says why); streams served from it wait in
 ``wait`` for more, and end when it fails (the requester goes back to its
 picker) or is whole. A chunk announced without block hashes is buffered the
 same way and checked whole, as before, and never served before it is stored.
