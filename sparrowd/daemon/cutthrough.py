@@ -37,6 +37,13 @@ class Partial:
         self._moved = asyncio.Event()
 
     @property
+    def servable(self) -> bool:
+        """Whether it may be served on (and shown to peers as being fetched): a block of it has
+        checked out and its fetch has not failed. Served from the request on, partials could be
+        fed by each other in a circle, none of them by a whole copy."""
+        return self.ready > 0 and not self.failed
+
+    @property
     def whole(self) -> bool:
         return self.ready == self.size and not self.failed
 

@@ -329,7 +329,7 @@ class Swarm:
         could end up fed by each other in a circle, none fetching from a whole copy (``bench sim``:
         versions never finished)."""
         if self._relays_partials():
-            return {i for (k, i), part in self.partials.items() if k == key and part.ready > 0 and not part.failed}
+            return {i for (k, i), part in self.partials.items() if k == key and part.servable}
         return {i for (k, i) in self.inflight if k == key}
 
     def _relays_partials(self) -> bool:
@@ -601,7 +601,7 @@ class Swarm:
         source: Path | Partial | None = None
         if vs is not None and i in vs.have:
             source = self.store.chunk_path(key, i)
-        elif (part := self.partials.get((key, i))) is not None and part.ready > 0 and not part.failed:
+        elif (part := self.partials.get((key, i))) is not None and part.servable:
             source = part  # being fetched: served block by block as the blocks check out (see _fetching)
         if source is None:
             return web.json_response({"error": "not held"}, status=404)

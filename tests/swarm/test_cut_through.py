@@ -62,9 +62,9 @@ def test_a_partial_checks_each_block_as_it_completes_and_serves_only_what_checke
     data = os.urandom(3 * BLOCK + 5)
     p = Partial(len(data), BLOCK, block_hashes(data))
     p.feed(data[: BLOCK - 1])
-    assert p.ready == 0  # no block complete yet
+    assert p.ready == 0 and not p.servable  # no block complete yet: not served, not shown as being fetched
     p.feed(data[BLOCK - 1 : 2 * BLOCK + 7])
-    assert p.ready == 2 * BLOCK and not p.whole
+    assert p.ready == 2 * BLOCK and not p.whole and p.servable
     p.feed(data[2 * BLOCK + 7 :])
     assert p.ready == len(data) and p.whole and bytes(p.buf) == data
     with pytest.raises(IntegrityError, match="longer than signed"):
@@ -76,10 +76,12 @@ def test_a_partial_checks_each_block_as_it_completes_and_serves_only_what_checke
     with pytest.raises(IntegrityError, match="chunk 4 of 9: block 1 does not match"):
         q.feed(bytes(bad[: 2 * BLOCK]))
     assert q.ready == BLOCK  # the good block before it had checked out; the bad one never does
+    q.abort()
+    assert not q.servable  # its fetch failed: what checked out is served no further
 
     whole = Partial(len(data))  # no block hashes: nothing is ready (relayed) before the chunk is stored
     whole.feed(data)
-    assert whole.ready == 0 and bytes(whole.buf) == data
+    assert whole.ready == 0 and not whole.servable and bytes(whole.buf) == data
 
 
 @pytest.mark.asyncio
