@@ -155,7 +155,7 @@ class Known:
 
     node: "Node"
     have: set[int] = field(default_factory=set)  # from its have messages
-    delivered: int = 0
+    held: int = 0  # chunks it has shown holding, over all versions (``count_on``)
     stalled: bool = False
     strikes: int = 0
     cooldown_until: float = 0.0
@@ -555,7 +555,6 @@ class Sim:
             return
         k = y.known.get(x.id)
         if k is not None:
-            k.delivered += 1
             k.stalled = False
             k.strikes = 0
             k.rate.add(self.now, r.size)
@@ -590,6 +589,7 @@ class Sim:
                 continue
             if c not in k.have:
                 k.have.add(c)
+                k.held += 1
                 if z.trainer:
                     z.held_by[c] = z.held_by.get(c, 0) + 1
             if not z.aware and not z.trainer:
@@ -614,7 +614,7 @@ class Sim:
         if min(asked) >= (2 if len(missing) <= y.picker.endgame_left else 1):
             return  # everything it lacks is asked for (twice in the endgame): nothing to decide
         if y.counted is None:
-            y.counted = count_on((pid, k.delivered) for pid, k in y.known.items()
+            y.counted = count_on((pid, k.held) for pid, k in y.known.items()
                                  if k.node.region == y.region and not k.node.trainer)
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
         gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]

@@ -134,7 +134,7 @@ class PeerState:
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
-    delivered: int = 0  # chunks it sent this node (a member that never serves is not counted on to cross)
+    held: int = 0  # chunks its have maps have shown, all versions (one that never held any is not counted on)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
@@ -810,6 +810,7 @@ class Swarm:
                 continue  # nothing signed yet: not an object this node knows
             self.versions.setdefault(k, vs)
             have = {i for i in from_bitmap(e["have"]) if i in vs.chunks}
+            ps.held += len(have - ps.have.get(k, set()))
             ps.have[k] = have
             ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
             for i in have:
@@ -911,11 +912,12 @@ class Swarm:
         return gateways or [me, *trusted]
 
     def _counted(self) -> frozenset[str]:
-        """The peers of this node's region it counts on for a version (``picker.count_on``), fixed
-        when it starts fetching the version, and for the version only until they hold this node
-        back (``Picker.stalled``)."""
+        """The peers of this node's region it counts on for a version (``picker.count_on``: those that
+        have shown holding chunks, which every node of the region sees alike), fixed when it starts
+        fetching the version, and for the version only until they hold this node back
+        (``Picker.stalled``)."""
         region = self.daemon.settings.region
-        return count_on((p.node_id, p.delivered) for p in self.peers.values()
+        return count_on((p.node_id, p.held) for p in self.peers.values()
                         if p.region == region and p.role != "trainer")
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
@@ -970,7 +972,6 @@ class Swarm:
             self.store_failures = 0
             ps.strikes = 0
             ps.stalled = False
-            ps.delivered += 1
             self.error = None
             event(log, logging.DEBUG, "chunk stored", object=str(vs.key), index=index, peer=ps.node_id,
                   bytes=len(data), wan=wan)
