@@ -155,7 +155,7 @@ class Known:
 
     node: "Node"
     have: set[int] = field(default_factory=set)  # from its have messages
-    held: int = 0  # chunks it has shown holding, over all versions (``count_on``)
+    held: int = 0  # chunks it has shown holding while it lacked others, over all versions (``count_on``)
     stalled: bool = False
     strikes: int = 0
     cooldown_until: float = 0.0
@@ -589,7 +589,8 @@ class Sim:
                 continue
             if c not in k.have:
                 k.have.add(c)
-                k.held += 1
+                if len(k.have) < self.chunks:  # seen partly held (the daemon counts only partial have maps)
+                    k.held += 1
                 if z.trainer:
                     z.held_by[c] = z.held_by.get(c, 0) + 1
             if not z.aware and not z.trainer:

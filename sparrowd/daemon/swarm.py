@@ -134,7 +134,7 @@ class PeerState:
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
-    held: int = 0  # chunks its have maps have shown, all versions (one that never held any is not counted on)
+    held: int = 0  # chunks its have maps showed while partial, all versions (``count_on``)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
@@ -810,7 +810,8 @@ class Swarm:
                 continue  # nothing signed yet: not an object this node knows
             self.versions.setdefault(k, vs)
             have = {i for i in from_bitmap(e["have"]) if i in vs.chunks}
-            ps.held += len(have - ps.have.get(k, set()))
+            if len(have) < len(vs.chunks):  # seen partly held: fetched, not claimed whole at once (a liar's map)
+                ps.held += len(have - ps.have.get(k, set()))
             ps.have[k] = have
             ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
             for i in have:
