@@ -98,19 +98,23 @@ def count_on(neighbours: Iterable[tuple[str, int]]) -> frozenset[str]:
     """The peers of this node's region it counts on for a version (to share the region's
     cross-region fetches, the rendezvous designation, and to deliver what they claim to be
     fetching), from ``(peer id, chunks it has shown holding)`` for each non-trainer peer of the
-    region (what its exchange replies' have maps have shown, over all versions): those that have
-    shown holding chunks, or all of them while none has (a swarm just formed).
+    region (what its exchange replies' have maps have shown, over all versions, counted only from
+    maps that lacked some chunks of their version: a member whose map claims a whole version at
+    once, as a liar's does, shows none): those that have shown holding chunks, or all of them
+    while none has (a swarm just formed).
 
     Every node of the region polls the same peers' have maps, so their views agree, and so do
     their designations: each chunk crosses into the region once. (Counting on the peers that had
     served this node, as this did before, gave each node its own set after the first version, the
     neighbours that happened to serve it; at 100 nodes in 8 regions about a third of the chunks
     crossed twice on later versions, 1.49x (R-1) x patch in ``sparrowd bench sim``.) A member that
-    never holds anything (a dead box) is not counted on. One that shows chunks and never serves
-    them (a hostile member) costs each node that counted on it one ``cross_wait``: it is passed
-    over (``Picker.stalled``) until it delivers. The driver fixes the set per version, so that
-    designations do not move under a version in flight (they would, as peers show their first
-    chunks)."""
+    never holds anything (a dead box) is not counted on, nor one whose maps claim every chunk at
+    once (else, designated and slow to show a new version, it cost each node ``cross_wait``, about
+    3 s, in tests/daemon/test_trust.py). One that fakes a map's growth is asked for the chunks it
+    shows and banned; one that holds chunks and never crosses costs each node that counted on it
+    one ``cross_wait``: it is passed over (``Picker.stalled``) until it delivers. The driver fixes
+    the set per version, so that designations do not move under a version in flight (they would,
+    as peers show their first chunks)."""
     neighbours = list(neighbours)
     shown = any(h for _, h in neighbours)
     return frozenset(p for p, h in neighbours if h or not shown)
