@@ -7,7 +7,8 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   peer list: the request carries its own have-maps and what it is fetching,
   the reply (when something changed, or after a few seconds) carries the
   peer's signed statements it lacks, the peer's have-maps, and whether the
-  peer chokes it. Have messages therefore arrive within one round trip.
+  peer chokes it. Have messages therefore arrive within one round trip: storing a
+  chunk answers the long polls waiting on this node (and a quick exchange tells the trainer).
 * What a node fetches is what ``chain.wanted`` says: the patches from its
   position to the newest version, or, when that chain is broken (a late
   node), the newest anchor and the patches after it.
@@ -546,11 +547,16 @@ class Swarm:
         if isinstance(remote, web.Response):
             return remote
         new_have = {v: h for v, (_, h) in theirs.items()}
+        wait = min(float(m["wait"] or 0), 15.0)
         if new_have != remote.have:
             remote.have = new_have
             if self.signer is not None:
-                await self.notify()  # wake this peer's long poll: it may be offered more now
-        await self.changed(m["after"], min(float(m["wait"] or 0), 15.0))
+                # Its offer may have grown: this reply carries it at once. Nobody else's grew (a chunk
+                # one more peer holds is only ever offered less), so the other peers' long polls sleep
+                # on: waking them all cost the trainer a reply to every peer for every chunk any peer
+                # stored.
+                wait = 0
+        await self.changed(m["after"], wait)
         out = []
         for k in sorted(self.versions):
             vs = self.versions[k]
@@ -760,9 +766,14 @@ class Swarm:
                 backoff = min(backoff * 2, 5.0)
 
     def _tell_peers(self) -> None:
-        """Have messages: after a new chunk, a quick exchange with every peer carries the new
-        have-map (the peer's long polls wake on it; the trainer re-offers at once)."""
+        """Have messages: after a new chunk, a quick exchange with the trainer carries the new have-map,
+        and its reply the chunks super-seeding offers now. The other peers learn it from their long
+        polls here, which ``notify`` answers: an exchange sent to a relay told its picker nothing
+        (a node's picker reads only the replies to its own exchanges), so it was a second message per
+        peer and chunk for the same news."""
         for ps in list(self.peers.values()):
+            if ps.role != "trainer":
+                continue
             if ps.pushing:
                 ps.push_again = True
                 continue
