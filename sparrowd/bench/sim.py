@@ -89,7 +89,7 @@ from ..daemon.swarm import (
 )
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
-from ..swarm.picker import PeerView, Picker, count_on, slots_for_rate
+from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import BLOCK
@@ -182,6 +182,7 @@ class Node:
         self.partial: dict[int, Req] = {}  # chunks being fetched that it relays cut-through: their first requests
         self.available_since: dict[int, float] = {}
         self.counted: frozenset[str] | None = None
+        self.counted_known: frozenset[str] = frozenset()  # the region's peers known when counted was decided
         self.gateways: list[str] = []
         self.picker = Picker(node_id, self.rname, rng=random.Random(rng.random()))
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, rng=random.Random(rng.random()))
@@ -614,9 +615,9 @@ class Sim:
         asked = [len(y.fetching.get(c, ())) for c in missing]
         if min(asked) >= (2 if len(missing) <= y.picker.endgame_left else 1):
             return  # everything it lacks is asked for (twice in the endgame): nothing to decide
-        if y.counted is None:
-            y.counted = count_on((pid, k.held) for pid, k in y.known.items()
-                                 if k.node.region == y.region and not k.node.trainer)
+        y.counted, y.counted_known = recount(y.counted, y.counted_known,
+                                             [(pid, k.held) for pid, k in y.known.items()
+                                              if k.node.region == y.region and not k.node.trainer])
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
         gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]
         region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
@@ -711,6 +712,7 @@ class Sim:
             if n.trainer:
                 continue
             n.have, n.fetching, n.partial, n.available_since, n.counted, n.done_at = set(), {}, {}, {}, None, None
+            n.counted_known = frozenset()
             n.aware = False
             if n.alive:
                 self.pending.add(n)

@@ -64,7 +64,7 @@ from ..swarm.bucket import TokenBucket
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
-from ..swarm.picker import PeerView, Picker, count_on, slots_for_rate
+from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed
@@ -195,7 +195,8 @@ class Swarm:
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
-        self.counted: dict[Key, frozenset[str]] = {}  # the region's peers counted on, per version (_counted)
+        # Per version: the region's peers counted on, and those known when that was decided (recount).
+        self.counted: dict[Key, tuple[frozenset[str], frozenset[str]]] = {}
         self.up = TokenBucket(upload_rate)
         self.down = TokenBucket(download_rate)
         self.wan_up = TokenBucket(wan_upload_rate)
@@ -878,8 +879,8 @@ class Swarm:
             missing = vs.missing()
             if not missing:
                 continue
-            if (counted := self.counted.get(k)) is None:
-                counted = self.counted[k] = self._counted()
+            counted, known = self.counted.get(k, (None, frozenset()))
+            counted, known = self.counted[k] = recount(counted, known, self._neighbours())
             # Counted on for this version, less those that held this node back since it started.
             trusted = {p for p in counted if p in self.peers and not self.peers[p].stalled}
             region_nodes = self._crossers(trusted)
@@ -923,14 +924,13 @@ class Swarm:
                     if g == me or (g in self.peers and not self.peers[g].stalled)]
         return gateways or [me, *trusted]
 
-    def _counted(self) -> frozenset[str]:
-        """The peers of this node's region it counts on for a version (``picker.count_on``: those that
-        have shown holding chunks, which every node of the region sees alike), fixed when it starts
-        fetching the version, and for the version only until they hold this node back
-        (``Picker.stalled``)."""
+    def _neighbours(self) -> list[tuple[str, int]]:
+        """The region's peers and the chunks each has shown holding, for ``recount``: a node counts on
+        those that have shown holding chunks, which every node of the region sees alike, decided
+        when it starts fetching a version and grown by the peers it learns of since; for the version
+        only until they hold this node back (``Picker.stalled``)."""
         region = self.daemon.settings.region
-        return count_on((p.node_id, p.held) for p in self.peers.values()
-                        if p.region == region and p.role != "trainer")
+        return [(p.node_id, p.held) for p in self.peers.values() if p.region == region and p.role != "trainer"]
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
         key = (vs.key, index)

@@ -4,7 +4,7 @@ rendezvous designation agrees between them and each chunk crosses into the regio
 
 from __future__ import annotations
 
-from sparrowd.swarm.picker import PeerView, Picker, count_on, designated
+from sparrowd.swarm.picker import PeerView, Picker, count_on, designated, recount
 
 REGION = ["a", "b", "c", "d"]
 
@@ -59,3 +59,29 @@ def test_a_member_that_shows_chunks_and_never_crosses_costs_one_wait():
     assert picker.stalled(3.0, **kw) == {"d"}
     nodes.remove("d")  # passed over: its chunks go to the others, with no further wait
     assert all(designated(2, c, sorted(nodes)) != "d" for c in theirs)
+
+
+def test_a_version_in_flight_counts_on_neighbours_learned_of_later():
+    # n5 starts on a swarm's first version before it has heard of n1, its region's other node,
+    # which joined a moment later: it counts on nobody. Once it learns of n1 it counts on n1 too,
+    # as n1 counts on it, so both designate alike and each chunk crosses into the region once.
+    counted, known = recount(None, frozenset(), [])
+    assert counted == frozenset() and known == frozenset()
+    counted, known = recount(counted, known, [("n1", 0)])
+    assert counted == {"n1"} and known == {"n1"}
+    n1_view = recount(None, frozenset(), [("n5", 0)])[0]
+    for chunk in range(32):
+        assert designated(1, chunk, sorted({"n5"} | counted)) == designated(1, chunk, sorted({"n1"} | n1_view))
+
+
+def test_a_version_in_flight_keeps_its_set_as_peers_show_chunks():
+    # Decided at the version's start; a known peer's first chunks do not move the designation
+    # under the version (they count from the next one), and a newcomer that never showed a chunk,
+    # in a region whose peers have, is known but not counted on.
+    counted, known = recount(None, frozenset(), [("b", 0), ("c", 0)])
+    assert counted == {"b", "c"}
+    assert recount(counted, known, [("b", 9), ("c", 0)]) == (counted, known)
+    counted, known = recount(counted, known, [("b", 9), ("c", 0), ("d", 0)])
+    assert counted == {"b", "c"} and known == {"b", "c", "d"}
+    counted, known = recount(counted, known, [("b", 9), ("c", 0), ("d", 0), ("e", 4)])
+    assert counted == {"b", "c", "e"} and known == {"b", "c", "d", "e"}
