@@ -171,21 +171,31 @@ def _train(torch, steps: int, lr: float, rng, shape: Shape = MODELS["5m"]
     def step() -> float:
         tok = torch.from_numpy(_batch(rng, table))
         logits = model(tok[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab), tok[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return optimizer_step(opt, torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab),
+                                                                     tok[:, 1:].reshape(-1)))
 
     for _ in range(WARMUP_STEPS):
         step()
     for g in opt.param_groups:
         g["lr"] = lr
+    return nparams, *_steps(torch, model, step, steps)
+
+
+def optimizer_step(opt, loss) -> float:
+    """One optimizer step on ``loss``; returns its value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _steps(torch, model, step, steps: int) -> tuple[list[dict[str, RawTensor]], list[float]]:
+    """``steps + 1`` snapshots around ``steps`` calls of ``step``, and their losses."""
     snaps, losses = [_snapshot(torch, model)], []
     for _ in range(steps):
         losses.append(step())
         snaps.append(_snapshot(torch, model))
-    return nparams, snaps, losses
+    return snaps, losses
 
 
 def _train_minilm(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
@@ -193,11 +203,7 @@ def _train_minilm(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str
     from sparrowd.bench import minilm
 
     model, step = minilm.trainer(torch, lr, rng)
-    snaps, losses = [_snapshot(torch, model)], []
-    for _ in range(steps):
-        losses.append(step())
-        snaps.append(_snapshot(torch, model))
-    return sum(p.numel() for p in model.parameters()), snaps, losses
+    return sum(p.numel() for p in model.parameters()), *_steps(torch, model, step, steps)
 
 
 # ---------------------------------------------------------------- sizes

@@ -186,6 +186,8 @@ def load(torch):
 def trainer(torch, lr: float, rng, warmup: int = WARMUP_STEPS):
     """``(model, step)``: ``step()`` runs one AdamW step of SimCSE on a random batch and returns its
     loss; ``warmup`` steps at ``lr`` have run already."""
+    from .codec import optimizer_step
+
     model, tok = load(torch)
     model.train()
     text = sentences()
@@ -197,11 +199,7 @@ def trainer(torch, lr: float, rng, warmup: int = WARMUP_STEPS):
         keep = batch != tok.pad
         a, b = model(batch, keep), model(batch, keep)  # two dropout masks: two views of each sentence
         sim = torch.nn.functional.cosine_similarity(a[:, None], b[None, :], dim=-1) / TEMPERATURE
-        loss = torch.nn.functional.cross_entropy(sim, torch.arange(BATCH))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return optimizer_step(opt, torch.nn.functional.cross_entropy(sim, torch.arange(BATCH)))
 
     for _ in range(warmup):
         step()
