@@ -223,11 +223,23 @@ def _binary_entropy(p: float) -> float:
     return -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
 
 
-def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
+def _joint_entropy(ctx: np.ndarray, sym: np.ndarray, nctx: int, nsym: int) -> float:
+    """Bits of ``sym`` given ``ctx``, each context with its own static distribution."""
+    joint = np.bincount(ctx * nsym + sym, minlength=nctx * nsym).reshape(nctx, nsym).astype(np.float64)
+    rows = joint.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(-np.nansum(joint * np.log2(joint / rows)))
+
+
+def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor],
+               prev: dict[str, RawTensor] | None = None) -> dict:
     """Bytes of the naive and gap-coded zstd baselines, and entropy bounds in bits: of the indices, of
     the indices given each element's base exponent class (what ulp2 codes by), and of the values
-    given the class (the ulp distance, its sign and magnitude up to 16 ulps, static per tensor)."""
-    naive, gap, bound, by_exp, values = [], [], 0.0, 0.0, 0.0
+    given the class (the ulp distance, its sign and magnitude up to 16 ulps, static per tensor).
+    With ``prev`` (the snapshot before ``old``), also the bound of a coder that knows the previous
+    patch as well: positions given (class, changed in the previous step), values given (class,
+    the previous step's sign there)."""
+    naive, gap, bound, by_exp, values, with_prev = [], [], 0.0, 0.0, 0.0, 0.0
     for name in sorted(new):
         o, n = old[name].bits, new[name].bits
         changed = o != n
@@ -242,12 +254,17 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
         exp = ((o >> np.uint16(7)) & np.uint16(0xFF)).astype(np.int64)
         per, hits = np.bincount(exp, minlength=256), np.bincount(exp, weights=changed, minlength=256)
         by_exp += sum(c * _binary_entropy(h / c) for c, h in zip(per.tolist(), hits.tolist()) if c)
-        cls = np.clip(exp[idx] - max(0, int(np.bincount(exp).argmax()) - 12), 0, 15)
+        every = np.clip(exp - max(0, int(np.bincount(exp).argmax()) - 12), 0, 15)
+        cls = every[idx]
         z = np.minimum(ulp_encode(o[idx], n[idx]).astype(np.int64), 33)  # zigzag: sign and |d| up to 16
-        joint = np.bincount(cls * 34 + z, minlength=16 * 34).reshape(16, 34).astype(np.float64)
-        rows = joint.sum(axis=1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            values += float(-np.nansum(joint * np.log2(joint / rows)))
+        values += _joint_entropy(cls, z, 16, 34)
+        if prev is not None and name in prev:
+            p = prev[name].bits
+            before = np.flatnonzero(p != o)
+            state = np.zeros(o.size, dtype=np.int64)  # 0 unchanged, 1 or 2: moved down or up (zigzag parity)
+            state[before] = ((ulp_encode(p[before], o[before]).astype(np.int64) - 1) & 1) + 1
+            with_prev += _joint_entropy(every * 3 + state, changed.astype(np.int64), 48, 2)
+            with_prev += _joint_entropy(cls * 3 + state[idx], z, 48, 34)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     return {
         "naive_bytes": len(cctx.compress(b"".join(naive))),
@@ -255,6 +272,7 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor]) -> dict:
         "index_entropy_bits": bound,
         "index_entropy_exp_bits": by_exp,
         "value_entropy_class_bits": values,
+        "bound_prev_bits": with_prev if prev is not None else None,
     }
 
 
@@ -263,7 +281,8 @@ def file_bytes(manifest) -> int:
     return HEADER_SIZE + len(manifest.to_bytes()) + manifest.patch_bytes
 
 
-def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> dict:
+def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str,
+                   prev: dict[str, RawTensor] | None = None) -> dict:
     total = sum(t.numel for t in new.values())
     row = {"elements": total}
     for mode in ("ulp2", "ulp", "absolute"):
@@ -272,7 +291,7 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
         row["changed"] = manifest.elements_changed
         row[f"{mode}_bytes"] = file_bytes(manifest)
         row[f"{mode}_chunk_bytes"] = manifest.patch_bytes
-    row.update(_baselines(old, new))
+    row.update(_baselines(old, new, prev))
     row["density"] = row["changed"] / total
     return row
 
@@ -290,6 +309,9 @@ def _bits_per_changed(row: dict) -> dict:
         "index_entropy": row["index_entropy_bits"] / c,
         "index_entropy_exp": row["index_entropy_exp_bits"] / c,
         "bound_class": (row["index_entropy_exp_bits"] + row["value_entropy_class_bits"]) / c,
+        # of the steps that had a step before them (the aggregate: over those steps' changes)
+        "bound_prev": (row["bound_prev_bits"] / max(1, row.get("changed_prev", row["changed"]))
+                       if row.get("bound_prev_bits") is not None else None),
     }
 
 
@@ -299,6 +321,9 @@ def _aggregate(rows: list[dict]) -> dict:
             "index_entropy_bits", "index_entropy_exp_bits", "value_entropy_class_bits")
     agg = {k: sum(r[k] for r in rows) for k in keys}
     agg["density"] = agg["changed"] / max(1, agg["elements"])
+    later = [r for r in rows if r.get("bound_prev_bits") is not None]
+    agg["bound_prev_bits"] = sum(r["bound_prev_bits"] for r in later) if later else None
+    agg["changed_prev"] = sum(r["changed"] for r in later)
     return agg
 
 
@@ -418,9 +443,10 @@ def _print_real(real: dict) -> None:
     print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file. Baselines: zstd-3 of")
     print("   int32 (naive) or gap-coded indices (gap) with raw bf16. Bounds: index H, the binary entropy of the")
     print("   positions per tensor; H|exp, the same given each element's base exponent (ulp2's context); bound,")
-    print("   H|exp plus the entropy of the values given the class: what a coder of the classes can reach\n")
+    print("   H|exp plus the entropy of the values given the class: what a coder of the classes can reach;")
+    print("   |prev, the same bound for a coder that also knows the previous patch (from step 2 on)\n")
     head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'ulp':>6} {'absolute':>9} " \
-           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6} {'bound':>6}"
+           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6} {'bound':>6} {'|prev':>6}"
     print(head)
     print("   " + "-" * (len(head) - 3))
 
@@ -429,7 +455,8 @@ def _print_real(real: dict) -> None:
         lo = f"{loss:7.4f}" if loss is not None else " " * 7
         print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp2']:>6.2f} {b['ulp']:>6.2f} "
               f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f} "
-              f"{b['index_entropy_exp']:>6.2f} {b['bound_class']:>6.2f}")
+              f"{b['index_entropy_exp']:>6.2f} {b['bound_class']:>6.2f} "
+              + (f"{b['bound_prev']:>6.2f}" if b["bound_prev"] is not None else f"{'-':>6}"))
 
     for i, row in enumerate(real["steps"], 1):
         line(str(i), row["loss"], row)
@@ -529,7 +556,7 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
                      "warmup_lr": WARMUP_LR}
     rows = []
     for i in range(steps):
-        row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}")
+        row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}", snaps[i - 1] if i else None)
         row["loss"] = losses[i]
         rows.append(row)
     real = {
