@@ -252,8 +252,8 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor],
         bound += n.size * _binary_entropy(idx.size / n.size)
         # The bound once each position is conditioned on its base element's exponent (what ulp2 codes by).
         exp = ((o >> np.uint16(7)) & np.uint16(0xFF)).astype(np.int64)
-        per, hits = np.bincount(exp, minlength=256), np.bincount(exp, weights=changed, minlength=256)
-        by_exp += sum(c * _binary_entropy(h / c) for c, h in zip(per.tolist(), hits.tolist()) if c)
+        flags = changed.astype(np.int64)
+        by_exp += _joint_entropy(exp, flags, 256, 2)
         every = np.clip(exp - max(0, int(np.bincount(exp).argmax()) - 12), 0, 15)
         cls = every[idx]
         z = np.minimum(ulp_encode(o[idx], n[idx]).astype(np.int64), 33)  # zigzag: sign and |d| up to 16
@@ -263,7 +263,7 @@ def _baselines(old: dict[str, RawTensor], new: dict[str, RawTensor],
             before = np.flatnonzero(p != o)
             state = np.zeros(o.size, dtype=np.int64)  # 0 unchanged, 1 or 2: moved down or up (zigzag parity)
             state[before] = ((ulp_encode(p[before], o[before]).astype(np.int64) - 1) & 1) + 1
-            with_prev += _joint_entropy(every * 3 + state, changed.astype(np.int64), 48, 2)
+            with_prev += _joint_entropy(every * 3 + state, flags, 48, 2)
             with_prev += _joint_entropy(cls * 3 + state[idx], z, 48, 34)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     return {

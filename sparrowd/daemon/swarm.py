@@ -781,9 +781,7 @@ class Swarm:
         polls here, which ``notify`` answers: an exchange sent to a relay told its picker nothing
         (a node's picker reads only the replies to its own exchanges), so it was a second message per
         peer and chunk for the same news."""
-        for ps in list(self.peers.values()):
-            if ps.role != "trainer":
-                continue
+        for ps in [p for p in self.peers.values() if p.role == "trainer"]:
             if ps.pushing:
                 ps.push_again = True
                 continue
