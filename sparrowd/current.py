@@ -62,19 +62,20 @@ from pathlib import Path
 import blake3
 import numpy as np
 
-from .checkpoint import INDEX_NAME, TensorSpec, atomic_file, write_safetensors
-from .codec import FULL, PATCH, Manifest, decode_chunk, dtype_info
+from .checkpoint import INDEX_NAME, TensorSpec, _read_shard, atomic_file, write_safetensors
+from .codec import FULL, PATCH, Manifest, check_history, decode_chunk, dtype_info
 from .codec.bits import uint_type, ulp_apply
 from .codec.chunk import DENSE, decode_file_chunk, is_ulp
-from .codec.extract import fingerprint
+from .codec.extract import fingerprint, fp_equal
+from .codec.history import History, TensorHistory
 from .codec.manifest import MAX_FILE, check_file_name
 from .codec.patch import check_segments
 from .decoded import decoded_from, write_decoded
-from .errors import FormatError, IntegrityError, SparrowError
+from .errors import BaseMismatchError, FormatError, IntegrityError, SparrowError
 from .schema import pack, unpack
 
-__all__ = ["CurrentFolder", "FolderBusy", "LayoutChange", "model_files", "read_marker", "reading", "build_folder",
-           "update_folder", "MARKER", "LOCK"]
+__all__ = ["CurrentFolder", "FolderBusy", "LayoutChange", "HistoryMissing", "read_history", "model_files",
+           "read_marker", "reading", "build_folder", "update_folder", "MARKER", "LOCK"]
 
 MARKER = "sparrowd.json"
 LOCK = ".sparrowd.lock"
@@ -93,6 +94,12 @@ class FolderBusy(SparrowError):
 
 class LayoutChange(SparrowError):
     """The patch adds, removes or reshapes tensors: the folder is rebuilt from an anchor instead."""
+
+
+class HistoryMissing(SparrowError):
+    """The patch is coded against a change history this folder does not keep (it was made by an
+    older sparrowd, or its file was lost): the folder is rebuilt from the newest anchor, and the
+    patches after it rebuild the history."""
 
 
 # ---------------------------------------------------------------- what anchors carry
@@ -129,6 +136,58 @@ def read_marker(folder: Path) -> dict | None:
     if not isinstance(m, dict) or m.get("format") != FOLDER_FORMAT or not isinstance(m.get("version"), int):
         return None
     return m
+
+
+HISTORY_FORMAT = "sparrowd-history/1"
+
+
+def _history_file(folder: Path, version: int) -> Path:
+    """Where a version folder keeps the change history after ``version`` (ulp2 chains decode
+    against it, codec.history): hidden, so it is no model file."""
+    return Path(folder) / f".sparrowd.history.{version}"
+
+
+def read_history(folder: Path, version: int) -> History | None:
+    """The change history the folder keeps for ``version``; None when it keeps none."""
+    path = _history_file(folder, version)
+    if not path.exists():
+        return None
+    shard, arrays = _read_shard(path)
+    meta = shard.metadata
+    try:
+        if meta.get("format") != HISTORY_FORMAT or int(meta["version"]) != version:
+            raise ValueError
+        versions = tuple(int(v) for v in json.loads(meta["versions"]))
+        names = {n.rsplit(".", 1)[0] for n in arrays}
+        tensors = {n: TensorHistory(arrays[f"{n}.positions"].bits.view(np.int64).copy(),
+                                    arrays[f"{n}.state"].bits.view(np.uint8).copy()) for n in names}
+    except (KeyError, ValueError, TypeError):
+        raise FormatError(f"{path}: not a {HISTORY_FORMAT} file") from None
+    finally:
+        arrays = None  # the copies stay; the mapping goes
+        if shard.mm is not None:
+            try:
+                shard.mm.close()
+            except BufferError:
+                pass
+    return History(versions, tensors)
+
+
+def _write_history(folder: Path, version: int, history: History) -> None:
+    specs = []
+    for name in sorted(history.tensors):
+        t = history.tensors[name]
+        specs += [TensorSpec(f"{name}.positions", "I64", (t.positions.size,), t.positions),
+                  TensorSpec(f"{name}.state", "U8", (t.state.size,), t.state)]
+    with atomic_file(_history_file(folder, version)) as tmp:
+        write_safetensors(tmp, specs, {"format": HISTORY_FORMAT, "version": str(version),
+                                       "versions": json.dumps(list(history.versions))})
+
+
+def _drop_histories(folder: Path, keep: int) -> None:
+    for p in Path(folder).glob(".sparrowd.history.*"):
+        if p.name != _history_file(folder, keep).name:
+            p.unlink(missing_ok=True)
 
 
 def _write_marker(folder: Path, version: int, fps: dict[str, bytes], files: dict[str, str]) -> None:
@@ -410,7 +469,7 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
             if progress is not None:
                 progress(i + 1, len(anchor.chunks))
         for t in anchor.tensors:
-            if t.numel and fingerprint(tensors.view(t.name)) != t.result_fp:
+            if t.numel and not fp_equal(fingerprint(tensors.view(t.name)), t.result_fp):
                 raise IntegrityError(f"anchor {anchor.version}: tensor {t.name!r} differs from its fingerprint")
         tensors.commit()
     finally:
@@ -423,17 +482,22 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
             out.flush()
             os.fsync(out.fileno())
     (dest / LOCK).touch(mode=0o644)
+    _write_history(dest, anchor.version, History())  # the chain after an anchor starts its history afresh
     _write_marker(dest, anchor.version, {t.name: t.result_fp for t in anchor.tensors},
                   {f.name: f.hash.hex() for f in anchor.files})
 
 
 def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], patch: Manifest, read: ReadChunk,
-                   progress: Progress | None, decoded: Path | None = None) -> None:
-    """Decode the patch against the folder's bits: each changed element's new bits, journaled.
-    ``decoded``: also write the patch there in the decoded layout (sparrowd.decoded), for engines
-    that cannot decode it themselves (an ulp2 patch is coded against the base this folder holds)."""
+                   progress: Progress | None, decoded: Path | None = None,
+                   history: History | None = None) -> dict[str, list]:
+    """Decode the patch against the folder's bits (and ``history``, the change history it names):
+    each changed element's new bits, journaled. ``decoded``: also write the patch there in the
+    decoded layout (sparrowd.decoded), for engines that cannot decode it themselves (an ulp2 patch
+    is coded against the base this folder holds). Returns an ulp2 patch's decoded segments by
+    tensor (what the next history is made of)."""
     reader = _Shards(folder, places, guard=False)  # reads only, through the same mappings
     parts: dict[str, list] = {}
+    keep = decoded is not None or patch.values == "ulp2"
     try:
         for i, entry in enumerate(patch.chunks):
             data = read(i)
@@ -441,9 +505,9 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
                 (name, start, stop), body = decode_file_chunk(data, expect_hash=entry.hash)
                 journal.add("file", name, start, stop, None, body)
             else:
-                segments = decode_chunk(data, expect_hash=entry.hash, base=reader.view)
+                segments = decode_chunk(data, expect_hash=entry.hash, base=reader.view, history=history)
                 check_segments(patch, entry, segments)
-                if decoded is not None:
+                if keep:
                     for s in segments:
                         parts.setdefault(s.name, []).append(s)
                 for s in segments:
@@ -461,6 +525,7 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
                 write_decoded(decoded_from(patch, parts), tmp)
     finally:
         reader.close()
+    return parts
 
 
 def _replay(folder: Path, journal: Path, *, guard: bool) -> int:
@@ -488,7 +553,7 @@ def _replay(folder: Path, journal: Path, *, guard: bool) -> int:
                 view[idx] = vals
         fps = {n: bytes.fromhex(h) for n, h in marker["tensors"].items()}
         for name, fp in header["tensors"].items():
-            if fingerprint(shards.view(name)) != fp:
+            if not fp_equal(fingerprint(shards.view(name)), fp):
                 raise IntegrityError(f"version {header['version']}: tensor {name!r} differs from the manifest's "
                                      f"fingerprint after the update")
             fps[name] = fp
@@ -581,7 +646,7 @@ class CurrentFolder:
         shards = _Shards(folder, places, guard=False)
         try:
             for name, fp in m["tensors"].items():
-                if fingerprint(shards.view(name)).hex() != fp:
+                if not fp_equal(fingerprint(shards.view(name)), bytes.fromhex(fp)):
                     raise IntegrityError(f"tensor {name!r} differs from its fingerprint (version {m['version']})")
         finally:
             shards.close()
@@ -652,19 +717,31 @@ def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: 
         p = places.get(t.name)
         if t.op not in (PATCH, FULL) or p is None or p.dtype != t.dtype or p.numel != t.numel:
             raise LayoutChange(f"version {patch.version} changes tensor {t.name!r}'s layout")
-        if t.op == PATCH and marker["tensors"].get(t.name) != t.base_fp.hex():
+        have = marker["tensors"].get(t.name)
+        if t.op == PATCH and (have is None or not fp_equal(bytes.fromhex(have), t.base_fp)):
             raise IntegrityError(f"version {patch.version}: tensor {t.name!r} of the folder is not its base")
+    history = read_history(folder, marker["version"])
+    if patch.history is not None:
+        try:
+            check_history(patch, history)
+        except BaseMismatchError as e:
+            raise HistoryMissing(str(e)) from None
     journal = _Journal(journal_path, {
         "version": patch.version, "base": patch.base_version,
         "tensors": {t.name: t.result_fp for t in patch.tensors},
         "files": {f.name: f.hash.hex() for f in patch.files}})
     try:
-        _journal_patch(journal, folder, places, patch, read, progress, decoded)
+        parts = _journal_patch(journal, folder, places, patch, read, progress, decoded,
+                               history if patch.history is not None else None)
+        # The history after this version goes down first: a folder at a version always has its own.
+        _write_history(folder, patch.version, (history or History()).after_patch(patch, parts))
         journal.commit()
     except BaseException:
         journal.abandon()
         raise
     try:
-        return _replay(folder, journal_path, guard=guard)
+        version = _replay(folder, journal_path, guard=guard)
     except IntegrityError as e:
         raise FolderDamaged(str(e)) from None
+    _drop_histories(folder, version)
+    return version

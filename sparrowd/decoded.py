@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import TensorSpec, _read_shard, write_safetensors
-from .codec import FULL, PATCH, REMOVE, Manifest, TensorEntry, decode_chunk, dtype_info
+from .codec import FULL, PATCH, REMOVE, Manifest, TensorEntry, check_history, decode_chunk, dtype_info
 from .codec.bits import sint_type, unzigzag
 from .codec.chunk import ULP, is_ulp
 from .codec.patch import check_segments
@@ -55,16 +55,18 @@ class Decoded:
         return sum(int(w.values.size) for w in self.writes)
 
 
-def decode_patch(manifest: Manifest, chunks, base=None) -> Decoded:
+def decode_patch(manifest: Manifest, chunks, base=None, history=None) -> Decoded:
     """Decode every chunk (hash- and manifest-checked) into one write per touched tensor.
-    ``base``: ``name -> flat bits`` of the base version, which ulp2 patches are coded against."""
+    ``base``: ``name -> flat bits`` of the base version, which ulp2 patches are coded against, and
+    ``history``: the change history one names, if it names one (codec.history)."""
+    history = check_history(manifest, history)
     parts: dict[str, list] = {}
     it = iter(chunks)
     for entry in manifest.chunks:
         data = next(it, None)
         if data is None:
             raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        segments = decode_chunk(data, expect_hash=entry.hash, base=base)
+        segments = decode_chunk(data, expect_hash=entry.hash, base=base, history=history)
         check_segments(manifest, entry, segments)
         for s in segments:
             parts.setdefault(s.name, []).append(s)

@@ -37,6 +37,7 @@ from .codec import (
     PatchView,
     apply_segments,
     check_base,
+    check_history,
     check_result,
     decode_chunk,
     encode_patch,
@@ -155,6 +156,7 @@ def apply_file(
     with open_patch(patch_path) as view, open_checkpoint(base_path) as base:
         m = view.manifest
         check_base(m, base)
+        check_history(m, None)  # a checkpoint keeps no change history: only a chain's folders do
         files = _layout(base, m)
         if not base.is_folder:
             with atomic_file(out) as tmp:
@@ -245,6 +247,7 @@ def export_patch(path: str | os.PathLike, out: str | os.PathLike, base: str | os
         if base is not None:
             ck = stack.enter_context(open_checkpoint(base))
             check_base(m, ck)
+            check_history(m, None)
             bits = {name: t.bits for name, t in ck.items()}
         d = decode_patch(m, view.chunks, bits)
     with atomic_file(Path(out)) as tmp:

@@ -59,8 +59,9 @@ import blake3
 import numpy as np
 
 from .codec.bits import RawTensor
-from .codec.chunk import ULP
+from .codec.chunk import ULP, ULP2
 from .codec.extract import diff_fingerprint, fingerprint
+from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
 from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
@@ -155,6 +156,7 @@ class _Pending:
     manifest: str  # BLAKE3 of the manifest's bytes, hex
     updates: list
     moved: list  # kept copies and host mirrors already moved to this version: undone if the daemon did not take it
+    history: History  # ulp2: the change history once this version is applied
 
 
 class Publisher:
@@ -185,6 +187,9 @@ class Publisher:
         self.version: int | None = None
         self.anchor_version: int | None = None
         self._pending: _Pending | None = None
+        # ulp2: the change history the rollout nodes hold at self.version, which the next patch is
+        # coded against (codec.history); it starts afresh at every anchor, which new boxes start from.
+        self._history = History()
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
@@ -265,6 +270,7 @@ class Publisher:
         latest = state["latest"]
         kept = {name: self._keep(t) for name, t in sorted(self._state(model).items())}  # the order ranks gather in
         self._last, self.version, self._pending = kept, version, None
+        self._history = History()  # what the nodes hold of the last patches is not known here: start afresh
         self.anchor_version = state["anchor"]
         self._unrecorded = latest is None  # the daemon knows nothing of this base until something is published
         if latest is None and anchor:
@@ -307,7 +313,7 @@ class Publisher:
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version)
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
-                           chunk_size=self._patch_chunk_size())
+                           chunk_size=self._patch_chunk_size(), history=self._history if self.values == ULP2 else None)
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
 
@@ -401,9 +407,9 @@ class Publisher:
         except BaseException:  # an error, or an interrupt mid-request
             # Taken or not? The next call asks the daemon, and adopts this version if it is there
             # (or puts the kept copies back if it is not).
-            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved)
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved, enc.next_history())
             raise
-        self._advance(version, updates)
+        self._advance(version, updates, enc.next_history())
         self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
         if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
@@ -449,13 +455,14 @@ class Publisher:
         for host, idx, old_values in reversed(moved):
             host[idx] = old_values
 
-    def _advance(self, version: int, updates) -> None:
+    def _advance(self, version: int, updates, history: History) -> None:
         """Published: bring the kept copies up to this version, O(changed elements), no full copy."""
         for kept, idx, values, new_fp in updates:
             if values is not None:  # None: the CPU compare moved the kept copy in place already
                 kept.bits[idx] = values
             kept.fp = new_fp
         self.version, self._pending, self._unrecorded = version, None, False
+        self._history = history
 
     def _sync(self) -> None:
         """Agree with the daemon on where the chain ends before building on it."""
@@ -468,7 +475,7 @@ class Publisher:
             return
         p = self._pending
         if p is not None and latest == p.version and state["manifest"] == p.manifest:
-            self._advance(p.version, p.updates)  # the daemon took it; only the reply was lost
+            self._advance(p.version, p.updates, p.history)  # the daemon took it; only the reply was lost
             return
         raise InputError(f"the trainer's daemon has version {latest} as its latest, this publisher has "
                          f"{self.version}: the chain was changed by someone else, or the daemon lost its data dir; "
@@ -495,7 +502,9 @@ class Publisher:
         return published_state(self.daemon, self._token, timeout=self.timeout)
 
     def _publish_anchor(self, version: int, tensors: dict[str, _Tensor] | None = None) -> PublishStats:
-        """``tensors`` (the kept copies by default) whole, as anchor ``version``."""
+        """``tensors`` (the kept copies by default) whole, as anchor ``version``. The change history
+        starts afresh: a new box starts from the anchor, and must decode what follows."""
+        self._history = History()
         tensors = self._last if tensors is None else tensors
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=None)

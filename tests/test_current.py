@@ -233,3 +233,43 @@ def test_the_commit_record_names_the_version_and_every_fingerprint(tmp_path):
         from sparrowd.codec import fingerprint
 
         assert m["tensors"] == {n: fingerprint(t.bits).hex() for n, t in c.items()}
+
+
+def test_an_ulp2_chain_decodes_against_the_history_the_folder_keeps(tmp_path):
+    """ulp2 patches coded against the change history of the patches before them: the folder keeps
+    that history beside each version (through restarts), and a patch whose history it lacks is
+    refused before anything is written, for a rebuild from the newest anchor."""
+    from sparrowd.codec import History
+    from sparrowd.codec.history import changes_between
+    from sparrowd.current import HistoryMissing, read_history
+
+    states = [make_state()]
+    for seed in (1, 1, 2, 1, 1):  # the same seed moves the same elements again: what momentum does
+        states.append(step(states[-1], seed=seed))
+    ckpts = [save_folder(s, tmp_path / f"ckpt{v}") for v, s in enumerate(states)]
+    objects, sent = [], History()
+    with open_checkpoint(ckpts[0]) as c:
+        objects.append(encode_patch({}, c, version=0, base_version=None, values="ulp2", files=model_files(ckpts[0])))
+    for v in range(1, len(states)):
+        with open_checkpoint(ckpts[v - 1]) as a, open_checkpoint(ckpts[v]) as b:
+            objects.append(encode_patch(a, b, version=v, base_version=v - 1, values="ulp2", history=sent,
+                                        chunk_size=4 << 10))
+            sent = sent.after(v, changes_between(a, b))
+    assert objects[2][0].history is not None and objects[3][0].history[0] == (2, 1)
+    cf = CurrentFolder(tmp_path / "data")
+    cf.build(*objects[0][:1], read(objects[0]))
+    assert read_history(cf.folder, 0).versions == ()
+    for v in (1, 2, 3):
+        assert cf.apply(objects[v][0], read(objects[v])) == v
+        assert_is(cf.folder, ckpts[v])
+    assert [p.name for p in cf.folder.glob(".sparrowd.history.*")] == [".sparrowd.history.3"]
+    cf = CurrentFolder(tmp_path / "data")  # a restart: the history is read back from the folder
+    assert cf.recover() == 3
+    assert cf.apply(objects[4][0], read(objects[4])) == 4
+    assert_is(cf.folder, ckpts[4])
+    (cf.folder / ".sparrowd.history.4").unlink()  # lost: patch 5 cannot be decoded here
+    marker = (cf.folder / MARKER).read_bytes()
+    with pytest.raises(HistoryMissing, match="history"):
+        cf.apply(objects[5][0], read(objects[5]))
+    assert (cf.folder / MARKER).read_bytes() == marker and not cf.journal.exists()
+    assert_is(cf.folder, ckpts[4])

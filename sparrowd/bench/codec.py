@@ -40,8 +40,9 @@ import numpy as np
 import zstandard
 
 from sparrowd.bench import write_json
-from sparrowd.codec import RawTensor, apply_patch, decode_chunk, encode_patch
+from sparrowd.codec import History, RawTensor, apply_patch, decode_chunk, encode_patch
 from sparrowd.codec.bits import ulp_encode
+from sparrowd.codec.history import changes_between
 from sparrowd.codec.patchfile import HEADER_SIZE
 
 __all__ = ["run"]
@@ -209,8 +210,9 @@ def _train_minilm(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str
 # ---------------------------------------------------------------- sizes
 
 
-def _check_exact(manifest, chunks, old: dict[str, RawTensor], new: dict[str, RawTensor], what: str) -> None:
-    got = apply_patch(manifest, [c.data for c in chunks], old)
+def _check_exact(manifest, chunks, old: dict[str, RawTensor], new: dict[str, RawTensor], what: str,
+                 history: History | None = None) -> None:
+    got = apply_patch(manifest, [c.data for c in chunks], old, history)
     for name, t in new.items():
         r = got.get(name, old[name])
         if r is None or r.shape != t.shape or not np.array_equal(r.bits, t.bits):
@@ -282,12 +284,15 @@ def file_bytes(manifest) -> int:
 
 
 def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: str,
-                   prev: dict[str, RawTensor] | None = None) -> dict:
+                   prev: dict[str, RawTensor] | None = None, history: History | None = None) -> dict:
+    """Sizes of one step's patch in every mode; ``ulp2`` as a chain codes it, against ``history``
+    (the change history of the steps before), and also without one (``ulp2_bare``)."""
     total = sum(t.numel for t in new.values())
-    row = {"elements": total}
-    for mode in ("ulp2", "ulp", "absolute"):
-        manifest, chunks = encode_patch(old, new, version=1, base_version=0, values=mode)
-        _check_exact(manifest, chunks, old, new, f"{what} ({mode})")
+    row = {"elements": total, "history": len(history.versions) if history is not None else 0}
+    for mode, hist in (("ulp2", history), ("ulp2_bare", None), ("ulp", None), ("absolute", None)):
+        values = mode.removesuffix("_bare")
+        manifest, chunks = encode_patch(old, new, version=2, base_version=1, values=values, history=hist)
+        _check_exact(manifest, chunks, old, new, f"{what} ({mode})", hist)
         row["changed"] = manifest.elements_changed
         row[f"{mode}_bytes"] = file_bytes(manifest)
         row[f"{mode}_chunk_bytes"] = manifest.patch_bytes
@@ -300,6 +305,7 @@ def _bits_per_changed(row: dict) -> dict:
     c = max(1, row["changed"])
     return {
         "ulp2": 8 * row["ulp2_bytes"] / c,
+        "ulp2_bare": 8 * row["ulp2_bare_bytes"] / c,
         "ulp": 8 * row["ulp_bytes"] / c,
         "absolute": 8 * row["absolute_bytes"] / c,
         "ulp_chunks": 8 * row["ulp_chunk_bytes"] / c,
@@ -316,7 +322,8 @@ def _bits_per_changed(row: dict) -> dict:
 
 
 def _aggregate(rows: list[dict]) -> dict:
-    keys = ("elements", "changed", "ulp2_bytes", "ulp_bytes", "absolute_bytes", "ulp2_chunk_bytes", "ulp_chunk_bytes",
+    keys = ("elements", "changed", "ulp2_bytes", "ulp2_bare_bytes", "ulp_bytes", "absolute_bytes", "ulp2_chunk_bytes",
+            "ulp_chunk_bytes",
             "absolute_chunk_bytes", "naive_bytes", "gap_bytes",
             "index_entropy_bits", "index_entropy_exp_bits", "value_entropy_class_bits")
     agg = {k: sum(r[k] for r in rows) for k in keys}
@@ -440,20 +447,23 @@ def _print_real(real: dict) -> None:
         data = "WordPiece tokens of the standard library's docstrings"
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
           f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} {data}")
-    print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file. Baselines: zstd-3 of")
+    print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file; ulp2 as a chain codes it,")
+    print("   against the change history of the steps before (none for step 1, one step for step 2, then two), and")
+    print("   ulp2 bare, without a history. Baselines: zstd-3 of")
     print("   int32 (naive) or gap-coded indices (gap) with raw bf16. Bounds: index H, the binary entropy of the")
     print("   positions per tensor; H|exp, the same given each element's base exponent (ulp2's context); bound,")
     print("   H|exp plus the entropy of the values given the class: what a coder of the classes can reach;")
     print("   |prev, the same bound for a coder that also knows the previous patch (from step 2 on)\n")
-    head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'ulp':>6} {'absolute':>9} " \
-           f"{'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6} {'bound':>6} {'|prev':>6}"
+    head = f"   {'step':>5} {'loss':>7} {'changed':>10} {'density':>8} {'ulp2':>6} {'bare':>6} {'ulp':>6} " \
+           f"{'absolute':>9} {'naive':>7} {'gap':>7} {'index H':>8} {'H|exp':>6} {'bound':>6} {'|prev':>6}"
     print(head)
     print("   " + "-" * (len(head) - 3))
 
     def line(label, loss, row):
         b = _bits_per_changed(row)
         lo = f"{loss:7.4f}" if loss is not None else " " * 7
-        print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp2']:>6.2f} {b['ulp']:>6.2f} "
+        print(f"   {label:>5} {lo} {row['changed']:>10,} {row['density']:>8.3%} {b['ulp2']:>6.2f} "
+              f"{b['ulp2_bare']:>6.2f} {b['ulp']:>6.2f} "
               f"{b['absolute']:>9.2f} {b['naive']:>7.2f} {b['gap']:>7.2f} {b['index_entropy']:>8.2f} "
               f"{b['index_entropy_exp']:>6.2f} {b['bound_class']:>6.2f} "
               + (f"{b['bound_prev']:>6.2f}" if b["bound_prev"] is not None else f"{'-':>6}"))
@@ -554,11 +564,13 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
                      "d_model": shape.d_model, "heads": shape.heads, "vocab": shape.vocab, "seq": SEQ,
                      "batch": BATCH, "weight_decay": WEIGHT_DECAY, "warmup_steps": WARMUP_STEPS,
                      "warmup_lr": WARMUP_LR}
-    rows = []
+    rows, history = [], History()
     for i in range(steps):
-        row = _measure_delta(snaps[i], snaps[i + 1], f"real delta {i + 1}", snaps[i - 1] if i else None)
+        old, new = snaps[i], snaps[i + 1]
+        row = _measure_delta(old, new, f"real delta {i + 1}", snaps[i - 1] if i else None, history)
         row["loss"] = losses[i]
         rows.append(row)
+        history = history.after(i + 2, changes_between(old, new))  # what the chain's receivers know next
     real = {
         "model": {"parameters": nparams, "lr": lr, **described},
         "steps": rows,

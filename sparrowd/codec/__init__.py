@@ -3,6 +3,7 @@
 from .bits import DTYPES, RawTensor, dtype_info
 from .chunk import ABSOLUTE, ULP, ULP2, Chunk, Segment, chunk_hash, decode_chunk
 from .extract import diff_bits, fingerprint
+from .history import History
 from .manifest import FULL, PATCH, REMOVE, ChunkEntry, Manifest, TensorEntry
 from .patch import (
     DEFAULT_CHUNK_SIZE,
@@ -10,6 +11,7 @@ from .patch import (
     apply_patch,
     apply_segments,
     check_base,
+    check_history,
     check_result,
     encode_patch,
     new_targets,
@@ -37,6 +39,8 @@ __all__ = [
     "apply_patch",
     "apply_segments",
     "check_base",
+    "check_history",
+    "History",
     "check_result",
     "chunk_hash",
     "decode_chunk",

@@ -643,12 +643,15 @@ static Py_ssize_t ranks_scalar(const struct classing *k, Py_ssize_t p, Py_ssize_
     }
 }
 
-/* A positions scan: per class the next wanted rank (-1: none left) and where it sits in `ranks`. */
+/* A positions scan: per class the next wanted rank (-1: none left) and where it sits in `ranks`;
+   `skip`: sorted positions the ranks do not count (an ulp2 segment's history elements). */
 struct wanted {
     const int64_t *ranks;
     int64_t first[NCLASS], last[NCLASS], want[NCLASS], seen[NCLASS];
     int64_t *pos, *perm;
     Py_ssize_t found, n;
+    const int64_t *skip;
+    Py_ssize_t nskip, si;
 };
 
 static inline void hit(struct wanted *w, unsigned c, Py_ssize_t p) {
@@ -659,6 +662,10 @@ static inline void hit(struct wanted *w, unsigned c, Py_ssize_t p) {
 
 static Py_ssize_t positions_scalar(const struct classing *k, struct wanted *w, Py_ssize_t p, Py_ssize_t stop) {
     for (; p < stop && w->found < w->n; p++) {
+        if (w->si < w->nskip && w->skip[w->si] == p) {
+            w->si++;
+            continue;
+        }
         const unsigned c = klass(load_at(k->base, k->isz, p), k->shift, k->mask, k->lo);
         if (w->seen[c]++ == w->want[c]) hit(w, c, p);
     }
@@ -752,6 +759,7 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t positions_avx2
     int64_t cnt[NCLASS], slot[BLOCK];
     for (; p + BLOCK <= stop && w->found < w->n; p += BLOCK) {
         block_classes(b + p, k, cb);
+        while (w->si < w->nskip && w->skip[w->si] < p + BLOCK) cb[w->skip[w->si++] - p] = 0xFF; /* in no class */
         block_counts(cb, cnt);
         uint64_t hits[BLOCK / 64] = {0};
         for (int q = 0; q < NCLASS; q++) {
@@ -875,22 +883,23 @@ done:
 }
 
 /*
- * class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out,
+ * class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, skip,
  *                 portable=False) -> found
  * The inverse: `counts` (int64, one per class) say how many ranks each class has; `ranks` (int64)
  * holds them class after class, each class's ascending. Scanning base[start:stop), the elements
  * whose class-rank is wanted are written in position order: their position into pos_out and the
- * index of their rank in `ranks` into perm_out. Returns how many were found (all, unless a rank
- * lies beyond its class's elements: the caller treats that as corrupt input or a wrong base).
+ * index of their rank in `ranks` into perm_out. The elements at `skip` (int64, sorted, unique, in
+ * [start, stop)) count in no class. Returns how many were found (all, unless a rank lies beyond
+ * its class's elements: the caller treats that as corrupt input or a wrong base).
  */
 static PyObject *class_positions(PyObject *self, PyObject *args) {
-    Py_buffer bb, cnb, rb, pb, qb;
+    Py_buffer bb, cnb, rb, pb, qb, sb;
     int isz, shift, portable_ = 0;
     unsigned long long mask;
     long long lo;
     Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "y*iiKLnny*y*w*w*|p", &bb, &isz, &shift, &mask, &lo, &start, &stop, &cnb, &rb, &pb,
-                          &qb, &portable_))
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*y*w*w*y*|p", &bb, &isz, &shift, &mask, &lo, &start, &stop, &cnb, &rb, &pb,
+                          &qb, &sb, &portable_))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
@@ -899,10 +908,16 @@ static PyObject *class_positions(PyObject *self, PyObject *args) {
     const Py_ssize_t nb = bb.len / isz, n = rb.len / 8;
     if (start < 0 || stop < start || stop > nb || cnb.len != NCLASS * 8 || (uintptr_t)cnb.buf % 8 || rb.len % 8 ||
         (uintptr_t)rb.buf % 8 || pb.len != n * 8 || (uintptr_t)pb.buf % 8 || qb.len != n * 8 ||
-        (uintptr_t)qb.buf % 8) {
+        (uintptr_t)qb.buf % 8 || sb.len % 8 || (uintptr_t)sb.buf % 8) {
         PyErr_SetString(PyExc_ValueError, "class_positions: bad buffer sizes, alignment or range");
         goto done;
     }
+    w.skip = sb.buf, w.nskip = sb.len / 8, w.si = 0;
+    for (Py_ssize_t i = 0; i < w.nskip; i++)
+        if (w.skip[i] < start || w.skip[i] >= stop || (i && w.skip[i] <= w.skip[i - 1])) {
+            PyErr_SetString(PyExc_ValueError, "class_positions: skipped positions must be sorted, unique, in range");
+            goto done;
+        }
     const int64_t *counts = cnb.buf;
     int64_t total = 0;
     for (int q = 0; q < NCLASS; q++) {
@@ -933,14 +948,22 @@ done:
     PyBuffer_Release(&rb);
     PyBuffer_Release(&pb);
     PyBuffer_Release(&qb);
+    PyBuffer_Release(&sb);
     return result;
 }
 
 /*
  * The ulp2 segment body (docs/FORMAT.md): one stream of an adaptive binary range coder (LZMA's:
  * 32-bit range, carries resolved through a one-byte cache, a modelled bit's probability a 15-bit
- * estimate moved 1/32 of the way to each bit seen). It holds, class after class, the gaps between
- * the ranks of a class's changes, then every change's ulp code in the same order.
+ * estimate moved towards each bit seen: by 1/2, 1/4, ... while the context is young, then by 1/32).
+ * It holds the class table (which classes have changes, how many, and their gap parameters), then,
+ * class after class, the gaps between the ranks of a class's changes, then every change's ulp code
+ * in the same order.
+ *
+ * The table: for each of the 16 classes, whether it has changes (context: whether the class below
+ * had); if so, its count less one in Elias gamma (contexts by place) and its gap parameter k as the
+ * zigzag of its difference from the k of the class listed before it (from 0 for the first), in
+ * Elias gamma too (its own contexts).
  *
  * A gap g of a class whose parameter is k: q = g >> k in unary (1s then a 0; the i-th bit's context
  * is min(i, 3)), then the top two bits of the k-bit remainder (contexts: the bits above them) and
@@ -952,15 +975,34 @@ done:
 #define PB 15
 #define PMOVE 5
 #define PINIT (1u << (PB - 1))
+#define PMIN 31 /* a modelled bit costs at most log2(2^15 / 31) < 11 bits */
 #define TOP (1u << 24)
 
+/* A context: the probability of a 0 (out of 2^15) and how many bits it has seen (up to 15). */
+struct prob {
+    uint16_t p, n;
+};
+/* How far a context moves (a shift) after its n-th bit: about 1/(n + 1.5), then 1/32 from the 15th on. */
+static const uint8_t RATE[16] = {1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, PMOVE};
+
+static inline void adapt(struct prob *c, unsigned bit) {
+    const int sh = RATE[c->n];
+    unsigned p = c->p;
+    if (bit) p -= p >> sh; else p += ((1u << PB) - p) >> sh;
+    c->p = (uint16_t)(p < PMIN ? PMIN : p > (1u << PB) - PMIN ? (1u << PB) - PMIN : p);
+    c->n += c->n < 15;
+}
+
+/* With a change history (the elements the last patches changed, which the receiver knows too): one
+   context per class and age for "changed again", and signs by the direction of the last change
+   (0: none, 1: up, 2: down). */
 struct ctx {
-    uint16_t q[4], r[4], one[NCLASS], gamma[64], sign[2];
+    struct prob q[4], r[4], one[NCLASS], gamma[64], sign[2][3], present[2], count[64], dk[64], again[2 * NCLASS];
 };
 
 static void ctx_init(struct ctx *c) {
-    uint16_t *p = (uint16_t *)c;
-    for (size_t i = 0; i < sizeof *c / 2; i++) p[i] = PINIT;
+    struct prob *p = (struct prob *)c;
+    for (size_t i = 0; i < sizeof *c / sizeof *p; i++) p[i].p = PINIT, p[i].n = 0;
 }
 
 struct rc_enc {
@@ -987,10 +1029,11 @@ static inline void enc_shift(struct rc_enc *e) {
     e->low = (e->low & 0x00FFFFFFu) << 8;
 }
 
-static inline void enc_bit(struct rc_enc *e, uint16_t *p, unsigned bit) {
-    const uint32_t bound = (e->range >> PB) * *p;
-    if (bit) e->low += bound, e->range -= bound, *p -= *p >> PMOVE;
-    else e->range = bound, *p += ((1u << PB) - *p) >> PMOVE;
+static inline void enc_bit(struct rc_enc *e, struct prob *p, unsigned bit) {
+    const uint32_t bound = (e->range >> PB) * p->p;
+    if (bit) e->low += bound, e->range -= bound;
+    else e->range = bound;
+    adapt(p, bit);
     while (e->range < TOP) e->range <<= 8, enc_shift(e);
 }
 
@@ -1013,11 +1056,12 @@ struct rc_dec {
 
 static inline uint8_t dec_byte(struct rc_dec *d) { return d->pos < d->len ? d->buf[d->pos++] : (d->pos++, 0); }
 
-static inline unsigned dec_bit(struct rc_dec *d, uint16_t *p) {
-    const uint32_t bound = (d->range >> PB) * *p;
+static inline unsigned dec_bit(struct rc_dec *d, struct prob *p) {
+    const uint32_t bound = (d->range >> PB) * p->p;
     unsigned bit;
-    if (d->code < bound) d->range = bound, *p += ((1u << PB) - *p) >> PMOVE, bit = 0;
-    else d->code -= bound, d->range -= bound, *p -= *p >> PMOVE, bit = 1;
+    if (d->code < bound) d->range = bound, bit = 0;
+    else d->code -= bound, d->range -= bound, bit = 1;
+    adapt(p, bit);
     while (d->range < TOP) d->range <<= 8, d->code = (d->code << 8) | dec_byte(d);
     return bit;
 }
@@ -1039,6 +1083,33 @@ static inline uint64_t dec_direct(struct rc_dec *d, int nbits, int *bad) {
 
 static inline int bitlen64(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
 
+/* v >= 1 in Elias gamma: its bit length L less one in unary (the i-th bit in ctx[i]; the closing 0
+   only if L < 64), then the L - 1 bits below its top one as they are. */
+static inline void enc_gamma(struct rc_enc *e, struct prob *ctx, uint64_t v) {
+    const int len = bitlen64(v);
+    for (int b = 0; b < len - 1; b++) enc_bit(e, &ctx[b], 1);
+    if (len < 64) enc_bit(e, &ctx[len - 1], 0);
+    enc_direct(e, v, len - 1);
+}
+
+static inline uint64_t dec_gamma(struct rc_dec *d, struct prob *ctx, int *bad) {
+    int len = 1;
+    while (len < 64 && dec_bit(d, &ctx[len - 1])) len++;
+    return (1ull << (len - 1)) | dec_direct(d, len - 1, bad);
+}
+
+static inline uint64_t zigzag64(int64_t v) { return v >= 0 ? 2 * (uint64_t)v : 2 * (uint64_t)(-v) - 1; }
+static inline int64_t unzigzag64(uint64_t z) { return z & 1 ? -(int64_t)((z + 1) >> 1) : (int64_t)(z >> 1); }
+
+static inline void store_at(void *b, int isz, Py_ssize_t i, uint64_t v) {
+    switch (isz) {
+    case 1: ((uint8_t *)b)[i] = (uint8_t)v; break;
+    case 2: ((uint16_t *)b)[i] = (uint16_t)v; break;
+    case 4: ((uint32_t *)b)[i] = (uint32_t)v; break;
+    default: ((uint64_t *)b)[i] = v; break;
+    }
+}
+
 /* The segment's table: per class present (ascending), its class, count and k. */
 struct table {
     Py_ssize_t n;
@@ -1052,7 +1123,7 @@ static int parse_table(struct table *t, Py_buffer *tb, Py_ssize_t n) {
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         t->cls[i] = v[3 * i], t->count[i] = v[3 * i + 1], t->k[i] = v[3 * i + 2];
-        if (t->cls[i] < 0 || t->cls[i] >= NCLASS || (i && t->cls[i] <= t->cls[i - 1]) || t->count[i] < 0 ||
+        if (t->cls[i] < 0 || t->cls[i] >= NCLASS || (i && t->cls[i] <= t->cls[i - 1]) || t->count[i] < 1 ||
             t->k[i] < 0 || t->k[i] > 40)
             goto bad;
         total += t->count[i];
@@ -1060,38 +1131,87 @@ static int parse_table(struct table *t, Py_buffer *tb, Py_ssize_t n) {
     if (total != n) goto bad;
     return 1;
 bad:
-    PyErr_SetString(PyExc_ValueError, "ulp2: bad class table (classes ascending below 16, k at most 40, counts adding up)");
+    PyErr_SetString(PyExc_ValueError,
+                    "ulp2: bad class table (classes ascending below 16, counts at least 1 adding up, k at most 40)");
+    return 0;
+}
+
+/* A change's zigzag ulp code, less one: whether it moved more than one ulp (context: its class), if
+   so by how much more (gamma), then its direction (context: that bit, and the direction it last moved
+   in, 0 when it did not in the history). */
+static inline void enc_code(struct rc_enc *e, struct ctx *c, uint64_t z, int cl, int dir) {
+    const uint64_t a = z >> 1;
+    const unsigned more = a != 0;
+    enc_bit(e, &c->one[cl], more);
+    if (more) enc_gamma(e, c->gamma, a);
+    enc_bit(e, &c->sign[more][dir], (unsigned)(z & 1));
+}
+
+/* The inverse; 0 (never a code) when it is wider than the dtype. */
+static inline uint64_t dec_code(struct rc_dec *d, struct ctx *c, int cl, int dir, int isz, int *bad) {
+    const unsigned more = dec_bit(d, &c->one[cl]);
+    const uint64_t a = more ? dec_gamma(d, c->gamma, bad) : 0;
+    const uint64_t z = (a << 1 | dec_bit(d, &c->sign[more][dir])) + 1;
+    if ((isz < 8 && (z >> (8 * isz)) != 0) || z == 0 || (a >> 63)) return 0;
+    return z;
+}
+
+/* The history a segment is coded with: for each element the last patches changed inside it, in
+   position order, its context (class * 2 + age: 0 changed in the last patch, 1 only before) and the
+   direction it last moved in (1 up, 2 down). */
+struct history {
+    Py_ssize_t m;
+    const uint8_t *ctx, *dir;
+};
+
+static int parse_history(struct history *h, Py_buffer *cb, Py_buffer *db) {
+    h->m = cb->len, h->ctx = cb->buf, h->dir = db->buf;
+    if (db->len != cb->len) goto bad;
+    for (Py_ssize_t i = 0; i < h->m; i++)
+        if (h->ctx[i] >= 2 * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 32, directions 1 or 2, one of each per element)");
     return 0;
 }
 
 /*
- * ulp2_pack(ranks, table, codes, itemsize) -> bytes
- * ranks (int64): each class's ascending ranks, class after class as in table (int64 triples
- * class, count, k); codes: the changes' zigzag ulp codes in the same order.
+ * ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes) -> bytes
+ * ranks (int64): each class's ascending ranks, class after class as in table (int64 triples class,
+ * count, k); codes: those changes' zigzag ulp codes in the same order. The history (hctx, hdir: see
+ * struct history; empty without one), again (uint8, 1 where that element changed again) and
+ * again_codes (the codes of those, in position order): the changes of history elements, which are
+ * not in ranks.
  */
 static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
-    Py_buffer rb, tb, zb;
+    Py_buffer rb, tb, zb, hcb, hdb, ab, azb;
     int isz;
-    if (!PyArg_ParseTuple(args, "y*y*y*i", &rb, &tb, &zb, &isz)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*iy*y*y*y*", &rb, &tb, &zb, &isz, &hcb, &hdb, &ab, &azb)) return NULL;
     PyObject *result = NULL;
     struct table t;
+    struct history h;
     uint8_t *buf = NULL;
     const Py_ssize_t n = rb.len / 8;
+    Py_ssize_t na = 0;
     if (!check_width(isz)) goto done;
-    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz) {
+    if (!parse_history(&h, &hcb, &hdb)) goto done;
+    const uint8_t *again = ab.buf;
+    for (Py_ssize_t i = 0; i < ab.len; i++) na += again[i] != 0;
+    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz || ab.len != h.m ||
+        azb.len != na * isz || (uintptr_t)azb.buf % isz) {
         PyErr_SetString(PyExc_ValueError, "ulp2_pack: bad buffer sizes or alignment");
         goto done;
     }
     if (!parse_table(&t, &tb, n)) goto done;
     const int64_t *ranks = rb.buf;
-    for (Py_ssize_t j = 0; j < n; j++)
-        if (load_at(zb.buf, isz, j) == 0) {
+    for (Py_ssize_t j = 0; j < n + na; j++)
+        if (load_at(j < n ? zb.buf : azb.buf, isz, j < n ? j : j - n) == 0) {
             PyErr_SetString(PyExc_ValueError, "ulp2_pack: a zero ulp code");
             goto done;
         }
-    /* Room: what the bits could take at worst (a modelled bit costs at most 7: no probability is
-       below 31/2048), plus the flush; the encoder never writes past it and says if it would. */
-    int64_t worst = 0;
+    /* Room: what the bits could take at worst (a modelled bit costs at most 11: PMIN), plus the
+       flush; the encoder never writes past it and says if it would. */
+    int64_t worst = 11 * (int64_t)h.m;
     {
         Py_ssize_t j = 0;
         for (Py_ssize_t i = 0; i < t.n; i++) {
@@ -1102,11 +1222,13 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
                     PyErr_SetString(PyExc_ValueError, "ulp2_pack: ranks must ascend within each class");
                     goto done;
                 }
-                worst += 7 * ((g >> t.k[i]) + 3) + t.k[i];
+                worst += 11 * ((g >> t.k[i]) + 3) + t.k[i];
                 prev = ranks[j];
             }
         }
-        for (j = 0; j < n; j++) worst += 7 * 3 + 8 * bitlen64((load_at(zb.buf, isz, j) - 1) >> 1);
+        for (j = 0; j < n + na; j++)
+            worst += 11 * 3 + 12 * bitlen64((load_at(j < n ? zb.buf : azb.buf, isz, j < n ? j : j - n) - 1) >> 1);
+        worst += NCLASS * 11 * (1 + 2 * 65);
     }
     const Py_ssize_t cap = (Py_ssize_t)(worst / 8 + 64);
     buf = PyMem_Malloc(cap);
@@ -1119,9 +1241,24 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     struct ctx c;
     ctx_init(&c);
     struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, 0, cap};
+    for (Py_ssize_t i = 0; i < h.m; i++) enc_bit(&e, &c.again[h.ctx[i]], again[i] != 0);
+    {
+        unsigned had = 0;
+        int64_t kprev = 0;
+        for (Py_ssize_t cl = 0, i = 0; cl < NCLASS; cl++) {
+            const unsigned has = i < t.n && t.cls[i] == cl;
+            enc_bit(&e, &c.present[had], has);
+            had = has;
+            if (has) {
+                enc_gamma(&e, c.count, (uint64_t)t.count[i]);
+                enc_gamma(&e, c.dk, zigzag64(t.k[i] - kprev) + 1);
+                kprev = t.k[i++];
+            }
+        }
+    }
     Py_ssize_t j = 0;
     for (Py_ssize_t i = 0; i < t.n; i++) {
-        const int cl = (int)t.cls[i], k = (int)t.k[i];
+        const int k = (int)t.k[i];
         int64_t prev = -1;
         for (int64_t m = 0; m < t.count[i]; m++, j++) {
             const uint64_t g = (uint64_t)(ranks[j] - prev - 1);
@@ -1139,22 +1276,11 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
             }
         }
     }
+    for (Py_ssize_t i = 0, a = 0; i < h.m; i++)
+        if (again[i]) enc_code(&e, &c, load_at(azb.buf, isz, a++) - 1, h.ctx[i] >> 1, h.dir[i]);
     j = 0;
-    for (Py_ssize_t i = 0; i < t.n; i++) {
-        const int cl = (int)t.cls[i];
-        for (int64_t m = 0; m < t.count[i]; m++, j++) {
-            const uint64_t z = load_at(zb.buf, isz, j) - 1, a = z >> 1;
-            const unsigned more = a != 0;
-            enc_bit(&e, &c.one[cl], more);
-            if (more) {
-                const int len = bitlen64(a);
-                for (int b = 0; b < len - 1; b++) enc_bit(&e, &c.gamma[b], 1);
-                if (len < 64) enc_bit(&e, &c.gamma[len - 1], 0);
-                enc_direct(&e, a, len - 1);
-            }
-            enc_bit(&e, &c.sign[more], (unsigned)(z & 1));
-        }
-    }
+    for (Py_ssize_t i = 0; i < t.n; i++)
+        for (int64_t m = 0; m < t.count[i]; m++, j++) enc_code(&e, &c, load_at(zb.buf, isz, j) - 1, (int)t.cls[i], 0);
     for (int b = 0; b < 5; b++) enc_shift(&e);
     used = e.pos;
     Py_END_ALLOW_THREADS
@@ -1168,28 +1294,42 @@ done:
     PyBuffer_Release(&rb);
     PyBuffer_Release(&tb);
     PyBuffer_Release(&zb);
+    PyBuffer_Release(&hcb);
+    PyBuffer_Release(&hdb);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&azb);
     return result;
 }
 
 /*
- * ulp2_unpack(data, table, span, itemsize, ranks_out, codes_out)
- * The inverse; `span` (the segment's stop - start) bounds every rank. ValueError on a stream that
- * is malformed, runs past its end or leaves bytes over.
+ * ulp2_unpack(data, span, itemsize, hctx, hdir, ranks_out, codes_out, counts_out, again_out,
+ *             again_codes_out) -> changes of history elements
+ * The inverse. The outputs are sized for the segment's count of changes (ranks_out, codes_out and
+ * again_codes_out) and its history (again_out); counts_out (int64[16]) gets each class's count. Of
+ * the count, the history elements that changed again come first (again_out, again_codes_out, their
+ * number returned); ranks_out and codes_out get the rest, class after class. `span` (the segment's
+ * stop - start) bounds every rank. ValueError on a stream that is malformed, runs past its end or
+ * leaves bytes over.
  */
 static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
-    Py_buffer db, tb, rb, zb;
+    Py_buffer db, hcb, hdb, rb, zb, cb, ab, azb;
     Py_ssize_t span;
     int isz;
-    if (!PyArg_ParseTuple(args, "y*y*niw*w*", &db, &tb, &span, &isz, &rb, &zb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*niy*y*w*w*w*w*w*", &db, &span, &isz, &hcb, &hdb, &rb, &zb, &cb, &ab, &azb))
+        return NULL;
     PyObject *result = NULL;
-    struct table t;
-    const Py_ssize_t n = rb.len / 8;
+    struct table t = {0};
+    struct history h;
+    const Py_ssize_t count = rb.len / 8;
+    Py_ssize_t na = 0;
     if (!check_width(isz)) goto done;
-    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz || span < 0) {
+    if (!parse_history(&h, &hcb, &hdb)) goto done;
+    if (rb.len % 8 || (uintptr_t)rb.buf % 8 || zb.len != count * isz || (uintptr_t)zb.buf % isz || span < 0 ||
+        cb.len != NCLASS * 8 || (uintptr_t)cb.buf % 8 || ab.len != h.m || azb.len != count * isz ||
+        (uintptr_t)azb.buf % isz) {
         PyErr_SetString(PyExc_ValueError, "ulp2_unpack: bad buffer sizes or alignment");
         goto done;
     }
-    if (!parse_table(&t, &tb, n)) goto done;
     const char *err = NULL;
     Py_BEGIN_ALLOW_THREADS
     struct ctx c;
@@ -1198,10 +1338,35 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
     int bad = 0;
     if (dec_byte(&d) != 0) err = "does not start with a zero byte";
     for (int b = 0; b < 4; b++) d.code = (d.code << 8) | dec_byte(&d);
+    uint8_t *again = ab.buf;
+    for (Py_ssize_t i = 0; i < h.m && !err; i++) {
+        na += again[i] = (uint8_t)dec_bit(&d, &c.again[h.ctx[i]]);
+        if (na > count) err = "has more changes than the segment's count";
+    }
+    const Py_ssize_t n = count - na;
+    {
+        unsigned had = 0;
+        int64_t kprev = 0, total = 0, *counts = cb.buf;
+        for (int cl = 0; cl < NCLASS; cl++) counts[cl] = 0;
+        for (int cl = 0; cl < NCLASS && !err; cl++) {
+            had = dec_bit(&d, &c.present[had]);
+            if (!had) continue;
+            const uint64_t cnt = dec_gamma(&d, c.count, &bad);
+            const int64_t k = kprev + unzigzag64(dec_gamma(&d, c.dk, &bad) - 1);
+            if (cnt > (uint64_t)(n - total) || k < 0 || k > 40) {
+                err = "has a bad class table";
+                break;
+            }
+            t.cls[t.n] = cl, t.count[t.n] = (int64_t)cnt, t.k[t.n++] = kprev = k;
+            counts[cl] = (int64_t)cnt;
+            total += (int64_t)cnt;
+        }
+        if (!err && total != n) err = "has class counts that do not add up to the segment's";
+    }
     int64_t *ranks = rb.buf;
     Py_ssize_t j = 0;
     for (Py_ssize_t i = 0; i < t.n && !err; i++) {
-        const int cl = (int)t.cls[i], k = (int)t.k[i];
+        const int k = (int)t.k[i];
         const uint64_t qmax = ((uint64_t)span >> k) + 1;
         int64_t prev = -1;
         for (int64_t m = 0; m < t.count[i]; m++, j++) {
@@ -1228,28 +1393,19 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
             prev = ranks[j] = prev + 1 + (int64_t)g;
         }
     }
+    for (Py_ssize_t i = 0, a = 0; i < h.m && !err; i++) {
+        if (!again[i]) continue;
+        const uint64_t z = dec_code(&d, &c, h.ctx[i] >> 1, h.dir[i], isz, &bad);
+        if (z == 0) err = "an ulp code wider than its dtype";
+        store_at(azb.buf, isz, a++, z);
+        if (d.pos > d.len + 4) err = "runs past its end";
+    }
     j = 0;
     for (Py_ssize_t i = 0; i < t.n && !err; i++) {
-        const int cl = (int)t.cls[i];
         for (int64_t m = 0; m < t.count[i] && !err; m++, j++) {
-            const unsigned more = dec_bit(&d, &c.one[cl]);
-            uint64_t a = 0;
-            if (more) {
-                int len = 1;
-                while (len < 64 && dec_bit(&d, &c.gamma[len - 1])) len++;
-                a = (1ull << (len - 1)) | dec_direct(&d, len - 1, &bad);
-            }
-            const uint64_t z = (a << 1 | dec_bit(&d, &c.sign[more])) + 1;
-            if ((isz < 8 && (z >> (8 * isz)) != 0) || z == 0 || (a >> 63)) {
-                err = "an ulp code wider than its dtype";
-                break;
-            }
-            switch (isz) {
-            case 1: ((uint8_t *)zb.buf)[j] = (uint8_t)z; break;
-            case 2: ((uint16_t *)zb.buf)[j] = (uint16_t)z; break;
-            case 4: ((uint32_t *)zb.buf)[j] = (uint32_t)z; break;
-            default: ((uint64_t *)zb.buf)[j] = z; break;
-            }
+            const uint64_t z = dec_code(&d, &c, (int)t.cls[i], 0, isz, &bad);
+            if (z == 0) err = "an ulp code wider than its dtype";
+            store_at(zb.buf, isz, j, z);
             if (d.pos > d.len + 4) err = "runs past its end";
         }
     }
@@ -1260,12 +1416,16 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "ulp2 stream %s", err);
         goto done;
     }
-    result = Py_NewRef(Py_None);
+    result = PyLong_FromSsize_t(na);
 done:
     PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
+    PyBuffer_Release(&hcb);
+    PyBuffer_Release(&hdb);
     PyBuffer_Release(&rb);
     PyBuffer_Release(&zb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&azb);
     return result;
 }
 
@@ -1281,10 +1441,10 @@ static PyMethodDef methods[] = {
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, portable=False)"},
-    {"ulp2_pack", ulp2_pack, METH_VARARGS, "ulp2_pack(ranks, table, codes, itemsize) -> bytes"},
-    {"ulp2_unpack", ulp2_unpack, METH_VARARGS, "ulp2_unpack(data, table, span, itemsize, ranks_out, codes_out)"},
+    {"ulp2_pack", ulp2_pack, METH_VARARGS, "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes) -> bytes"},
+    {"ulp2_unpack", ulp2_unpack, METH_VARARGS, "ulp2_unpack(data, span, itemsize, hctx, hdir, ranks_out, codes_out, counts_out, again_out, again_codes_out) -> int"},
     {"class_positions", class_positions, METH_VARARGS,
-     "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, "
+     "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, skip, "
      "portable=False) -> found"},
     {NULL, NULL, 0, NULL},
 };

@@ -466,22 +466,31 @@ def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, m
 
 
 def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: int, lo: int, counts: np.ndarray,
-                    ranks: np.ndarray, *, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                    ranks: np.ndarray, skip: np.ndarray | None = None, *,
+                    native: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of :func:`class_ranks` over ``[start, stop)``: ``ranks`` holds each class's
-    ascending ranks, class after class (``counts``: how many per class, 16 of them). Returns the
+    ascending ranks, class after class (``counts``: how many per class, 16 of them), counting no
+    element at ``skip`` (sorted positions in the range: an ulp2 segment's history). Returns the
     positions in ascending order and, for each, the index of its rank in ``ranks``. FormatError when
     a rank is beyond the elements of its class (a corrupt chunk, or the wrong base)."""
     n = int(ranks.size)
     counts = np.ascontiguousarray(counts, np.int64)
     ranks = np.ascontiguousarray(ranks, np.int64)
+    skip = np.ascontiguousarray(skip if skip is not None else np.empty(0, np.int64), np.int64)
     if counts.size != NCLASS or int(counts.sum()) != n or np.any(counts < 0):
         raise FormatError("ulp2 segment: class counts do not add up")
     if native and _native is not None:
         pos, perm = np.empty(n, np.int64), np.empty(n, np.int64)
-        found = _native.class_positions(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
-                                        counts, ranks, pos, perm)
+        try:
+            found = _native.class_positions(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start,
+                                            stop, counts, ranks, pos, perm, skip)
+        except ValueError as e:
+            raise FormatError(f"ulp2 segment: {e}") from None
     else:
         c = _classes(base, start, stop, shift, mask, lo)
+        if skip.size and (skip[0] < start or skip[-1] >= stop or np.any(np.diff(skip) <= 0)):
+            raise FormatError("ulp2 segment: skipped positions must be sorted, unique, in range")
+        c[skip - start] = NCLASS  # in no class: sorted after all of them
         order = np.argsort(c, kind="stable")
         first = np.concatenate([[0], np.cumsum(np.bincount(c, minlength=NCLASS))])
         per_class = np.repeat(np.arange(NCLASS), counts)
@@ -506,22 +515,34 @@ def _needs_native(what: str) -> None:
                           "reinstall with one, or use --values ulp)")
 
 
-def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray) -> bytes:
-    """The coded stream of an ulp2 segment (docs/FORMAT.md): ``table`` is ``[[class, count, k], ...]``,
-    ``ranks`` each class's ascending ranks class after class, ``codes`` the zigzag ulp codes in the
-    same order."""
+def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray, hctx: np.ndarray, hdir: np.ndarray,
+              again: np.ndarray, again_codes: np.ndarray) -> bytes:
+    """The coded stream of an ulp2 segment (docs/FORMAT.md): ``table`` is ``[[class, count, k], ...]``
+    for the classes with changes outside the history (the stream carries it), ``ranks`` those
+    changes' ascending ranks class after class, ``codes`` their zigzag ulp codes in the same order;
+    ``hctx`` and ``hdir`` the history's elements (context and last direction, uint8, empty without
+    a history), ``again`` 1 for those that changed again, ``again_codes`` their codes."""
     _needs_native("encoding")
+    u8 = np.uint8
     return _native.ulp2_pack(np.ascontiguousarray(ranks, np.int64), np.asarray(table, np.int64).reshape(-1),
-                             np.ascontiguousarray(codes), codes.dtype.itemsize)
+                             np.ascontiguousarray(codes), codes.dtype.itemsize, np.ascontiguousarray(hctx, u8),
+                             np.ascontiguousarray(hdir, u8), np.ascontiguousarray(again, u8),
+                             np.ascontiguousarray(again_codes, codes.dtype))
 
 
-def ulp2_unpack(data, table: list, span: int, n: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of :func:`ulp2_pack`: ``n`` ranks (each below ``span``) and codes; FormatError
-    on a malformed stream."""
+def ulp2_unpack(data, span: int, n: int, itemsize: int, hctx: np.ndarray, hdir: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of :func:`ulp2_pack` for a segment of ``n`` changes: the count of each of the 16
+    classes, the ranks (each below ``span``) and codes of the changes outside the history, and
+    which history elements changed again (uint8) and their codes; FormatError on a malformed
+    stream."""
     _needs_native("decoding")
-    ranks, codes = np.empty(n, np.int64), np.empty(n, uint_type(itemsize))
+    u = uint_type(itemsize)
+    counts, ranks, codes = np.empty(NCLASS, np.int64), np.empty(n, np.int64), np.empty(n, u)
+    again, again_codes = np.empty(hctx.size, np.uint8), np.empty(n, u)
     try:
-        _native.ulp2_unpack(data, np.asarray(table, np.int64).reshape(-1), span, itemsize, ranks, codes)
+        na = _native.ulp2_unpack(data, span, itemsize, np.ascontiguousarray(hctx, np.uint8),
+                                 np.ascontiguousarray(hdir, np.uint8), ranks, codes, counts, again, again_codes)
     except ValueError as e:
         raise FormatError(str(e)) from None
-    return ranks, codes
+    return counts, ranks[:n - na], codes[:n - na], again, again_codes[:na]

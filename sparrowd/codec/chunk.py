@@ -32,12 +32,11 @@ An ``ulp2`` segment (format 2) codes the same ulp distances against the base
 the receiver holds. Each changed position is coded as its rank among the
 elements of the segment whose base bit pattern has the same exponent (its
 *class*): elements of small magnitude change far more often under AdamW than
-large ones, so per class the gaps are short and predictable. The header lists
-the classes present (``classes``: ``[class, count, k]``); the blobs are, per
-class, its Rice ``unary`` and ``rem`` streams, then the values of every class
-in turn (class order, then position): ``sign``, ``one`` (a bitmap of the
-distances of exactly one ulp), ``mag`` (``|d| - 2``, clipped to one byte, for
-the others) and ``esc``. Decoding needs the base bits of the segment's range.
+large ones, so per class the gaps are short and predictable. The header adds
+``class_lo`` (where the 16 classes start); its one blob is the stream of an
+adaptive binary range coder holding the class table (each class's count and
+gap parameter), every class's gaps, then every change's ulp distance. Decoding
+needs the base bits of the segment's range.
 
 A *file chunk* carries a slice of one of the model's non-tensor files
 (``config.json``, the tokenizer) instead: its header is ``{"segments": [],
@@ -80,6 +79,7 @@ from .bits import (
     ulp2_unpack,
     ulp_streams,
 )
+from .history import DOWN, OLDER, TensorHistory
 
 __all__ = [
     "Segment",
@@ -136,6 +136,7 @@ class Segment:
     indices: np.ndarray | None = None
     base: np.ndarray | None = None  # ulp2, encoding: the base tensor's flat bits (its classes)
     ranked: Ranked | None = None  # ulp2, encoding: the changes' classes and ranks (rank_changes)
+    history: TensorHistory | None = None  # ulp2, encoding: the tensor's change history (codec.history)
 
     @property
     def count(self) -> int:
@@ -247,23 +248,55 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
     return list(to_planes(bits))
 
 
-def _encode_ulp2(seg: Segment, info) -> tuple[int, list, list]:
-    """Class table and coded stream of an ulp2 segment (module docstring)."""
+def _history_context(hist: TensorHistory, bits: np.ndarray, dtype: str, lo: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per history element (``bits``: the base's bits there): its context, class * 2 + age, and
+    the direction it last moved in, 1 up or 2 down (docs/FORMAT.md, "History")."""
+    shift, mask = exponent_field(dtype)
+    exp = ((bits >> bits.dtype.type(shift)) & bits.dtype.type(mask)).astype(np.int64)
+    cls = np.clip(exp - lo, 0, NCLASS - 1).astype(np.uint8)
+    return cls * 2 + ((hist.state & OLDER) != 0), 1 + (hist.state & DOWN)
+
+
+def _encode_ulp2(seg: Segment, info) -> tuple[int, list]:
+    """``class_lo`` and coded stream of an ulp2 segment (module docstring)."""
     r = seg.ranked
     if seg.base is None or r is None:
         raise ValueError(f"ulp2 segment {seg.name}: the base and the changes' ranks are needed to encode")
     shift, mask = exponent_field(seg.dtype)
     rank = r.rank - r.counts_before(seg.base, seg.start, shift, mask)[r.cls] if seg.start else r.rank
-    order = np.argsort(r.cls, kind="stable")  # class by class; positions (and ranks) ascend within each
+    cls, codes = r.cls, seg.data
+    hist = seg.history.within(seg.start, seg.stop) if seg.history is not None else None
+    if hist is not None and hist.positions.size:
+        bits = seg.base[hist.positions]
+        if r.old is not None:  # the base holds the new bits where it changed: the old ones are kept aside
+            at = np.minimum(np.searchsorted(r.indices, hist.positions), r.indices.size - 1)
+            moved = r.indices[at] == hist.positions
+            bits[moved] = r.old[at[moved]]
+        hctx, hdir = _history_context(hist, bits, seg.dtype, r.lo)
+        at = np.minimum(np.searchsorted(hist.positions, seg.indices), hist.positions.size - 1)
+        again = hist.positions[at] == seg.indices  # changes of history elements: coded as such
+        flags = np.zeros(hist.positions.size, np.uint8)
+        flags[at[again]] = 1
+        again_codes = codes[again]
+        rank, cls, codes, rest = rank[~again], cls[~again], codes[~again], seg.indices[~again]
+        # The other changes' ranks count no history element: less those of their class before them.
+        hkey = np.sort((hctx >> 1).astype(np.int64) << 40 | hist.positions)
+        ckey = cls.astype(np.int64) << 40
+        rank = rank - (np.searchsorted(hkey, ckey | rest) - np.searchsorted(hkey, ckey))
+    else:
+        hctx = hdir = flags = np.empty(0, np.uint8)
+        again_codes = codes[:0]
+    order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
     rank = rank[order]
-    counts = np.bincount(r.cls, minlength=NCLASS)
+    counts = np.bincount(cls, minlength=NCLASS)
     table, f = [], 0
     for c in np.flatnonzero(counts).tolist():
         n = int(counts[c])
         gaps = np.diff(rank[f:f + n], prepend=-1) - 1
         table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
         f += n
-    return r.lo, table, [np.frombuffer(ulp2_pack(rank, table, seg.data[order]), np.uint8)]
+    coded = ulp2_pack(rank, table, codes[order], hctx, hdir, flags, again_codes)
+    return r.lo, [np.frombuffer(coded, np.uint8)]
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
@@ -272,9 +305,9 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
         raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
     blobs: list[np.ndarray] = []
     k = 0
-    classes = None
+    lo = None
     if seg.values == ULP2:
-        lo, classes, blobs = _encode_ulp2(seg, info)
+        lo, blobs = _encode_ulp2(seg, info)
     elif seg.kind == SPARSE:
         k, unary, rem = rice_index(seg.indices, seg.start)
         blobs += [unary, rem]
@@ -293,8 +326,8 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
         "index_k": k,
         "blobs": [int(b.nbytes) for b in blobs],
     }
-    if classes is not None:
-        header["class_lo"], header["classes"] = lo, classes
+    if lo is not None:
+        header["class_lo"] = lo
     return header, blobs
 
 
@@ -376,15 +409,9 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     if stop < start or n > stop - start or (kind == DENSE and n != stop - start):
         raise FormatError(f"chunk segment {name!r}: count {n} does not fit range [{start}, {stop})")
     if values == ULP2:
-        table = h.get("classes")
         _, mask = exponent_field(h["dtype"])
-        if not (isinstance(table, list) and NonNegInt(h.get("class_lo")) and h["class_lo"] <= mask and all(
-                isinstance(c, list) and len(c) == 3 and all(NonNegInt(x) for x in c) and c[2] <= MAX_ULP2_K
-                for c in table)
-                and [c[0] for c in table] == sorted({c[0] for c in table}) and all(c[0] < NCLASS for c in table)
-                and sum(c[1] for c in table) == n):
-            raise FormatError(f"chunk segment {name!r}: ulp2 needs class_lo and classes [[class, count, k], ...] "
-                              f"(ascending, below {NCLASS}) adding up to {n}")
+        if not (NonNegInt(h.get("class_lo")) and h["class_lo"] <= mask):
+            raise FormatError(f"chunk segment {name!r}: ulp2 needs class_lo, an exponent of its dtype")
     streams = segment_streams(kind, values, info.itemsize)
     lens = h["blobs"]
     if len(lens) != len(streams) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
@@ -392,7 +419,7 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     return streams
 
 
-def _decode_ulp2(h: dict, blobs: list[memoryview], base) -> Segment:
+def _decode_ulp2(h: dict, blobs: list[memoryview], base, history) -> Segment:
     name, start, stop, n = h["name"], h["start"], h["stop"], h["count"]
     w = dtype_info(h["dtype"]).itemsize
     bits = base(name) if base is not None else None
@@ -400,22 +427,32 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base) -> Segment:
         raise FormatError(f"chunk segment {name!r}: ulp2 is coded against the base, which was not given")
     if bits.dtype.itemsize != w or stop > bits.size:
         raise FormatError(f"chunk segment {name!r}: the base tensor does not fit the segment")
-    table = h["classes"]
-    ranks, grouped = ulp2_unpack(blobs[0], table, stop - start, n, w)
     shift, mask = exponent_field(h["dtype"])
-    counts = np.zeros(NCLASS, np.int64)
-    counts[[c[0] for c in table]] = [c[1] for c in table]
-    indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks)
-    return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, grouped[perm], indices)
+    hist = history(name) if history is not None else None
+    hist = hist.within(start, stop) if hist is not None else None
+    if hist is not None and hist.positions.size:
+        hctx, hdir = _history_context(hist, bits[hist.positions], h["dtype"], h["class_lo"])
+    else:
+        hctx = hdir = np.empty(0, np.uint8)
+    counts, ranks, grouped, again, again_codes = ulp2_unpack(blobs[0], stop - start, n, w, hctx, hdir)
+    indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks,
+                                    hist.positions if hist is not None else None)
+    data = grouped[perm]
+    if again_codes.size:  # the changes of history elements join the others in position order
+        indices = np.concatenate([indices, hist.positions[again.astype(bool)]])
+        data = np.concatenate([data, again_codes])
+        order = np.argsort(indices, kind="stable")
+        indices, data = indices[order], data[order]
+    return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, indices)
 
 
-def _decode_segment(h: dict, blobs: list[memoryview], base=None) -> Segment:
+def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None) -> Segment:
     info = dtype_info(h["dtype"])
     w = info.itemsize
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
     if values == ULP2:
-        return _decode_ulp2(h, blobs, base)
+        return _decode_ulp2(h, blobs, base, history)
     indices = None
     if kind == SPARSE:
         gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
@@ -497,12 +534,15 @@ def decode_file_chunk(data, *, expect_hash: bytes | None = None) -> tuple[tuple[
     return span, body
 
 
-def decode_chunk(data, *, expect_hash: bytes | None = None, base=None) -> list[Segment]:
+def decode_chunk(data, *, expect_hash: bytes | None = None, base=None, history=None) -> list[Segment]:
     """Decode one chunk; checks its hash first when ``expect_hash`` is given. A file chunk
     decodes to no segments. ``base``: ``name -> flat bits`` of the base tensors (a mapping or a
-    callable), needed by ulp2 segments only."""
+    callable), needed by ulp2 segments only; ``history``: the change history (a
+    :class:`~sparrowd.codec.history.History`) the patch was coded against, if it was."""
     if base is not None and not callable(base):
         base = base.get
+    if history is not None and not callable(history):
+        history = history.get
     head, buf, pos = _open_chunk(data, expect_hash)
     if _file_span(head) is not None:
         return []
@@ -517,4 +557,4 @@ def decode_chunk(data, *, expect_hash: bytes | None = None, base=None) -> list[S
         blobs[i][j], pos = _take(buf, pos, ln, f"blob {j} of segment {i}")
     if pos != len(buf):
         raise FormatError("chunk: trailing bytes after the last segment")
-    return [_decode_segment(h, b, base) for h, b in zip(headers, blobs)]
+    return [_decode_segment(h, b, base, history) for h, b in zip(headers, blobs)]

@@ -28,8 +28,8 @@ try:
 except ImportError:  # no compiler at install time: the numpy path gives the same result
     _native = None
 
-__all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint",
-           "BLOCK_WORDS", "PART_ELEMENTS"]
+__all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint", "fp_equal",
+           "SHORT_FP", "BLOCK_WORDS", "PART_ELEMENTS"]
 
 BLOCK_WORDS = 1 << 18  # 2 MiB of each side per block
 PART_ELEMENTS = 1 << 24  # a unit of work for a thread pool
@@ -40,6 +40,18 @@ def fingerprint(bits: np.ndarray) -> bytes:
     if bits.size == 0:
         return xxhash.xxh3_128(b"").digest()
     return xxhash.xxh3_128(memoryview(np.ascontiguousarray(bits)).cast("B")).digest()
+
+
+SHORT_FP = 8  # format 2 manifests carry each fingerprint's first 8 bytes
+
+
+def fp_equal(computed: bytes | None, stored: bytes | None) -> bool:
+    """Whether a fingerprint matches one a manifest or a marker stores, which may be its first
+    :data:`SHORT_FP` bytes (format 2) rather than all 16."""
+    if computed is None or stored is None:
+        return computed is stored
+    n = min(len(computed), len(stored))
+    return n >= SHORT_FP and computed[:n] == stored[:n]
 
 
 def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, list, list]:

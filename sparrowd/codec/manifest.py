@@ -37,6 +37,7 @@ from ..errors import FormatError
 from ..schema import Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from .bits import dtype_info
 from .chunk import ABSOLUTE, ULP, ULP2
+from .extract import SHORT_FP
 
 __all__ = ["TensorEntry", "ChunkEntry", "FileEntry", "Manifest", "check_file_name", "MAX_FILE",
             "PATCH", "FULL", "REMOVE", "FORMAT_NAME", "FORMAT_VERSION"]
@@ -131,6 +132,9 @@ class Manifest:
     chunks: tuple[ChunkEntry, ...]
     meta: dict = field(default_factory=dict)  # free-form str -> str, e.g. the producer
     files: tuple[FileEntry, ...] = ()  # non-tensor files (anchors), sorted by name
+    # format 2: the change history the ulp2 segments are coded against, as (the versions its patches
+    # produced, newest first; its 8-byte fingerprint), or None (codec.history)
+    history: tuple[tuple[int, ...], bytes] | None = None
 
     def tensor(self, name: str) -> TensorEntry:
         return self._by_name()[name]
@@ -172,6 +176,8 @@ class Manifest:
         }
         if self.files:  # absent rather than empty: a manifest without files has the bytes it always had
             out["files"] = [f.to_wire() for f in self.files]
+        if self.history is not None:
+            out["history"] = {"versions": list(self.history[0]), "fp": self.history[1]}
         raw = pack(out)
         return zstandard.ZstdCompressor(level=9).compress(raw) if self.values == ULP2 else raw
 
@@ -217,7 +223,7 @@ class Manifest:
         if not isinstance(files, list):
             raise FormatError("manifest: files must be a list")
         man = cls(m["version"], m["base_version"], m["values"], m["chunk_size"], tensors, chunks, meta,
-                  tuple(_file_from_wire(f) for f in files))
+                  tuple(_file_from_wire(f) for f in files), _history_from_wire(m.get("history"), m["values"]))
         man.validate()
         return man
 
@@ -259,6 +265,18 @@ class Manifest:
 _SHAPE_ERR = "shape must be a list of non-negative integers"
 
 
+def _history_from_wire(h, values: str) -> tuple[tuple[int, ...], bytes] | None:
+    if h is None:
+        return None
+    h = fields(h, {"versions": List, "fp": Bytes}, what="manifest history")
+    versions = h["versions"]
+    if values != ULP2 or not 1 <= len(versions) <= 8 or not all(NonNegInt(v) for v in versions) \
+            or len(h["fp"]) != SHORT_FP:
+        raise FormatError(f"manifest: a history is 1 to 8 versions and an {SHORT_FP}-byte fingerprint, "
+                          "in an ulp2 manifest only")
+    return tuple(versions), bytes(h["fp"])
+
+
 def _shape(v, what):
     if v is None:
         return None
@@ -293,6 +311,8 @@ def _tensor_from_wire(t) -> TensorEntry:
         dtype_info(t["dtype"])
     if op in (PATCH, REMOVE) and t["base_fp"] is None:
         raise FormatError(f"{what}: needs a base fingerprint")
+    if any(fp is not None and len(fp) not in (SHORT_FP, 16) for fp in (t["base_fp"], t["result_fp"])):
+        raise FormatError(f"{what}: a fingerprint is 16 bytes, or its first {SHORT_FP} in format 2")
     return TensorEntry(
         name=t["name"],
         op=op,

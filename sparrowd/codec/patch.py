@@ -42,7 +42,8 @@ from .chunk import (
     join_ranks,
     rank_changes,
 )
-from .extract import diff_bits, diff_fingerprint, diff_values, fingerprint, split_ranges
+from .extract import SHORT_FP, diff_bits, diff_fingerprint, diff_values, fingerprint, fp_equal, split_ranges
+from .history import History
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "check_segments",
     "apply_segments",
     "check_result",
+    "check_history",
     "apply_patch",
     "new_targets",
 ]
@@ -88,9 +90,11 @@ class PatchEncoder:
         level: int = DEFAULT_LEVEL,
         meta: Mapping[str, str] | None = None,
         pool: ThreadPoolExecutor | None = None,
+        history: History | None = None,
     ):
         """``pool``: threads to encode segments on while the caller goes on (the order of the
-        chunks does not depend on it)."""
+        chunks does not depend on it). ``history``: for ulp2, the change history of the patches
+        before this one, which every receiver holds (codec.history); the manifest names it."""
         if values not in (ABSOLUTE, ULP, ULP2):
             raise InputError(f"value mode must be 'ulp2', 'ulp' or 'absolute', not {values!r}")
         if chunk_size < MIN_CHUNK_SIZE:
@@ -107,8 +111,17 @@ class PatchEncoder:
         self._pool = pool
         self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
+        if history is not None and values != ULP2:
+            raise InputError("a change history is for ulp2 patches only")
+        self.history = history if history is not None and history.versions else None
+        self._moved: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ulp2: what the next history holds
+        self._reset: set[str] = set()
         self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
         self._finished = False
+
+    def _fp(self, fp: bytes) -> bytes:
+        """A fingerprint as the manifest carries it: a format 2 (ulp2) manifest, its first 8 bytes."""
+        return fp[:SHORT_FP] if self.values == ULP2 else fp
 
     # ------------------------------------------------------------ input side
 
@@ -121,7 +134,8 @@ class PatchEncoder:
         if old is None and new is None:
             raise InputError(f"tensor {name!r}: neither side given")
         if new is None:
-            self._tensors[name] = TensorEntry(name, REMOVE, None, None, fingerprint(old.bits), None)
+            self._tensors[name] = TensorEntry(name, REMOVE, None, None, self._fp(fingerprint(old.bits)), None)
+            self._reset.add(name)
             return []
         if old is None or old.dtype != new.dtype or old.shape != new.shape:
             return self._add_full(name, old, new)
@@ -157,23 +171,27 @@ class PatchEncoder:
             data, mode = ulp_encode(ov, nv), self.values
         else:
             data, mode = nv, ABSOLUTE
-        self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, old_fp, new_fp, int(indices.size))
+        self._tensors[name] = TensorEntry(name, PATCH, new.dtype, new.shape, self._fp(old_fp), self._fp(new_fp),
+                                          int(indices.size))
         if mode != ULP2:
             return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
+        self._moved[name] = (indices, data)
         # ulp2 codes positions by the base's exponent classes: the base's bits, and its bits at the changed
         # positions as given (a kept copy may already hold the new ones there).
         if ranked is None:
             ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov)], indices, ov)
-        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked))
+        hist = self.history.get(name) if self.history is not None else None
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked, hist))
 
     def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
+        self._reset.add(name)
         self._tensors[name] = TensorEntry(
             name,
             FULL,
             new.dtype,
             new.shape,
-            fingerprint(old.bits) if old is not None else None,
-            fingerprint(new.bits),
+            self._fp(fingerprint(old.bits)) if old is not None else None,
+            self._fp(fingerprint(new.bits)),
             new.numel,
             old.dtype if old is not None else None,
             old.shape if old is not None else None,
@@ -259,9 +277,18 @@ class PatchEncoder:
             chunks=tuple(self._chunks),
             meta=self.meta,
             files=tuple(self._files[n] for n in sorted(self._files)),
+            history=None if self.history is None else (self.history.versions, self.history.fingerprint()),
         )
         manifest.validate()
         return manifest, rest
+
+    def next_history(self) -> History:
+        """After :meth:`finish`: the change history once this patch is applied, for the next ulp2
+        patch of the chain (a patch without a base starts one afresh)."""
+        if not self._finished:
+            raise RuntimeError("PatchEncoder.next_history before finish")
+        start = History() if self.base_version is None or self.history is None else self.history
+        return start.after(self.version, self._moved, self._reset)
 
 
 def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
@@ -275,8 +302,10 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
     cut = int(seg.indices[k - 1]) + 1
     r = (None, None) if seg.ranked is None else seg.ranked.split(k)
     return (
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base, r[0]),
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base, r[1]),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base, r[0],
+                seg.history),
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base, r[1],
+                seg.history),
     )
 
 
@@ -316,6 +345,7 @@ def encode_patch(
     on_tensor: Callable[[str, int], None] | None = None,
     meta: Mapping[str, str] | None = None,
     files: Mapping[str, bytes] | None = None,
+    history: History | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Diff two snapshots into a patch; chunks come back in manifest order.
 
@@ -324,14 +354,15 @@ def encode_patch(
     their classes) and encode the segments the calling thread cuts from them
     in name order, so the output does not depend on timing.
     ``on_tensor(name, changed)`` reports progress. ``files``: non-tensor files to carry
-    (an anchor's config and tokenizer).
+    (an anchor's config and tokenizer). ``history``: for ulp2, the change history to code against
+    (:class:`PatchEncoder`).
     """
     meta = {**(meta or {}), "elements_total": str(sum(t.numel for t in new.values()))}
     names = sorted(set(old) | set(new))
     chunks: list[Chunk] = []
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparrowd-diff") as pool:
         enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size,
-                           meta=meta, pool=pool)
+                           meta=meta, pool=pool, history=history)
         jobs: list[tuple[str, list[Future] | None]] = []
         for name in names:
             o, n = old.get(name), new.get(name)
@@ -393,7 +424,7 @@ def check_base(manifest: Manifest, base: Mapping[str, RawTensor]) -> None:
             raise BaseMismatchError(
                 f"tensor {t.name!r}: base is {b.dtype}{list(b.shape)}, patch expects {t.dtype}{list(t.shape)}"
             )
-        if fingerprint(b.bits) != t.base_fp:
+        if not fp_equal(fingerprint(b.bits), t.base_fp):
             raise BaseMismatchError(f"tensor {t.name!r}: base fingerprint differs (wrong base version?)")
 
 
@@ -439,18 +470,34 @@ def apply_segments(
 
 def check_result(manifest: Manifest, targets: Mapping[str, np.ndarray]) -> None:
     for t in manifest.tensors:
-        if t.op != REMOVE and fingerprint(targets[t.name]) != t.result_fp:
+        if t.op != REMOVE and not fp_equal(fingerprint(targets[t.name]), t.result_fp):
             raise IntegrityError(f"tensor {t.name!r}: result fingerprint differs after applying")
 
 
+def check_history(manifest: Manifest, history: History | None) -> History | None:
+    """The history to decode ``manifest``'s chunks with: the one it names, which ``history`` must be
+    (BaseMismatchError otherwise, before anything is decoded), or None when it names none."""
+    if manifest.history is None:
+        return None
+    versions, fp = manifest.history
+    if history is None or history.fingerprint() != fp:
+        have = "none" if history is None or not history.versions else f"that of {list(history.versions)}"
+        raise BaseMismatchError(f"version {manifest.version} is coded against the change history of versions "
+                                f"{list(versions)}; the history here is {have} (apply the chain in order, or "
+                                "start again from an anchor)")
+    return history
+
+
 def apply_patch(
-    manifest: Manifest, chunks: Iterable[bytes], base: Mapping[str, RawTensor]
+    manifest: Manifest, chunks: Iterable[bytes], base: Mapping[str, RawTensor], history: History | None = None
 ) -> dict[str, RawTensor | None]:
     """Apply in memory. Returns every touched tensor's result (None when removed).
 
-    ``chunks`` yields the chunk bytes in manifest order; each is hash-checked.
+    ``chunks`` yields the chunk bytes in manifest order; each is hash-checked. ``history``: the
+    change history an ulp2 patch names, if it names one (codec.history).
     """
     check_base(manifest, base)
+    history = check_history(manifest, history)
     targets = new_targets(manifest, base)
     bases = {name: t.bits for name, t in base.items()}  # what ulp2 segments are coded against
     it = iter(chunks)
@@ -458,7 +505,8 @@ def apply_patch(
         data = next(it, None)
         if data is None:
             raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        apply_segments(manifest, entry, decode_chunk(data, expect_hash=entry.hash, base=bases), targets)
+        apply_segments(manifest, entry, decode_chunk(data, expect_hash=entry.hash, base=bases, history=history),
+                       targets)
     check_result(manifest, targets)
     return {
         t.name: None if t.op == REMOVE else RawTensor(t.dtype, t.shape, targets[t.name]) for t in manifest.tensors

@@ -22,7 +22,7 @@ import signal
 import time
 
 from ..codec.chunk import ULP2
-from ..current import CurrentFolder, FolderBusy, LayoutChange
+from ..current import CurrentFolder, FolderBusy, HistoryMissing, LayoutChange
 from ..errors import SparrowError
 from ..swarm.chain import Key, engine_plan
 from .logs import event
@@ -63,6 +63,7 @@ class FolderKeeper:
         self.last_update_seconds: float | None = None
         self._failures = 0
         self._need_anchor = False  # a patch changed the layout: only an anchor can move the folder on
+        self._rebuild = False  # the folder lacks a patch's change history: rebuilt from the newest anchor
         # Until the folder is checked, plan from the version its commit record names.
         self.version = self.folder.version()
         self.swarm.current_floor = -1 if self.version is None else self.version
@@ -117,7 +118,7 @@ class FolderKeeper:
         drop_decoded(self.daemon.data_dir, {k.version for k in held if not k.anchor})
         at = -1 if self.version is None else self.version
         anchor, patches = engine_plan(-1 if self._need_anchor else at, held)
-        if self._need_anchor and (anchor is None or anchor <= at):
+        if self._need_anchor and (anchor is None or (anchor <= at and not self._rebuild)):
             return 5.0
         if anchor is None and not patches:
             return 5.0
@@ -142,7 +143,7 @@ class FolderKeeper:
                     if decoded is not None:
                         await self.swarm.notify()
                 self.progress = None
-                self._need_anchor = False
+                self._need_anchor = self._rebuild = False
                 self.updates += 1
                 self.last_update_seconds = round(time.perf_counter() - t0, 3)
                 self._set("ready", v)
@@ -155,8 +156,10 @@ class FolderKeeper:
             return BUSY_RETRY
         except (SparrowError, OSError) as e:
             self._failures += 1
-            self._need_anchor = isinstance(e, LayoutChange)
-            reason = f"{e}; waiting for an anchor" if self._need_anchor else str(e)
+            self._need_anchor = isinstance(e, (LayoutChange, HistoryMissing))
+            self._rebuild = isinstance(e, HistoryMissing)
+            reason = f"{e}; rebuilding from the newest anchor" if self._rebuild else \
+                f"{e}; waiting for an anchor" if self._need_anchor else str(e)
             if reason != self.error:
                 event(log, logging.ERROR, "cannot move the current folder", reason=reason)
             self.error = f"current folder: {reason}"

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..codec.bits import ulp_add
-from ..codec.extract import fingerprint
+from ..codec.extract import fingerprint, fp_equal
 from ..codec.manifest import FULL, PATCH, Manifest
 from ..decoded import Decoded, Write, decode_patch
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
@@ -221,7 +221,7 @@ class PatchApplier:
         self._check(d)
         if self.verify and d.base_version is not None:
             for e in d.tensors:
-                if e.op == PATCH and self.placements[e.name].fingerprint() != e.base_fp:
+                if e.op == PATCH and not fp_equal(self.placements[e.name].fingerprint(), e.base_fp):
                     raise BaseMismatchError(f"tensor {e.name!r}: the weights are not version {self.version} "
                                             f"as version {d.version} expects (fingerprint differs)")
         stats.verify_seconds = time.perf_counter() - t_start
@@ -235,7 +235,7 @@ class PatchApplier:
             if self.verify:
                 t1 = time.perf_counter()
                 for e in d.tensors:
-                    if self.placements[e.name].fingerprint() != e.result_fp:
+                    if not fp_equal(self.placements[e.name].fingerprint(), e.result_fp):
                         raise IntegrityError(f"tensor {e.name!r}: result fingerprint differs after applying "
                                              f"version {d.version}")
                 stats.verify_seconds += time.perf_counter() - t1

@@ -86,6 +86,32 @@ def test_format_2_manifests_are_compressed_and_checked_like_plain_ones():
             Manifest.from_bytes(data)
 
 
+def test_format_2_carries_short_fingerprints_and_they_still_catch_a_wrong_base():
+    from sparrowd.codec import apply_patch, fingerprint
+    from sparrowd.codec.extract import SHORT_FP, fp_equal
+    from sparrowd.errors import BaseMismatchError
+
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 1 << 14, size=4000, dtype=np.uint16)
+    b = a.copy()
+    b[::40] += 1
+    old, new = {"w": RawTensor("BF16", (4000,), a)}, {"w": RawTensor("BF16", (4000,), b)}
+    m1, _ = encode_patch(old, new, version=3, base_version=2, values="ulp")
+    m2, chunks = encode_patch(old, new, version=3, base_version=2, values="ulp2")
+    assert len(m1.tensors[0].base_fp) == 16 and len(m2.tensors[0].base_fp) == SHORT_FP
+    assert m2.tensors[0].base_fp == m1.tensors[0].base_fp[:SHORT_FP]
+    assert fp_equal(fingerprint(a), m2.tensors[0].base_fp)
+    assert fp_equal(m1.tensors[0].result_fp, m2.tensors[0].result_fp)
+    assert not fp_equal(fingerprint(b), m2.tensors[0].base_fp)
+    assert not fp_equal(fingerprint(a), fingerprint(a)[:4]) and not fp_equal(None, b"x" * 16)
+    with pytest.raises(BaseMismatchError):
+        apply_patch(m2, [c.data for c in chunks], {"w": RawTensor("BF16", (4000,), a ^ 1)})
+    wire = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(m2.to_bytes()))
+    wire["tensors"][0]["base_fp"] = b"\1" * 5
+    with pytest.raises(FormatError, match="fingerprint"):
+        Manifest.from_bytes(msgpack.packb(wire))
+
+
 def test_chunk_decoder_refuses_bombs_and_garbage(manifest):
     _, chunks = manifest
     with pytest.raises(FormatError):

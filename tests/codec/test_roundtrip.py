@@ -224,6 +224,38 @@ def test_ulp2_is_decoded_against_the_base_and_a_wrong_base_is_caught_before_any_
         pass
 
 
+def test_ulp2_class_tables_of_every_shape_round_trip_in_the_stream():
+    """The class table travels in the coded stream: all 16 classes, counts from 1 to thousands, gap
+    parameters from 0 to large (one change at the far end of a big class), and distances of many
+    ulps. A header whose count disagrees with the stream's table is refused."""
+    from sparrowd.codec import decode_chunk
+    from sparrowd.codec.chunk import CHUNK_MAGIC
+    from sparrowd.schema import pack, unpack
+
+    rng = np.random.default_rng(5)
+    n = 1 << 20
+    exps = np.clip(rng.normal(120, 6, n).astype(np.int64), 90, 150)  # exponents well past 16 classes
+    a = ((exps << 7) | rng.integers(0, 128, n)).astype(np.uint16)
+    b = a.copy()
+    hot = np.flatnonzero(exps < 112)  # dense where small
+    b[hot[rng.random(hot.size) < 0.3]] += 1
+    b[n - 1] += 3  # a lone change far from the others, in a class of its own
+    b[rng.integers(0, n, 50)] -= rng.integers(1, 200, 50).astype(np.uint16)
+    old, new = {"w": RawTensor("BF16", (n,), a)}, {"w": RawTensor("BF16", (n,), b)}
+    m, chunks = encode_patch(old, new, version=2, base_version=1, values=ULP2)
+    got = apply_patch(m, [c.data for c in chunks], old)
+    assert np.array_equal(got["w"].bits, b)
+    raw = zstandard.ZstdDecompressor().decompress(chunks[0].data)
+    hlen = int.from_bytes(raw[4:8], "little")
+    head = unpack(raw[8:8 + hlen], what="chunk header")
+    assert "classes" not in head["segments"][0]  # the table is in the stream
+    head["segments"][0]["count"] -= 1
+    packed = pack(head)
+    bad = CHUNK_MAGIC + len(packed).to_bytes(4, "little") + packed + raw[8 + hlen:]
+    with pytest.raises(FormatError, match="class"):
+        decode_chunk(zstandard.ZstdCompressor().compress(bad), base={"w": a})
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64", "F8_E4M3"])
 def test_ulp2_native_scans_match_numpy(dtype):
     from sparrowd.codec.bits import _native, class_lo, class_positions, class_ranks, exponent_field

@@ -1,0 +1,104 @@
+"""ulp2 patches coded against the change history of the patches before them (codec.history)."""
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+
+from sparrowd.codec import History, Manifest, RawTensor, apply_patch, decode_chunk, encode_patch
+from sparrowd.codec.history import DOWN, OLDER, TensorHistory, changes_between
+from sparrowd.codec.patch import MIN_CHUNK_SIZE
+from sparrowd.errors import BaseMismatchError, FormatError
+
+
+def momentum_chain(rng, n: int, steps: int, dtype: str = "BF16") -> list[dict[str, RawTensor]]:
+    """Snapshots of a tensor whose elements move as under momentum: most of a step's movers move
+    again, the same way, the next step; a few new ones start; small elements move more."""
+    exps = np.clip(rng.normal(118, 3, n).astype(np.int64), 100, 130)
+    bits = ((exps << 7) | rng.integers(0, 128, n)).astype(np.uint16)
+    velocity = np.zeros(n, np.int8)
+    snaps = [{"w": RawTensor(dtype, (n // 64, 64), bits.copy())}]
+    for _ in range(steps):
+        keep = rng.random(n) < 0.7
+        velocity[~keep] = 0
+        start = (velocity == 0) & (rng.random(n) < 0.004 * np.exp2(120 - exps).clip(0.1, 8))
+        velocity[start] = rng.choice(np.array([-1, 1], np.int8), int(start.sum()))
+        bits = (bits.astype(np.int64) + velocity).astype(np.uint16)
+        snaps.append({"w": RawTensor(dtype, (n // 64, 64), bits.copy())})
+    return snaps
+
+
+def test_a_chain_coded_against_its_history_round_trips_and_is_smaller():
+    rng = np.random.default_rng(3)
+    snaps = momentum_chain(rng, 1 << 19, 5)
+    sent, receiver = History(), History()
+    for v in range(1, len(snaps)):
+        old, new = snaps[v - 1], snaps[v]
+        m, chunks = encode_patch(old, new, version=v, base_version=v - 1, values="ulp2", history=sent,
+                                 chunk_size=MIN_CHUNK_SIZE)
+        bare, _ = encode_patch(old, new, version=v, base_version=v - 1, values="ulp2", chunk_size=MIN_CHUNK_SIZE)
+        assert len(chunks) > 1  # segments cut across chunks each take their part of the history
+        if sent.versions:
+            assert m.history == (sent.versions, sent.fingerprint())
+            assert m.patch_bytes < 0.9 * bare.patch_bytes, (v, m.patch_bytes, bare.patch_bytes)
+        else:
+            assert m.history is None and m.patch_bytes == bare.patch_bytes
+        got = apply_patch(Manifest.from_bytes(m.to_bytes()), [c.data for c in chunks], old, receiver)
+        assert np.array_equal(got["w"].bits, new["w"].bits)
+        parts = {"w": [s for c in chunks for s in decode_chunk(c.data, base={"w": old["w"].bits}, history=receiver)]}
+        sent = sent.after(v, changes_between(old, new))
+        receiver = receiver.after_patch(m, parts)  # what a decoder learns from the segments it decoded
+        assert receiver.fingerprint() == sent.fingerprint() and receiver.versions == sent.versions
+    assert len(sent.versions) == 2
+
+
+def test_a_patch_names_its_history_and_any_other_is_refused_before_decoding():
+    rng = np.random.default_rng(4)
+    snaps = momentum_chain(rng, 1 << 16, 3)
+    h1 = History().after(1, changes_between(snaps[0], snaps[1]))
+    h2 = h1.after(2, changes_between(snaps[1], snaps[2]))
+    m, chunks = encode_patch(snaps[2], snaps[3], version=3, base_version=2, values="ulp2", history=h2)
+    data = [c.data for c in chunks]
+    for wrong in (None, History(), h1):
+        with pytest.raises(BaseMismatchError, match="history"):
+            apply_patch(m, data, snaps[2], wrong)
+    # Decoded with another history regardless, it never comes out right in silence.
+    try:
+        segs = decode_chunk(chunks[0].data, base={"w": snaps[2]["w"].bits}, history=h1)
+        assert not np.array_equal(segs[0].indices, np.flatnonzero(snaps[2]["w"].bits != snaps[3]["w"].bits))
+    except FormatError:
+        pass
+
+
+def test_history_ages_one_patch_at_a_time():
+    h = History().after(1, {"a": (np.array([2, 5, 9]), np.array([2, 1, 2], np.uint16))})  # up, down, up
+    a = h.get("a")
+    assert h.versions == (1,) and a.positions.tolist() == [2, 5, 9] and a.state.tolist() == [0, DOWN, 0]
+    h = h.after(2, {"a": (np.array([5, 7]), np.array([2, 1], np.uint16))}, reset=["gone"])
+    a = h.get("a")  # 5 moved again (now up), 7 is new; 2 and 9 age
+    assert h.versions == (2, 1)
+    assert a.positions.tolist() == [2, 5, 7, 9] and a.state.tolist() == [OLDER, 0, DOWN, OLDER]
+    h = h.after(3, {})  # nothing moved: the older ones drop out, the latest age
+    assert h.versions == (3, 2) and h.get("a").positions.tolist() == [5, 7]
+    assert h.get("a").state.tolist() == [OLDER, OLDER | DOWN]
+    assert not h.after(4, {}, reset=["a"]).versions
+    assert h.after(4, {}).after(5, {}).versions == ()  # all forgotten: no history at all
+    assert h.get("a").within(6, 8).positions.tolist() == [7]
+    same = History((3, 2), {"a": TensorHistory(np.array([5, 7]), np.array([OLDER, OLDER | DOWN], np.uint8))})
+    assert same.fingerprint() == h.fingerprint() != History().fingerprint()
+
+
+def test_history_is_for_ulp2_and_a_manifest_records_it_checked():
+    from sparrowd.errors import InputError
+
+    rng = np.random.default_rng(5)
+    snaps = momentum_chain(rng, 1 << 14, 2)
+    h = History().after(1, changes_between(snaps[0], snaps[1]))
+    with pytest.raises(InputError):
+        encode_patch(snaps[1], snaps[2], version=2, base_version=1, values="ulp", history=h)
+    m, _ = encode_patch(snaps[1], snaps[2], version=2, base_version=1, values="ulp2", history=h)
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    wire = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(m.to_bytes()))
+    for bad in ({"versions": [], "fp": b"\0" * 8}, {"versions": [1], "fp": b"\0" * 3}, {"versions": ["x"]}, 7):
+        with pytest.raises(FormatError):
+            Manifest.from_bytes(msgpack.packb({**wire, "history": bad}))
