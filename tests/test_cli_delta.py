@@ -182,3 +182,22 @@ def test_an_ulp2_patch_is_exported_against_its_base_only(files):
         assert json.loads(f.metadata()["tensors"])
     r = sparrowd("delta", "inspect", d / "p.sprw")
     assert r.returncode == 0 and "ulp2" in r.stdout
+
+
+def test_a_patch_coded_against_a_change_history_is_refused_in_one_line(files):
+    """Only a chain's folders keep the change history an ulp2 patch from the Publisher may be coded
+    against: `delta apply` and `delta export` on a checkpoint say so and write nothing."""
+    from sparrowd.checkpoint import open_checkpoint
+    from sparrowd.codec import History, encode_patch, patch_parts
+    from sparrowd.codec.history import changes_between
+
+    d, s0, s1 = files
+    with open_checkpoint(d / "v0.safetensors") as a, open_checkpoint(d / "v1.safetensors") as b:
+        h = History().after(1, changes_between(a, b))
+        m, chunks = encode_patch(b, a, version=2, base_version=1, values="ulp2", history=h)  # v1 back to v0
+    (d / "h.sprw").write_bytes(b"".join(patch_parts(m, (c.data for c in chunks))))
+    for args in (("apply", d / "v1.safetensors", d / "h.sprw", "-o", d / "out.safetensors"),
+                 ("export", d / "h.sprw", "-o", d / "dec.safetensors", "--base", d / "v1.safetensors")):
+        r = sparrowd("delta", *args)
+        assert r.returncode != 0 and "change history" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (d / "out.safetensors").exists() and not (d / "dec.safetensors").exists()

@@ -181,3 +181,30 @@ def test_an_ulp2_chain_reaches_the_folder_and_an_engine_bit_for_bit(cluster, tmp
     other.close()
     pub.close()
     del bits0
+
+
+def test_a_folder_that_lost_its_change_history_is_rebuilt_from_the_newest_anchor(cluster, tmp_path):
+    """ulp2 patches after the first are coded against the change history of the ones before; a
+    folder without it (an older sparrowd made it, or the file was lost) rebuilds from the anchor
+    and the patches after it, which rebuild the history, and then follows the chain again."""
+    src = model_folder(tmp_path)
+    cluster.trainer()
+    node = cluster.rollout("r1", "us", extra=("--current", "on"))
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    model, opt = trained_setup(5)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, values="ulp2", model_files=src)
+    pub.start(model, version=0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    wait_for(lambda: (current(node, cluster.token) or {}).get("version") == 1, 30, "the folder at 1")
+    folder = (node.data_dir / "current").resolve()
+    (lost,) = folder.glob(".sparrowd.history.*")
+    assert lost.name == ".sparrowd.history.1"
+    lost.unlink()
+    for v in (2, 3):
+        train(model, opt)
+        pub.publish(model, version=v)
+    wait_for(lambda: (current(node, cluster.token) or {}).get("version") == 3, 60, "the folder at 3")
+    assert_folder(node.data_dir / "current", served_bits(model), src)
+    assert "rebuilding from the newest anchor" in node.log()
+    pub.close()
