@@ -1429,7 +1429,59 @@ done:
     return result;
 }
 
+/*
+ * history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n
+ * One tensor's change history once a patch is applied (codec/history.py, History.after), in one
+ * pass: the entries of the latest patch (state bit 1 clear) not moved again age (bit 1 set), the
+ * older ones leave, the patch's changed positions `idx` (sorted) enter with bit 0 set where their
+ * zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
+ * pos_out and state_out, which have room for both lists).
+ */
+static PyObject *history_after(PyObject *self, PyObject *args) {
+    Py_buffer ob, sb, ib, zb, pb, qb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*iw*w*", &ob, &sb, &ib, &zb, &isz, &pb, &qb)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t no = ob.len / 8, ni = ib.len / 8;
+    if (!check_width(isz)) goto done;
+    if (ob.len % 8 || (uintptr_t)ob.buf % 8 || sb.len != no || ib.len % 8 || (uintptr_t)ib.buf % 8 ||
+        zb.len != ni * isz || (uintptr_t)zb.buf % isz || pb.len < (no + ni) * 8 || (uintptr_t)pb.buf % 8 ||
+        qb.len < no + ni) {
+        PyErr_SetString(PyExc_ValueError, "history_after: bad buffer sizes or alignment");
+        goto done;
+    }
+    const int64_t *op = ob.buf, *ip = ib.buf;
+    const uint8_t *os = sb.buf;
+    int64_t *pos = pb.buf;
+    uint8_t *st = qb.buf;
+    Py_ssize_t n = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0, j = 0;
+    while (i < no || j < ni) {
+        if (j < ni && (i >= no || ip[j] <= op[i])) {
+            if (i < no && op[i] == ip[j]) i++; /* moved again: the new move replaces the entry */
+            pos[n] = ip[j], st[n++] = ((load_at(zb.buf, isz, j) - 1) & 1) == 0; /* bit 0: moved down */
+            j++;
+        } else {
+            if (!(os[i] & 2)) pos[n] = op[i], st[n++] = os[i] | 2; /* ages; the older ones leave */
+            i++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(n);
+done:
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&zb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&qb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"history_after", history_after, METH_VARARGS,
+     "history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n"},
     {"diff_into", diff_into, METH_VARARGS,
      "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False, "
      "hash_old=None, hash_new=None) -> (count, stop)"},

@@ -41,6 +41,27 @@ class TensorHistory:
 _EMPTY = TensorHistory(np.empty(0, np.int64), np.empty(0, np.uint8))
 
 
+def _aged(old: TensorHistory, idx: np.ndarray, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One tensor's entries after a patch that changed ``idx`` (sorted) by ``codes``: one merge pass
+    in the C extension (which ulp2 needs anyway), else numpy."""
+    from .bits import _native
+
+    if _native is not None:
+        room = old.positions.size + idx.size
+        pos, state = np.empty(room, np.int64), np.empty(room, np.uint8)
+        n = _native.history_after(np.ascontiguousarray(old.positions, np.int64),
+                                  np.ascontiguousarray(old.state, np.uint8), idx, codes, codes.dtype.itemsize,
+                                  pos, state)
+        return pos[:n].copy(), state[:n].copy()
+    keep = (old.state & OLDER) == 0  # moved in the latest patch: ages into the one before
+    pos = np.concatenate([idx, old.positions[keep]])
+    state = np.concatenate([directions(codes), old.state[keep] | OLDER])
+    order = np.argsort(pos, kind="stable")  # two sorted runs: timsort merges them in one pass
+    pos, state = pos[order], state[order]
+    again = np.flatnonzero(pos[1:] == pos[:-1]) + 1  # moved again: the new move (first) stays
+    return np.delete(pos, again), np.delete(state, again)
+
+
 def directions(codes: np.ndarray) -> np.ndarray:
     """Whether each zigzag ulp code moved its element down (uint8 0 or 1)."""
     return (((codes.astype(np.uint64) - np.uint64(1)) & np.uint64(1)) == 0).astype(np.uint8)
@@ -94,21 +115,8 @@ class History:
             if name in gone:
                 continue
             old = self.tensors.get(name, _EMPTY)
-            keep = (old.state & OLDER) == 0  # moved in the latest patch: ages into the one before
-            kept_pos, kept_state = old.positions[keep], old.state[keep] | OLDER
-            if name in changes:
-                idx, codes = changes[name]
-                idx = np.asarray(idx, np.int64)
-                if kept_pos.size and idx.size:
-                    at = np.minimum(np.searchsorted(idx, kept_pos), idx.size - 1)
-                    fresh = idx[at] != kept_pos  # moved again: the new move replaces it
-                    kept_pos, kept_state = kept_pos[fresh], kept_state[fresh]
-                pos = np.concatenate([idx, kept_pos])
-                state = np.concatenate([directions(codes), kept_state])
-                order = np.argsort(pos, kind="stable")
-                pos, state = pos[order], state[order]
-            else:
-                pos, state = kept_pos, kept_state
+            idx, codes = changes.get(name, (_EMPTY.positions, np.empty(0, np.uint16)))
+            pos, state = _aged(old, np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(codes))
             if pos.size:
                 out[name] = TensorHistory(pos, state)
         return History((version, *self.versions)[:DEPTH], out) if out else History()

@@ -102,3 +102,22 @@ def test_history_is_for_ulp2_and_a_manifest_records_it_checked():
     for bad in ({"versions": [], "fp": b"\0" * 8}, {"versions": [1], "fp": b"\0" * 3}, {"versions": ["x"]}, 7):
         with pytest.raises(FormatError):
             Manifest.from_bytes(msgpack.packb({**wire, "history": bad}))
+
+
+def test_the_one_pass_merge_ages_as_numpy_does(monkeypatch):
+    import sparrowd.codec.bits as bits
+
+    rng = np.random.default_rng(8)
+    h = History()
+    for v in range(1, 5):
+        idx = np.unique(rng.integers(0, 50_000, 3_000))
+        if v > 1:  # some of the last patch's elements move again
+            last = h.get("w").positions
+            idx = np.union1d(idx, last[rng.random(last.size) < 0.3])
+        codes = rng.integers(1, 6, idx.size).astype(np.uint16)
+        native = h.after(v, {"w": (idx, codes)})
+        with monkeypatch.context() as m:
+            m.setattr(bits, "_native", None)
+            plain = h.after(v, {"w": (idx, codes)})
+        assert native.fingerprint() == plain.fingerprint() and native.versions == plain.versions == (v, *h.versions)[:2]
+        h = native
