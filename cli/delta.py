@@ -118,6 +118,8 @@ def cmd_inspect(args) -> int:
         ("bits per changed element", f"{s.bits_per_element:.3f}"),
         ("chunks", f"{s.chunks} ({format_bytes(s.chunk_bytes_min)} to {format_bytes(s.chunk_bytes_max)}), hashes ok"),
     ]
+    if s.history is not None:  # only a chain's folders can decode it: they keep the history
+        rows.insert(2, ("coded against", f"the change history of versions {', '.join(map(str, s.history))}"))
     for k, v in rows:
         print(f"{k:>26}  {v}")
     return 0

@@ -196,6 +196,7 @@ class PatchStats:
     chunks: int
     chunk_bytes_min: int
     chunk_bytes_max: int
+    history: list[int] | None = None  # ulp2: the versions of the change history it is coded against
 
     @property
     def density(self) -> float:
@@ -231,6 +232,7 @@ def inspect_patch(path: str | os.PathLike, *, verify: bool = True) -> PatchStats
             chunks=len(sizes),
             chunk_bytes_min=min(sizes, default=0),
             chunk_bytes_max=max(sizes, default=0),
+            history=list(m.history[0]) if m.history is not None else None,
         )
 
 

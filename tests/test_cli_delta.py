@@ -201,3 +201,7 @@ def test_a_patch_coded_against_a_change_history_is_refused_in_one_line(files):
         r = sparrowd("delta", *args)
         assert r.returncode != 0 and "change history" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (d / "out.safetensors").exists() and not (d / "dec.safetensors").exists()
+    r = sparrowd("delta", "inspect", d / "h.sprw")
+    assert r.returncode == 0 and "the change history of versions 1" in r.stdout, r.stdout
+    r = sparrowd("delta", "inspect", d / "h.sprw", "--json")
+    assert json.loads(r.stdout)["history"] == [1]
