@@ -448,7 +448,7 @@ def _print_real(real: dict) -> None:
     print(f"   AdamW lr {m['lr']:g} (weight decay {m['weight_decay']:g}) after {m['warmup_steps']} warm-up steps "
           f"at lr {m['warmup_lr']:g}; batch {m['batch']} x {m['seq']} {data}")
     print("   bits per changed element. Codec: ulp2 / ulp / absolute, the whole .sprw file; ulp2 as a chain codes it,")
-    print("   against the change history of the steps before (none for step 1, one step for step 2, then two), and")
+    print("   against the change history of the steps before (none for step 1, then up to three steps), and")
     print("   ulp2 bare, without a history. Baselines: zstd-3 of")
     print("   int32 (naive) or gap-coded indices (gap) with raw bf16. Bounds: index H, the binary entropy of the")
     print("   positions per tensor; H|exp, the same given each element's base exponent (ulp2's context); bound,")

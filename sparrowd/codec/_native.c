@@ -993,11 +993,12 @@ static inline void adapt(struct prob *c, unsigned bit) {
     c->n += c->n < 15;
 }
 
-/* With a change history (the elements the last patches changed, which the receiver knows too): one
-   context per class and age for "changed again", and signs by the direction of the last change
-   (0: none, 1: up, 2: down). */
+/* With a change history (the elements the last HDEPTH patches changed, which the receiver knows
+   too): one context per class and age for "changed again", and signs by the direction of the last
+   change (0: none, 1: up, 2: down). */
+#define HDEPTH 3
 struct ctx {
-    struct prob q[4], r[4], one[NCLASS], gamma[64], sign[2][3], present[2], count[64], dk[64], again[2 * NCLASS];
+    struct prob q[4], r[4], one[NCLASS], gamma[64], sign[2][3], present[2], count[64], dk[64], again[HDEPTH * NCLASS];
 };
 
 static void ctx_init(struct ctx *c) {
@@ -1157,8 +1158,8 @@ static inline uint64_t dec_code(struct rc_dec *d, struct ctx *c, int cl, int dir
 }
 
 /* The history a segment is coded with: for each element the last patches changed inside it, in
-   position order, its context (class * 2 + age: 0 changed in the last patch, 1 only before) and the
-   direction it last moved in (1 up, 2 down). */
+   position order, its context (class * HDEPTH + age: 0 changed in the last patch, 1 in the one
+   before, ...) and the direction it last moved in (1 up, 2 down). */
 struct history {
     Py_ssize_t m;
     const uint8_t *ctx, *dir;
@@ -1168,10 +1169,10 @@ static int parse_history(struct history *h, Py_buffer *cb, Py_buffer *db) {
     h->m = cb->len, h->ctx = cb->buf, h->dir = db->buf;
     if (db->len != cb->len) goto bad;
     for (Py_ssize_t i = 0; i < h->m; i++)
-        if (h->ctx[i] >= 2 * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
+        if (h->ctx[i] >= HDEPTH * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
     return 1;
 bad:
-    PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 32, directions 1 or 2, one of each per element)");
+    PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 48, directions 1 or 2, one of each per element)");
     return 0;
 }
 
@@ -1277,7 +1278,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         }
     }
     for (Py_ssize_t i = 0, a = 0; i < h.m; i++)
-        if (again[i]) enc_code(&e, &c, load_at(azb.buf, isz, a++) - 1, h.ctx[i] >> 1, h.dir[i]);
+        if (again[i]) enc_code(&e, &c, load_at(azb.buf, isz, a++) - 1, h.ctx[i] / HDEPTH, h.dir[i]);
     j = 0;
     for (Py_ssize_t i = 0; i < t.n; i++)
         for (int64_t m = 0; m < t.count[i]; m++, j++) enc_code(&e, &c, load_at(zb.buf, isz, j) - 1, (int)t.cls[i], 0);
@@ -1395,7 +1396,7 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0, a = 0; i < h.m && !err; i++) {
         if (!again[i]) continue;
-        const uint64_t z = dec_code(&d, &c, h.ctx[i] >> 1, h.dir[i], isz, &bad);
+        const uint64_t z = dec_code(&d, &c, h.ctx[i] / HDEPTH, h.dir[i], isz, &bad);
         if (z == 0) err = "an ulp code wider than its dtype";
         store_at(azb.buf, isz, a++, z);
         if (d.pos > d.len + 4) err = "runs past its end";
@@ -1432,9 +1433,9 @@ done:
 /*
  * history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n
  * One tensor's change history once a patch is applied (codec/history.py, History.after), in one
- * pass: the entries of the latest patch (state bit 1 clear) not moved again age (bit 1 set), the
- * older ones leave, the patch's changed positions `idx` (sorted) enter with bit 0 set where their
- * zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
+ * pass: the entries not moved again age (their age, state >> 1, grows by one) and those that reach
+ * HDEPTH leave; the patch's changed positions `idx` (sorted) enter with age 0 and bit 0 set where
+ * their zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
  * pos_out and state_out, which have room for both lists).
  */
 static PyObject *history_after(PyObject *self, PyObject *args) {
@@ -1463,7 +1464,7 @@ static PyObject *history_after(PyObject *self, PyObject *args) {
             pos[n] = ip[j], st[n++] = ((load_at(zb.buf, isz, j) - 1) & 1) == 0; /* bit 0: moved down */
             j++;
         } else {
-            if (!(os[i] & 2)) pos[n] = op[i], st[n++] = os[i] | 2; /* ages; the older ones leave */
+            if ((os[i] >> 1) + 1 < HDEPTH) pos[n] = op[i], st[n++] = (uint8_t)(os[i] + 2); /* ages, or leaves */
             i++;
         }
     }

@@ -79,7 +79,7 @@ from .bits import (
     ulp2_unpack,
     ulp_streams,
 )
-from .history import DOWN, OLDER, TensorHistory
+from .history import AGE, DEPTH, DOWN, TensorHistory
 
 __all__ = [
     "Segment",
@@ -249,12 +249,12 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
 
 
 def _history_context(hist: TensorHistory, bits: np.ndarray, dtype: str, lo: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per history element (``bits``: the base's bits there): its context, class * 2 + age, and
+    """Per history element (``bits``: the base's bits there): its context, class * DEPTH + age, and
     the direction it last moved in, 1 up or 2 down (docs/FORMAT.md, "History")."""
     shift, mask = exponent_field(dtype)
     exp = ((bits >> bits.dtype.type(shift)) & bits.dtype.type(mask)).astype(np.int64)
     cls = np.clip(exp - lo, 0, NCLASS - 1).astype(np.uint8)
-    return cls * 2 + ((hist.state & OLDER) != 0), 1 + (hist.state & DOWN)
+    return cls * DEPTH + hist.state // AGE, 1 + (hist.state & DOWN)
 
 
 def _encode_ulp2(seg: Segment, info) -> tuple[int, list]:
@@ -280,7 +280,7 @@ def _encode_ulp2(seg: Segment, info) -> tuple[int, list]:
         again_codes = codes[again]
         rank, cls, codes, rest = rank[~again], cls[~again], codes[~again], seg.indices[~again]
         # The other changes' ranks count no history element: less those of their class before them.
-        hkey = np.sort((hctx >> 1).astype(np.int64) << 40 | hist.positions)
+        hkey = np.sort((hctx // DEPTH).astype(np.int64) << 40 | hist.positions)
         ckey = cls.astype(np.int64) << 40
         rank = rank - (np.searchsorted(hkey, ckey | rest) - np.searchsorted(hkey, ckey))
     else:

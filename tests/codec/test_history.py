@@ -6,7 +6,7 @@ import pytest
 import zstandard
 
 from sparrowd.codec import History, Manifest, RawTensor, apply_patch, decode_chunk, encode_patch
-from sparrowd.codec.history import DOWN, OLDER, TensorHistory, changes_between
+from sparrowd.codec.history import AGE, DEPTH, DOWN, TensorHistory, changes_between
 from sparrowd.codec.patch import MIN_CHUNK_SIZE
 from sparrowd.errors import BaseMismatchError, FormatError
 
@@ -49,7 +49,7 @@ def test_a_chain_coded_against_its_history_round_trips_and_is_smaller():
         sent = sent.after(v, changes_between(old, new))
         receiver = receiver.after_patch(m, parts)  # what a decoder learns from the segments it decoded
         assert receiver.fingerprint() == sent.fingerprint() and receiver.versions == sent.versions
-    assert len(sent.versions) == 2
+    assert len(sent.versions) == 3
 
 
 def test_a_patch_names_its_history_and_any_other_is_refused_before_decoding():
@@ -71,20 +71,25 @@ def test_a_patch_names_its_history_and_any_other_is_refused_before_decoding():
 
 
 def test_history_ages_one_patch_at_a_time():
+    assert DEPTH == 3
     h = History().after(1, {"a": (np.array([2, 5, 9]), np.array([2, 1, 2], np.uint16))})  # up, down, up
     a = h.get("a")
     assert h.versions == (1,) and a.positions.tolist() == [2, 5, 9] and a.state.tolist() == [0, DOWN, 0]
     h = h.after(2, {"a": (np.array([5, 7]), np.array([2, 1], np.uint16))}, reset=["gone"])
     a = h.get("a")  # 5 moved again (now up), 7 is new; 2 and 9 age
     assert h.versions == (2, 1)
-    assert a.positions.tolist() == [2, 5, 7, 9] and a.state.tolist() == [OLDER, 0, DOWN, OLDER]
-    h = h.after(3, {})  # nothing moved: the older ones drop out, the latest age
-    assert h.versions == (3, 2) and h.get("a").positions.tolist() == [5, 7]
-    assert h.get("a").state.tolist() == [OLDER, OLDER | DOWN]
-    assert not h.after(4, {}, reset=["a"]).versions
-    assert h.after(4, {}).after(5, {}).versions == ()  # all forgotten: no history at all
+    assert a.positions.tolist() == [2, 5, 7, 9] and a.state.tolist() == [AGE, 0, DOWN, AGE]
+    h = h.after(3, {"a": (np.array([9]), np.array([1], np.uint16))})
+    assert h.versions == (3, 2, 1) and h.get("a").positions.tolist() == [2, 5, 7, 9]
+    assert h.get("a").state.tolist() == [2 * AGE, AGE, AGE | DOWN, DOWN]
+    h = h.after(4, {})  # nothing moved: the oldest drop out, the others age
+    assert h.versions == (4, 3, 2) and h.get("a").positions.tolist() == [5, 7, 9]
+    assert h.get("a").state.tolist() == [2 * AGE, 2 * AGE | DOWN, AGE | DOWN]
+    assert not h.after(5, {}, reset=["a"]).versions
+    assert h.after(5, {}).after(6, {}).after(7, {}).versions == ()  # all forgotten: no history at all
     assert h.get("a").within(6, 8).positions.tolist() == [7]
-    same = History((3, 2), {"a": TensorHistory(np.array([5, 7]), np.array([OLDER, OLDER | DOWN], np.uint8))})
+    same = History((4, 3, 2), {"a": TensorHistory(np.array([5, 7, 9]),
+                                                  np.array([2 * AGE, 2 * AGE | DOWN, AGE | DOWN], np.uint8))})
     assert same.fingerprint() == h.fingerprint() != History().fingerprint()
 
 
@@ -119,5 +124,6 @@ def test_the_one_pass_merge_ages_as_numpy_does(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(bits, "_native", None)
             plain = h.after(v, {"w": (idx, codes)})
-        assert native.fingerprint() == plain.fingerprint() and native.versions == plain.versions == (v, *h.versions)[:2]
+        assert native.fingerprint() == plain.fingerprint()
+        assert native.versions == plain.versions == (v, *h.versions)[:DEPTH]
         h = native
