@@ -1006,6 +1006,31 @@ static void ctx_init(struct ctx *c) {
     for (size_t i = 0; i < sizeof *c / sizeof *p; i++) p[i].p = PINIT, p[i].n = 0;
 }
 
+/* The contexts a segment starts from: fresh, or (`state` given: the bytes of a struct ctx, which
+   ulp2_context made and earlier segments of the chunk moved on) where the segment before left
+   them. A state from elsewhere is checked: every probability in range, every count at most 15. */
+static int ctx_load(struct ctx *c, Py_buffer *state) {
+    if (state->buf == NULL) {
+        ctx_init(c);
+        return 1;
+    }
+    if (state->len != (Py_ssize_t)sizeof *c) goto bad;
+    memcpy(c, state->buf, sizeof *c);
+    const struct prob *p = (const struct prob *)c;
+    for (size_t i = 0; i < sizeof *c / sizeof *p; i++)
+        if (p[i].p < PMIN || p[i].p > (1u << PB) - PMIN || p[i].n > 15) goto bad;
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "ulp2: bad context state (make it with ulp2_context)");
+    return 0;
+}
+
+static PyObject *ulp2_context(PyObject *self, PyObject *unused) {
+    struct ctx c;
+    ctx_init(&c);
+    return PyByteArray_FromStringAndSize((const char *)&c, sizeof c);
+}
+
 struct rc_enc {
     uint64_t low;
     uint32_t range;
@@ -1020,8 +1045,8 @@ static inline void enc_shift(struct rc_enc *e) {
         const uint8_t carry = (uint8_t)(e->low >> 32);
         uint8_t t = e->cache;
         do {
-            if (e->pos < e->cap) e->buf[e->pos] = (uint8_t)(t + carry);
-            e->pos++;
+            if (e->pos >= 0 && e->pos < e->cap) e->buf[e->pos] = (uint8_t)(t + carry);
+            e->pos++; /* starts at -1: LZMA's first byte is always 0 and is not written */
             t = 0xFF;
         } while (--e->pending != 0);
         e->cache = (uint8_t)(e->low >> 24);
@@ -1036,6 +1061,21 @@ static inline void enc_bit(struct rc_enc *e, struct prob *p, unsigned bit) {
     else e->range = bound;
     adapt(p, bit);
     while (e->range < TOP) e->range <<= 8, enc_shift(e);
+}
+
+/* The end of a stream: of the values in [low, low + range) the one with the most trailing zero
+   bytes (a range of at least 2^24 holds a multiple of 2^24), then the bytes up to it, less the zero
+   bytes at the end (at most 4: a decoder reads zeros past the end). */
+static void enc_finish(struct rc_enc *e) {
+    for (int s = 32; s >= 8; s -= 8) {
+        const uint64_t v = (e->low + ((1ull << s) - 1)) >> s << s;
+        if (v - e->low < e->range) {
+            e->low = v;
+            break;
+        }
+    }
+    for (int b = 0; b < 5; b++) enc_shift(e);
+    for (int b = 0; b < 4 && e->pos > 0 && e->pos <= e->cap && e->buf[e->pos - 1] == 0; b++) e->pos--;
 }
 
 /* Bits as they are, up to 16 at a time (the range is at least 2^24 between calls). */
@@ -1185,9 +1225,9 @@ bad:
  * not in ranks.
  */
 static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
-    Py_buffer rb, tb, zb, hcb, hdb, ab, azb;
+    Py_buffer rb, tb, zb, hcb, hdb, ab, azb, xb = {0};
     int isz;
-    if (!PyArg_ParseTuple(args, "y*y*y*iy*y*y*y*", &rb, &tb, &zb, &isz, &hcb, &hdb, &ab, &azb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*iy*y*y*y*|w*", &rb, &tb, &zb, &isz, &hcb, &hdb, &ab, &azb, &xb)) return NULL;
     PyObject *result = NULL;
     struct table t;
     struct history h;
@@ -1232,6 +1272,8 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         worst += NCLASS * 11 * (1 + 2 * 65);
     }
     const Py_ssize_t cap = (Py_ssize_t)(worst / 8 + 64);
+    struct ctx c;
+    if (!ctx_load(&c, &xb)) goto done;
     buf = PyMem_Malloc(cap);
     if (buf == NULL) {
         PyErr_NoMemory();
@@ -1239,9 +1281,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     }
     Py_ssize_t used;
     Py_BEGIN_ALLOW_THREADS
-    struct ctx c;
-    ctx_init(&c);
-    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, 0, cap};
+    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, -1, cap};
     for (Py_ssize_t i = 0; i < h.m; i++) enc_bit(&e, &c.again[h.ctx[i]], again[i] != 0);
     {
         unsigned had = 0;
@@ -1282,9 +1322,10 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     j = 0;
     for (Py_ssize_t i = 0; i < t.n; i++)
         for (int64_t m = 0; m < t.count[i]; m++, j++) enc_code(&e, &c, load_at(zb.buf, isz, j) - 1, (int)t.cls[i], 0);
-    for (int b = 0; b < 5; b++) enc_shift(&e);
+    enc_finish(&e);
     used = e.pos;
     Py_END_ALLOW_THREADS
+    if (xb.buf != NULL) memcpy(xb.buf, &c, sizeof c);
     if (used > cap) {
         PyErr_SetString(PyExc_RuntimeError, "ulp2_pack: the coded stream outgrew its buffer");
         goto done;
@@ -1299,6 +1340,7 @@ done:
     PyBuffer_Release(&hdb);
     PyBuffer_Release(&ab);
     PyBuffer_Release(&azb);
+    if (xb.buf != NULL) PyBuffer_Release(&xb);
     return result;
 }
 
@@ -1313,10 +1355,10 @@ done:
  * leaves bytes over.
  */
 static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
-    Py_buffer db, hcb, hdb, rb, zb, cb, ab, azb;
+    Py_buffer db, hcb, hdb, rb, zb, cb, ab, azb, xb = {0};
     Py_ssize_t span;
     int isz;
-    if (!PyArg_ParseTuple(args, "y*niy*y*w*w*w*w*w*", &db, &span, &isz, &hcb, &hdb, &rb, &zb, &cb, &ab, &azb))
+    if (!PyArg_ParseTuple(args, "y*niy*y*w*w*w*w*w*|w*", &db, &span, &isz, &hcb, &hdb, &rb, &zb, &cb, &ab, &azb, &xb))
         return NULL;
     PyObject *result = NULL;
     struct table t = {0};
@@ -1332,12 +1374,11 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
         goto done;
     }
     const char *err = NULL;
-    Py_BEGIN_ALLOW_THREADS
     struct ctx c;
-    ctx_init(&c);
+    if (!ctx_load(&c, &xb)) goto done;
+    Py_BEGIN_ALLOW_THREADS
     struct rc_dec d = {db.buf, 0, db.len, 0xFFFFFFFFu, 0};
     int bad = 0;
-    if (dec_byte(&d) != 0) err = "does not start with a zero byte";
     for (int b = 0; b < 4; b++) d.code = (d.code << 8) | dec_byte(&d);
     uint8_t *again = ab.buf;
     for (Py_ssize_t i = 0; i < h.m && !err; i++) {
@@ -1411,8 +1452,10 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
         }
     }
     if (!err && bad) err = "is malformed";
-    if (!err && d.pos != d.len) err = d.pos > d.len ? "runs past its end" : "leaves bytes over";
+    /* The encoder leaves out up to 4 zero bytes at the end, which the decoder reads as zeros. */
+    if (!err && (d.pos < d.len || d.pos > d.len + 4)) err = d.pos > d.len ? "runs past its end" : "leaves bytes over";
     Py_END_ALLOW_THREADS
+    if (!err && xb.buf != NULL) memcpy(xb.buf, &c, sizeof c);
     if (err) {
         PyErr_Format(PyExc_ValueError, "ulp2 stream %s", err);
         goto done;
@@ -1427,6 +1470,7 @@ done:
     PyBuffer_Release(&cb);
     PyBuffer_Release(&ab);
     PyBuffer_Release(&azb);
+    if (xb.buf != NULL) PyBuffer_Release(&xb);
     return result;
 }
 
@@ -1494,8 +1538,12 @@ static PyMethodDef methods[] = {
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, portable=False)"},
-    {"ulp2_pack", ulp2_pack, METH_VARARGS, "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes) -> bytes"},
-    {"ulp2_unpack", ulp2_unpack, METH_VARARGS, "ulp2_unpack(data, span, itemsize, hctx, hdir, ranks_out, codes_out, counts_out, again_out, again_codes_out) -> int"},
+    {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
+    {"ulp2_pack", ulp2_pack, METH_VARARGS,
+     "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},
+    {"ulp2_unpack", ulp2_unpack, METH_VARARGS,
+     "ulp2_unpack(data, span, itemsize, hctx, hdir, ranks_out, codes_out, counts_out, again_out, again_codes_out, "
+     "state=None) -> int"},
     {"class_positions", class_positions, METH_VARARGS,
      "class_positions(base, itemsize, shift, mask, lo, start, stop, counts, ranks, pos_out, perm_out, skip, "
      "portable=False) -> found"},

@@ -58,6 +58,7 @@ __all__ = [
     "exponent_field",
     "CENSUS",
     "class_scan",
+    "ulp2_context",
     "ulp2_pack",
     "ulp2_unpack",
     "MAX_ULP2_K",
@@ -515,34 +516,45 @@ def _needs_native(what: str) -> None:
                           "reinstall with one, or use --values ulp)")
 
 
+def ulp2_context() -> bytearray:
+    """The adaptive contexts a chunk's first ulp2 segment starts from; :func:`ulp2_pack` and
+    :func:`ulp2_unpack` move them on in place, so each later segment of the chunk starts where the
+    one before left them (docs/FORMAT.md, "What is coded")."""
+    _needs_native("coding")
+    return _native.ulp2_context()
+
+
 def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray, hctx: np.ndarray, hdir: np.ndarray,
-              again: np.ndarray, again_codes: np.ndarray) -> bytes:
+              again: np.ndarray, again_codes: np.ndarray, state: bytearray | None = None) -> bytes:
     """The coded stream of an ulp2 segment (docs/FORMAT.md): ``table`` is ``[[class, count, k], ...]``
     for the classes with changes outside the history (the stream carries it), ``ranks`` those
     changes' ascending ranks class after class, ``codes`` their zigzag ulp codes in the same order;
     ``hctx`` and ``hdir`` the history's elements (context and last direction, uint8, empty without
-    a history), ``again`` 1 for those that changed again, ``again_codes`` their codes."""
+    a history), ``again`` 1 for those that changed again, ``again_codes`` their codes. ``state``:
+    the chunk's contexts (:func:`ulp2_context`), moved on in place; fresh ones without it."""
     _needs_native("encoding")
     u8 = np.uint8
-    return _native.ulp2_pack(np.ascontiguousarray(ranks, np.int64), np.asarray(table, np.int64).reshape(-1),
-                             np.ascontiguousarray(codes), codes.dtype.itemsize, np.ascontiguousarray(hctx, u8),
-                             np.ascontiguousarray(hdir, u8), np.ascontiguousarray(again, u8),
-                             np.ascontiguousarray(again_codes, codes.dtype))
+    args = (np.ascontiguousarray(ranks, np.int64), np.asarray(table, np.int64).reshape(-1),
+            np.ascontiguousarray(codes), codes.dtype.itemsize, np.ascontiguousarray(hctx, u8),
+            np.ascontiguousarray(hdir, u8), np.ascontiguousarray(again, u8),
+            np.ascontiguousarray(again_codes, codes.dtype))
+    return _native.ulp2_pack(*args) if state is None else _native.ulp2_pack(*args, state)
 
 
-def ulp2_unpack(data, span: int, n: int, itemsize: int, hctx: np.ndarray, hdir: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def ulp2_unpack(data, span: int, n: int, itemsize: int, hctx: np.ndarray, hdir: np.ndarray,
+                state: bytearray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The inverse of :func:`ulp2_pack` for a segment of ``n`` changes: the count of each of the 16
     classes, the ranks (each below ``span``) and codes of the changes outside the history, and
     which history elements changed again (uint8) and their codes; FormatError on a malformed
-    stream."""
+    stream. ``state``: as for :func:`ulp2_pack` (moved on only when the stream decodes)."""
     _needs_native("decoding")
     u = uint_type(itemsize)
     counts, ranks, codes = np.empty(NCLASS, np.int64), np.empty(n, np.int64), np.empty(n, u)
     again, again_codes = np.empty(hctx.size, np.uint8), np.empty(n, u)
+    args = (data, span, itemsize, np.ascontiguousarray(hctx, np.uint8), np.ascontiguousarray(hdir, np.uint8),
+            ranks, codes, counts, again, again_codes)
     try:
-        na = _native.ulp2_unpack(data, span, itemsize, np.ascontiguousarray(hctx, np.uint8),
-                                 np.ascontiguousarray(hdir, np.uint8), ranks, codes, counts, again, again_codes)
+        na = _native.ulp2_unpack(*args) if state is None else _native.ulp2_unpack(*args, state)
     except ValueError as e:
         raise FormatError(str(e)) from None
     return counts, ranks[:n - na], codes[:n - na], again, again_codes[:na]

@@ -75,6 +75,7 @@ from .bits import (
     rotr1,
     to_planes,
     uint_type,
+    ulp2_context,
     ulp2_pack,
     ulp2_unpack,
     ulp_streams,
@@ -257,8 +258,10 @@ def _history_context(hist: TensorHistory, bits: np.ndarray, dtype: str, lo: int)
     return cls * DEPTH + hist.state // AGE, 1 + (hist.state & DOWN)
 
 
-def _encode_ulp2(seg: Segment, info) -> tuple[int, list]:
-    """``class_lo`` and coded stream of an ulp2 segment (module docstring)."""
+def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
+    """``class_lo`` of an ulp2 segment, and what :func:`~.bits.ulp2_pack` codes: the expensive part,
+    done as segments arrive; the coding itself waits for the chunk (its contexts carry from one
+    segment to the next)."""
     r = seg.ranked
     if seg.base is None or r is None:
         raise ValueError(f"ulp2 segment {seg.name}: the base and the changes' ranks are needed to encode")
@@ -295,19 +298,18 @@ def _encode_ulp2(seg: Segment, info) -> tuple[int, list]:
         gaps = np.diff(rank[f:f + n], prepend=-1) - 1
         table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
         f += n
-    coded = ulp2_pack(rank, table, codes[order], hctx, hdir, flags, again_codes)
-    return r.lo, [np.frombuffer(coded, np.uint8)]
+    return r.lo, (rank, table, codes[order], hctx, hdir, flags, again_codes)
 
 
-def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
+def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]:
     info = dtype_info(seg.dtype)
     if seg.data.dtype != uint_type(info.itemsize):
         raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
     blobs: list[np.ndarray] = []
     k = 0
-    lo = None
+    lo = coding = None
     if seg.values == ULP2:
-        lo, blobs = _encode_ulp2(seg, info)
+        lo, coding = _prepare_ulp2(seg)
     elif seg.kind == SPARSE:
         k, unary, rem = rice_index(seg.indices, seg.start)
         blobs += [unary, rem]
@@ -328,34 +330,40 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray]]:
     }
     if lo is not None:
         header["class_lo"] = lo
-    return header, blobs
+    return header, blobs, coding
 
 
 @dataclass(frozen=True, eq=False)
 class EncodedSegment:
-    """A segment with its header and blobs, ready to be laid out in a chunk."""
+    """A segment with its header and blobs, ready to be laid out in a chunk; an ulp2 segment
+    with what its coded stream codes instead (``coding``), coded when the chunk is laid out."""
 
     segment: Segment
     header: dict
     blobs: list
+    coding: tuple | None = None
 
 
 def encode_segment(seg: Segment) -> EncodedSegment:
     """The expensive part of making a chunk, done per segment (an encoder does it as segments
-    arrive, so that closing a chunk only lays out and compresses)."""
-    header, blobs = _encode_segment(seg)
-    return EncodedSegment(seg, header, blobs)
+    arrive, so that closing a chunk only codes ulp2 streams, lays out and compresses)."""
+    return EncodedSegment(seg, *_encode_segment(seg))
 
 
 def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdCompressor) -> Chunk:
     encoded = [s if isinstance(s, EncodedSegment) else encode_segment(s) for s in segments]
-    body = []
+    body, headers, state = [], [], None
     for i, e in enumerate(encoded):
-        seg = e.segment
+        seg, header, blobs = e.segment, e.header, e.blobs
+        if e.coding is not None:  # the chunk's ulp2 segments in order, each from the contexts the last left
+            state = ulp2_context() if state is None else state
+            coded = ulp2_pack(*e.coding, state=state)
+            header, blobs = {**header, "blobs": [len(coded)]}, [np.frombuffer(coded, np.uint8)]
+        headers.append(header)
         streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
-        body += [(_RANK[st], i, b) for st, b in zip(streams, e.blobs)]
+        body += [(_RANK[st], i, b) for st, b in zip(streams, blobs)]
     body.sort(key=lambda x: (x[0], x[1]))
-    head = pack({"segments": [e.header for e in encoded]})
+    head = pack({"segments": headers})
     raw = b"".join([CHUNK_MAGIC, struct.pack("<I", len(head)), head, *(b for _, _, b in body)])
     data = cctx.compress(raw)
     return Chunk(
@@ -419,7 +427,7 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     return streams
 
 
-def _decode_ulp2(h: dict, blobs: list[memoryview], base, history) -> Segment:
+def _decode_ulp2(h: dict, blobs: list[memoryview], base, history, state: bytearray) -> Segment:
     name, start, stop, n = h["name"], h["start"], h["stop"], h["count"]
     w = dtype_info(h["dtype"]).itemsize
     bits = base(name) if base is not None else None
@@ -434,7 +442,7 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base, history) -> Segment:
         hctx, hdir = _history_context(hist, bits[hist.positions], h["dtype"], h["class_lo"])
     else:
         hctx = hdir = np.empty(0, np.uint8)
-    counts, ranks, grouped, again, again_codes = ulp2_unpack(blobs[0], stop - start, n, w, hctx, hdir)
+    counts, ranks, grouped, again, again_codes = ulp2_unpack(blobs[0], stop - start, n, w, hctx, hdir, state)
     indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks,
                                     hist.positions if hist is not None else None)
     data = grouped[perm]
@@ -446,13 +454,13 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base, history) -> Segment:
     return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, indices)
 
 
-def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None) -> Segment:
+def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, state=None) -> Segment:
     info = dtype_info(h["dtype"])
     w = info.itemsize
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
     if values == ULP2:
-        return _decode_ulp2(h, blobs, base, history)
+        return _decode_ulp2(h, blobs, base, history, state)
     indices = None
     if kind == SPARSE:
         gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
@@ -557,4 +565,6 @@ def decode_chunk(data, *, expect_hash: bytes | None = None, base=None, history=N
         blobs[i][j], pos = _take(buf, pos, ln, f"blob {j} of segment {i}")
     if pos != len(buf):
         raise FormatError("chunk: trailing bytes after the last segment")
-    return [_decode_segment(h, b, base, history) for h, b in zip(headers, blobs)]
+    # ulp2 segments decode in order, each from the contexts the one before left (as they were coded)
+    state = ulp2_context() if any(h["values"] == ULP2 for h in headers) else None
+    return [_decode_segment(h, b, base, history, state) for h, b in zip(headers, blobs)]

@@ -368,3 +368,80 @@ def test_ulp2_without_the_c_extension_says_so(monkeypatch):
     with pytest.raises(FormatError, match="C extension") as e:
         encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP2)
     assert "\n" not in str(e.value)
+
+
+def _ulp2_stream_parts(rng, n):
+    """What an ulp2 stream codes for ``n`` changes spread over three classes, with no history."""
+    from sparrowd.codec.bits import ulp2_context  # noqa: F401  (skips below without the extension)
+
+    counts = [(c, k) for c, k in zip((2, 5, 9), (n // 2, n // 3, n - n // 2 - n // 3)) if k]
+    ranks = np.concatenate([np.sort(rng.choice(50 * n, k, replace=False)) for _, k in counts]).astype(np.int64)
+    table = [[c, k, 6] for c, k in counts]
+    codes = np.where(rng.random(n) < 0.9, rng.integers(1, 3, n), rng.integers(3, 40, n)).astype(np.uint16)
+    none = np.empty(0, np.uint8)
+    return ranks, table, codes, none, none, none, codes[:0]
+
+
+def test_ulp2_contexts_carry_from_one_segment_to_the_next():
+    """A chunk's ulp2 segments are coded in order, each from the contexts the one before left: the
+    decoder, moving its contexts on the same way, gets every segment back and ends in the encoder's
+    state; decoding a later segment from fresh contexts does not give it back."""
+    from sparrowd.codec.bits import _native, ulp2_context, ulp2_pack, ulp2_unpack
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    rng = np.random.default_rng(11)
+    parts = [_ulp2_stream_parts(rng, n) for n in (300, 40, 2000)]
+    enc, dec = ulp2_context(), ulp2_context()
+    assert enc == dec and len(enc) > 0
+    streams = [ulp2_pack(*p, state=enc) for p in parts]
+    assert enc != ulp2_context()  # the contexts moved on
+    for (ranks, _, codes, *_), data in zip(parts, streams):
+        counts, got_ranks, got_codes, _, _ = ulp2_unpack(data, 50 * codes.size, codes.size, 2,
+                                                         np.empty(0, np.uint8), np.empty(0, np.uint8), dec)
+        assert np.array_equal(got_ranks, ranks) and np.array_equal(got_codes, codes)
+    assert dec == enc
+    # The third segment was coded from where the second left the contexts, not from fresh ones.
+    ranks, _, codes, *_ = parts[2]
+    try:
+        _, got_ranks, got_codes, _, _ = ulp2_unpack(streams[2], 50 * codes.size, codes.size, 2,
+                                                    np.empty(0, np.uint8), np.empty(0, np.uint8))
+    except FormatError:
+        pass
+    else:
+        assert not (np.array_equal(got_ranks, ranks) and np.array_equal(got_codes, codes))
+    with pytest.raises(ValueError, match="context state"):
+        ulp2_pack(*parts[0], state=bytearray(len(enc)))  # probabilities of 0: not a state a coder makes
+    with pytest.raises(ValueError, match="context state"):
+        ulp2_pack(*parts[0], state=bytearray(enc[:-2]))
+
+
+def test_ulp2_streams_end_without_slack():
+    """No stream starts with LZMA's constant zero byte nor ends in the zero bytes a decoder reads past
+    the end anyway; bytes beyond what the decoder reads are refused, and a byte lost is refused or
+    decodes to something else."""
+    from sparrowd.codec.bits import _native, ulp2_pack, ulp2_unpack
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    rng = np.random.default_rng(12)
+    none = np.empty(0, np.uint8)
+    firsts, lasts = set(), []
+    for n in (1, 2, 7, 64, 500):
+        for _ in range(20):
+            parts = _ulp2_stream_parts(rng, n)
+            ranks, _, codes, *_ = parts
+            data = ulp2_pack(*parts)
+            firsts.add(data[0])
+            lasts.append(data[-1])
+            got = ulp2_unpack(data, 50 * n, n, 2, none, none)
+            assert np.array_equal(got[1], ranks) and np.array_equal(got[2], codes)
+            with pytest.raises(FormatError, match="bytes over"):
+                ulp2_unpack(data + b"\x01" * 5, 50 * n, n, 2, none, none)
+            try:
+                short = ulp2_unpack(data[:-1], 50 * n, n, 2, none, none)
+            except FormatError:
+                continue
+            assert not (np.array_equal(short[1], ranks) and np.array_equal(short[2], codes))
+    assert firsts != {0}
+    assert sum(b != 0 for b in lasts) >= 0.9 * len(lasts)  # the flush's zero bytes are left out
