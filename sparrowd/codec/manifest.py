@@ -19,9 +19,10 @@ BLAKE3 of the content), each in *file chunks* whose entries name the file and
 the byte range they hold instead of segments. Anchors carry them, so a box
 with nothing gets a whole model folder through the swarm.
 
-A format 2 manifest (an ``ulp2`` patch) is that msgpack in one zstd frame:
-tensor names recur in every chunk's segment list, and on a 1% patch of a
-small model the plain manifest costs a third of a bit per changed element.
+A format 2 manifest (an ``ulp2`` patch) is that msgpack in one zstd frame, and
+its tensor chunks do not list their segments (each chunk's header does, and
+the chunk's hash in the signed manifest vouches for it): on a 1% patch of a
+small model the plain manifest cost a third of a bit per changed element.
 Format 1 manifests keep their plain bytes, which older readers expect.
 """
 
@@ -97,16 +98,15 @@ class ChunkEntry:
     hash: bytes
     size: int
     raw_size: int
-    segments: tuple[tuple[str, int, int, int], ...]  # (tensor name, start, stop, count)
+    # (tensor name, start, stop, count); None where the manifest does not list them (format 2: the
+    # chunk's own header does, and the chunk's hash vouches for it)
+    segments: tuple[tuple[str, int, int, int], ...] | None
     file: tuple[str, int, int] | None = None  # a file chunk: (file name, start, stop)
 
-    def to_wire(self) -> dict:
-        out = {
-            "hash": self.hash,
-            "size": self.size,
-            "raw_size": self.raw_size,
-            "segments": [list(s) for s in self.segments],
-        }
+    def to_wire(self, listed: bool = True) -> dict:
+        out = {"hash": self.hash, "size": self.size, "raw_size": self.raw_size}
+        if listed or self.file is not None:
+            out["segments"] = [list(s) for s in self.segments or ()]
         if self.file is not None:
             out["file"] = list(self.file)
         return out
@@ -171,7 +171,7 @@ class Manifest:
             "values": self.values,
             "chunk_size": self.chunk_size,
             "tensors": [t.to_wire() for t in self.tensors],
-            "chunks": [c.to_wire() for c in self.chunks],
+            "chunks": [c.to_wire(listed=self.values != ULP2) for c in self.chunks],
             "meta": dict(sorted(self.meta.items())),
         }
         if self.files:  # absent rather than empty: a manifest without files has the bytes it always had
@@ -218,7 +218,7 @@ class Manifest:
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise FormatError("manifest: meta must map strings to strings")
         tensors = tuple(_tensor_from_wire(t) for t in m["tensors"])
-        chunks = tuple(_chunk_from_wire(c) for c in m["chunks"])
+        chunks = tuple(_chunk_from_wire(c, m["values"] == ULP2) for c in m["chunks"])
         files = m.get("files") or []
         if not isinstance(files, list):
             raise FormatError("manifest: files must be a list")
@@ -244,6 +244,8 @@ class Manifest:
                 if c.segments or name not in files or start != filled[name] or not start < stop <= files[name].size:
                     raise FormatError(f"manifest: file chunk {c.hash.hex()[:16]} does not continue file {name!r}")
                 filled[name] = stop
+            if c.segments is None:
+                continue
             for name, start, stop, count in c.segments:
                 t = by.get(name)
                 if t is None or t.op == REMOVE:
@@ -251,8 +253,9 @@ class Manifest:
                 if not (0 <= start <= stop <= t.numel) or count > stop - start:
                     raise FormatError(f"manifest: segment [{start}, {stop}) x{count} does not fit tensor {name!r}")
                 written[name] = written.get(name, 0) + count
+        listed = all(c.segments is not None for c in self.chunks)
         for t in self.tensors:
-            if written.get(t.name, 0) != t.changed:
+            if listed and written.get(t.name, 0) != t.changed:
                 raise FormatError(f"manifest: tensor {t.name!r} claims {t.changed} changes, "
                                   f"chunks carry {written.get(t.name, 0)}")
             if t.op == FULL and t.changed != t.numel:
@@ -333,12 +336,16 @@ def _file_from_wire(f) -> FileEntry:
     return FileEntry(check_file_name(f["name"]), f["size"], f["hash"])
 
 
-def _chunk_from_wire(c) -> ChunkEntry:
-    fields(c, {"hash": Bytes, "size": NonNegInt, "raw_size": NonNegInt, "segments": List}, what="manifest chunk")
+def _chunk_from_wire(c, unlisted: bool) -> ChunkEntry:
+    """A chunk entry; ``unlisted`` (format 2): a tensor chunk's segments are not listed."""
+    fields(c, {"hash": Bytes, "size": NonNegInt, "raw_size": NonNegInt, "segments": Opt(List)},
+           what="manifest chunk")
     if len(c["hash"]) != 32:
         raise FormatError("manifest chunk: hash must be 32 bytes")
+    if (c.get("segments") is None) != (unlisted and c.get("file") is None):
+        raise FormatError("manifest chunk: segments are listed in format 1 and for file chunks, and only there")
     segs = []
-    for s in c["segments"]:
+    for s in c.get("segments") or ():
         if (
             not isinstance(s, list)
             or len(s) != 4
@@ -351,4 +358,5 @@ def _chunk_from_wire(c) -> ChunkEntry:
     if span is not None and not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
                                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span[1:])):
         raise FormatError("manifest chunk: file must be [name, start, stop]")
-    return ChunkEntry(c["hash"], c["size"], c["raw_size"], tuple(segs), tuple(span) if span is not None else None)
+    return ChunkEntry(c["hash"], c["size"], c["raw_size"], tuple(segs) if c.get("segments") is not None else None,
+                      tuple(span) if span is not None else None)

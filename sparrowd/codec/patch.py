@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import blake3
 import numpy as np
@@ -279,7 +280,10 @@ class PatchEncoder:
             files=tuple(self._files[n] for n in sorted(self._files)),
             history=None if self.history is None else (self.history.versions, self.history.fingerprint()),
         )
-        manifest.validate()
+        manifest.validate()  # with every chunk's segments: they add up to each tensor's changes
+        if self.values == ULP2:  # which format 2 does not list (the chunks' headers do): as a reader has it
+            manifest = replace(manifest, chunks=tuple(c if c.file is not None else replace(c, segments=None)
+                                                      for c in manifest.chunks))
         return manifest, rest
 
     def next_history(self) -> History:
@@ -440,12 +444,19 @@ def new_targets(manifest: Manifest, base: Mapping[str, RawTensor]) -> dict[str, 
 
 
 def check_segments(manifest: Manifest, entry: ChunkEntry, segments: list[Segment]) -> None:
-    """A decoded chunk must carry exactly what the manifest says it does."""
+    """A decoded chunk must carry exactly what the manifest says it does, or (format 2, whose
+    manifest does not list a chunk's segments) only segments that fit the manifest's tensors."""
     got = tuple((s.name, s.start, s.stop, s.count) for s in segments)
-    if got != entry.segments:
+    if entry.segments is not None and got != entry.segments:
         raise IntegrityError(f"chunk {entry.hash.hex()[:16]}: segments differ from the manifest")
     for s in segments:
-        t = manifest.tensor(s.name)
+        try:
+            t = manifest.tensor(s.name)
+        except KeyError:
+            t = None
+        if t is None or t.op == REMOVE or s.stop > t.numel:
+            raise FormatError(f"chunk segment {s.name!r}: no tensor of the manifest has the range "
+                              f"[{s.start}, {s.stop})")
         if s.dtype != t.dtype:
             raise FormatError(f"chunk segment {s.name!r}: dtype {s.dtype} but the manifest says {t.dtype}")
         if (t.op == PATCH) != (s.kind == SPARSE) or (is_ulp(s.values) and manifest.values != s.values):

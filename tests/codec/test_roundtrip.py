@@ -134,7 +134,10 @@ def test_large_tensor_is_split_across_chunks_and_round_trips(values):
     a, b = make_pair(rng, "BF16", (1 << 22,), "1%", "ulp")
     m = roundtrip({"w": a}, {"w": b}, values, 8 << 10)
     assert len(m.chunks) > 4
-    ranges = sorted((s[1], s[2]) for c in m.chunks for s in c.segments)
+    # A format 2 manifest does not list each chunk's segments; the chunks' headers do.
+    assert all((c.segments is None) == (values == ULP2) for c in m.chunks)
+    _, chunks = encode_patch({"w": a}, {"w": b}, version=5, base_version=4, values=values, chunk_size=8 << 10)
+    ranges = sorted((s[1], s[2]) for c in chunks for s in c.segments)
     assert ranges[0][0] == 0 and ranges[-1][1] == a.numel
     assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])), "segments must tile the tensor"
     sizes = [c.size for c in m.chunks[:-1]]
@@ -445,3 +448,29 @@ def test_ulp2_streams_end_without_slack():
             assert not (np.array_equal(short[1], ranks) and np.array_equal(short[2], codes))
     assert firsts != {0}
     assert sum(b != 0 for b in lasts) >= 0.9 * len(lasts)  # the flush's zero bytes are left out
+
+
+def test_ulp2_manifest_lists_no_segments_and_a_chunk_must_fit_its_tensors():
+    """A format 2 manifest leaves each chunk's segment list to the chunk's header (the signed hash
+    vouches for it); a decoded chunk is still refused when its segments name a tensor the manifest
+    lacks or run past one, and format 1 keeps listing them."""
+    from sparrowd.codec import decode_chunk
+    from sparrowd.codec.patch import check_segments
+
+    rng = np.random.default_rng(8)
+    a, b = make_pair(rng, "BF16", (5000,), "1%", "ulp")
+    m, chunks = encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP2)
+    assert b"segments" not in zstandard.ZstdDecompressor().decompress(m.to_bytes())
+    assert Manifest.from_bytes(m.to_bytes()) == m and m.chunks[0].segments is None
+    segs = decode_chunk(chunks[0].data, expect_hash=m.chunks[0].hash, base={"w": a.bits})
+    check_segments(m, m.chunks[0], segs)
+    other, _ = encode_patch({"v": a}, {"v": b}, version=2, base_version=1, values=ULP2)
+    with pytest.raises(FormatError, match="no tensor"):
+        check_segments(other, other.chunks[0], segs)
+    small = RawTensor("BF16", (100,), a.bits[:100])
+    short, _ = encode_patch({"w": small}, {"w": RawTensor("BF16", (100,), b.bits[:100] ^ 1)}, version=2,
+                            base_version=1, values=ULP2)
+    with pytest.raises(FormatError, match="no tensor"):
+        check_segments(short, short.chunks[0], segs)
+    m1, _ = encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP)
+    assert Manifest.from_bytes(m1.to_bytes()).chunks[0].segments == (("w", 0, 5000, m1.tensor("w").changed),)
