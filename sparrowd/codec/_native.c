@@ -994,11 +994,13 @@ static inline void adapt(struct prob *c, unsigned bit) {
 }
 
 /* With a change history (the elements the last HDEPTH patches changed, which the receiver knows
-   too): one context per class and age for "changed again", and signs by the direction of the last
-   change (0: none, 1: up, 2: down). */
+   too): one context per class and set of those patches that moved the element (a nonzero mask of
+   HDEPTH bits) for "changed again", and signs by the direction of the last change (0: none, 1: up,
+   2: down). */
 #define HDEPTH 3
+#define HMASKS ((1 << HDEPTH) - 1)
 struct ctx {
-    struct prob q[4], r[4], one[NCLASS], gamma[64], sign[2][3], present[2], count[64], dk[64], again[HDEPTH * NCLASS];
+    struct prob q[4], r[4], one[NCLASS], gamma[64], sign[2][3], present[2], count[64], dk[64], again[HMASKS * NCLASS];
 };
 
 static void ctx_init(struct ctx *c) {
@@ -1198,8 +1200,8 @@ static inline uint64_t dec_code(struct rc_dec *d, struct ctx *c, int cl, int dir
 }
 
 /* The history a segment is coded with: for each element the last patches changed inside it, in
-   position order, its context (class * HDEPTH + age: 0 changed in the last patch, 1 in the one
-   before, ...) and the direction it last moved in (1 up, 2 down). */
+   position order, its context (class * HMASKS + mask - 1: the mask's bit a is set when the patch a
+   back from the last changed it) and the direction it last moved in (1 up, 2 down). */
 struct history {
     Py_ssize_t m;
     const uint8_t *ctx, *dir;
@@ -1209,7 +1211,7 @@ static int parse_history(struct history *h, Py_buffer *cb, Py_buffer *db) {
     h->m = cb->len, h->ctx = cb->buf, h->dir = db->buf;
     if (db->len != cb->len) goto bad;
     for (Py_ssize_t i = 0; i < h->m; i++)
-        if (h->ctx[i] >= HDEPTH * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
+        if (h->ctx[i] >= HMASKS * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
     return 1;
 bad:
     PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 48, directions 1 or 2, one of each per element)");
@@ -1318,7 +1320,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         }
     }
     for (Py_ssize_t i = 0, a = 0; i < h.m; i++)
-        if (again[i]) enc_code(&e, &c, load_at(azb.buf, isz, a++) - 1, h.ctx[i] / HDEPTH, h.dir[i]);
+        if (again[i]) enc_code(&e, &c, load_at(azb.buf, isz, a++) - 1, h.ctx[i] / HMASKS, h.dir[i]);
     j = 0;
     for (Py_ssize_t i = 0; i < t.n; i++)
         for (int64_t m = 0; m < t.count[i]; m++, j++) enc_code(&e, &c, load_at(zb.buf, isz, j) - 1, (int)t.cls[i], 0);
@@ -1437,7 +1439,7 @@ static PyObject *ulp2_unpack(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0, a = 0; i < h.m && !err; i++) {
         if (!again[i]) continue;
-        const uint64_t z = dec_code(&d, &c, h.ctx[i] / HDEPTH, h.dir[i], isz, &bad);
+        const uint64_t z = dec_code(&d, &c, h.ctx[i] / HMASKS, h.dir[i], isz, &bad);
         if (z == 0) err = "an ulp code wider than its dtype";
         store_at(azb.buf, isz, a++, z);
         if (d.pos > d.len + 4) err = "runs past its end";
@@ -1477,9 +1479,9 @@ done:
 /*
  * history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n
  * One tensor's change history once a patch is applied (codec/history.py, History.after), in one
- * pass: the entries not moved again age (their age, state >> 1, grows by one) and those that reach
- * HDEPTH leave; the patch's changed positions `idx` (sorted) enter with age 0 and bit 0 set where
- * their zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
+ * pass: every entry's mask of moves (state >> 1) shifts up one patch, and an entry whose mask runs
+ * empty leaves; the patch's changed positions `idx` (sorted) enter, or stay, with bit 0 of the mask
+ * set and bit 0 of the state set where their zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
  * pos_out and state_out, which have room for both lists).
  */
 static PyObject *history_after(PyObject *self, PyObject *args) {
@@ -1504,11 +1506,13 @@ static PyObject *history_after(PyObject *self, PyObject *args) {
     Py_ssize_t i = 0, j = 0;
     while (i < no || j < ni) {
         if (j < ni && (i >= no || ip[j] <= op[i])) {
-            if (i < no && op[i] == ip[j]) i++; /* moved again: the new move replaces the entry */
-            pos[n] = ip[j], st[n++] = ((load_at(zb.buf, isz, j) - 1) & 1) == 0; /* bit 0: moved down */
+            unsigned mask = 1;
+            if (i < no && op[i] == ip[j]) mask |= (unsigned)os[i] & (HMASKS & ~1u), i++; /* moved again */
+            pos[n] = ip[j], st[n++] = (uint8_t)(mask << 1 | (((load_at(zb.buf, isz, j) - 1) & 1) == 0));
             j++;
         } else {
-            if ((os[i] >> 1) + 1 < HDEPTH) pos[n] = op[i], st[n++] = (uint8_t)(os[i] + 2); /* ages, or leaves */
+            const unsigned mask = (unsigned)os[i] & (HMASKS & ~1u); /* the mask, os >> 1, shifted up a patch */
+            if (mask) pos[n] = op[i], st[n++] = (uint8_t)(mask << 1 | (os[i] & 1)); /* or it leaves */
             i++;
         }
     }

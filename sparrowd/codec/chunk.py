@@ -80,7 +80,7 @@ from .bits import (
     ulp2_unpack,
     ulp_streams,
 )
-from .history import AGE, DEPTH, DOWN, TensorHistory
+from .history import DOWN, MASKS, TensorHistory
 
 __all__ = [
     "Segment",
@@ -250,12 +250,13 @@ def _encode_values(seg: Segment, info) -> list[np.ndarray]:
 
 
 def _history_context(hist: TensorHistory, bits: np.ndarray, dtype: str, lo: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per history element (``bits``: the base's bits there): its context, class * DEPTH + age, and
-    the direction it last moved in, 1 up or 2 down (docs/FORMAT.md, "History")."""
+    """Per history element (``bits``: the base's bits there): its context, class * MASKS + mask - 1
+    (the mask of the patches that moved it), and the direction it last moved in, 1 up or 2 down
+    (docs/FORMAT.md, "History")."""
     shift, mask = exponent_field(dtype)
     exp = ((bits >> bits.dtype.type(shift)) & bits.dtype.type(mask)).astype(np.int64)
     cls = np.clip(exp - lo, 0, NCLASS - 1).astype(np.uint8)
-    return cls * DEPTH + hist.state // AGE, 1 + (hist.state & DOWN)
+    return cls * MASKS + (hist.state >> 1) - 1, 1 + (hist.state & DOWN)
 
 
 def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
@@ -283,7 +284,7 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
         again_codes = codes[again]
         rank, cls, codes, rest = rank[~again], cls[~again], codes[~again], seg.indices[~again]
         # The other changes' ranks count no history element: less those of their class before them.
-        hkey = np.sort((hctx // DEPTH).astype(np.int64) << 40 | hist.positions)
+        hkey = np.sort((hctx // MASKS).astype(np.int64) << 40 | hist.positions)
         ckey = cls.astype(np.int64) << 40
         rank = rank - (np.searchsorted(hkey, ckey | rest) - np.searchsorted(hkey, ckey))
     else:

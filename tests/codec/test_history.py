@@ -6,7 +6,7 @@ import pytest
 import zstandard
 
 from sparrowd.codec import History, Manifest, RawTensor, apply_patch, decode_chunk, encode_patch
-from sparrowd.codec.history import AGE, DEPTH, DOWN, TensorHistory, changes_between
+from sparrowd.codec.history import DEPTH, DOWN, MOVED, TensorHistory, changes_between
 from sparrowd.codec.patch import MIN_CHUNK_SIZE
 from sparrowd.errors import BaseMismatchError, FormatError
 
@@ -71,25 +71,28 @@ def test_a_patch_names_its_history_and_any_other_is_refused_before_decoding():
 
 
 def test_history_ages_one_patch_at_a_time():
+    """An entry's state is its last direction and the mask of the last three patches that moved it
+    (MOVED for the latest, 2 * MOVED for the one before, 4 * MOVED for the one before that)."""
     assert DEPTH == 3
     h = History().after(1, {"a": (np.array([2, 5, 9]), np.array([2, 1, 2], np.uint16))})  # up, down, up
     a = h.get("a")
-    assert h.versions == (1,) and a.positions.tolist() == [2, 5, 9] and a.state.tolist() == [0, DOWN, 0]
+    assert h.versions == (1,) and a.positions.tolist() == [2, 5, 9]
+    assert a.state.tolist() == [MOVED, MOVED | DOWN, MOVED]
     h = h.after(2, {"a": (np.array([5, 7]), np.array([2, 1], np.uint16))}, reset=["gone"])
     a = h.get("a")  # 5 moved again (now up), 7 is new; 2 and 9 age
     assert h.versions == (2, 1)
-    assert a.positions.tolist() == [2, 5, 7, 9] and a.state.tolist() == [AGE, 0, DOWN, AGE]
+    assert a.positions.tolist() == [2, 5, 7, 9] and a.state.tolist() == [2 * MOVED, 3 * MOVED, MOVED | DOWN, 2 * MOVED]
     h = h.after(3, {"a": (np.array([9]), np.array([1], np.uint16))})
     assert h.versions == (3, 2, 1) and h.get("a").positions.tolist() == [2, 5, 7, 9]
-    assert h.get("a").state.tolist() == [2 * AGE, AGE, AGE | DOWN, DOWN]
-    h = h.after(4, {})  # nothing moved: the oldest drop out, the others age
+    assert h.get("a").state.tolist() == [4 * MOVED, 6 * MOVED, 2 * MOVED | DOWN, 5 * MOVED | DOWN]
+    h = h.after(4, {})  # nothing moved: the moves of the oldest patch drop out, and with them 2
     assert h.versions == (4, 3, 2) and h.get("a").positions.tolist() == [5, 7, 9]
-    assert h.get("a").state.tolist() == [2 * AGE, 2 * AGE | DOWN, AGE | DOWN]
+    assert h.get("a").state.tolist() == [4 * MOVED, 4 * MOVED | DOWN, 2 * MOVED | DOWN]
     assert not h.after(5, {}, reset=["a"]).versions
     assert h.after(5, {}).after(6, {}).after(7, {}).versions == ()  # all forgotten: no history at all
     assert h.get("a").within(6, 8).positions.tolist() == [7]
     same = History((4, 3, 2), {"a": TensorHistory(np.array([5, 7, 9]),
-                                                  np.array([2 * AGE, 2 * AGE | DOWN, AGE | DOWN], np.uint8))})
+                                                  np.array([4 * MOVED, 4 * MOVED | DOWN, 2 * MOVED | DOWN], np.uint8))})
     assert same.fingerprint() == h.fingerprint() != History().fingerprint()
 
 

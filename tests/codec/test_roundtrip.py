@@ -242,7 +242,7 @@ def test_ulp2_with_any_history_round_trips(dtype, n, seed, share, chunk_size):
     changed = np.flatnonzero(a.bits != b.bits)
     pick = np.union1d(changed[rng.random(changed.size) < share], np.flatnonzero(rng.random(n) < 0.03))
     pick = np.union1d(pick, [0, n - 1]).astype(np.int64)
-    h = History((4, 3), {"a": TensorHistory(pick, rng.integers(0, 4, pick.size).astype(np.uint8))})
+    h = History((4, 3), {"a": TensorHistory(pick, rng.integers(2, 16, pick.size).astype(np.uint8))})  # any mask
     m, chunks = encode_patch({"a": a}, {"a": b}, version=5, base_version=4, values=ULP2, history=h,
                              chunk_size=chunk_size)
     got = apply_patch(Manifest.from_bytes(m.to_bytes()), [c.data for c in chunks], {"a": a}, h)
