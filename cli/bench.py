@@ -170,8 +170,11 @@ def register_publish(bs) -> None:
         "per step. On the CPU, report publish time against a numpy pass that only compares the same tensors "
         "(target: at most 1.5x); on a GPU (or with --compare torch), the bandwidth of compare-and-extract against "
         "the device's copy bandwidth (target: at least half). Also the time to the first chunk.",
-        1024, extra=("device", "compare"))
+        1024, extra=("device", "compare", "values"))
     s.add_argument("--device", default="cpu", help="where the model lives: cpu (default), cuda, cuda:1, ...")
+    s.add_argument("--values", choices=("ulp", "ulp2"), default="ulp",
+                   help="the patches' value mode (default ulp; ulp2 codes against the base and the change history, "
+                        "docs/FORMAT.md)")
     s.add_argument("--compare", choices=("auto", "torch"), default="auto",
                    help="the Publisher's compare: auto (fused C pass on the CPU, torch on devices; default) or "
                         "torch (the device path, on the CPU too)")

@@ -49,7 +49,7 @@ def _copy_seconds(torch, model: dict, device) -> float:
 
 
 def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: str = "cpu",
-        compare: str = "auto", json_path: str | None = None) -> int:
+        compare: str = "auto", values: str = "ulp", json_path: str | None = None) -> int:
     import numpy as np
     import torch
 
@@ -76,12 +76,13 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
         print(f"sparrowd bench publish: {model_bytes / (1 << 30):.2f} GiB of bf16 in {len(model)} tensors on "
               f"{dev} ({where}), {100 * density:.1f}% of elements moved by one ulp per step, torch "
               f"{torch.__version__} ({torch.get_num_threads()} threads), "
-              f"{'fused C compare' if fused else 'torch compare'}")
+              f"{'fused C compare' if fused else 'torch compare'}, values {values}")
         t_copy = None if fused else _copy_seconds(torch, model, dev)
         if t_copy is not None:
             print(f"   device copy (clone of every tensor, best of 3): {t_copy:.3f} s, "
                   f"{model_bytes / t_copy / 1e9:.1f} GB/s")
-        pub = Publisher(daemon=trainer.url, token_file=trainer.token_file, anchor_every=0, compare=compare)
+        pub = Publisher(daemon=trainer.url, token_file=trainer.token_file, anchor_every=0, compare=compare,
+                        values=values)
         a = pub.start(model, version=0)  # the base, published whole as anchor 0
         print(f"   anchor 0 (the base, whole): {a.total_seconds:.2f} s, {a.patch_bytes / (1 << 20):.0f} MiB in "
               f"{a.chunks} chunks (encode {a.encode_seconds:.2f} s, hand-off {a.handoff_seconds:.2f} s)", flush=True)
@@ -134,6 +135,6 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
         print(f"\n   compare-and-extract / copy bandwidth (worst step) {worst:.2f}  >= {DEVICE_TARGET}  "
               f"{'PASS' if worst >= DEVICE_TARGET else 'MISS'}")
     if json_path:
-        write_json(json_path, {"device": str(dev), "compare": compare, "copy_seconds": t_copy,
+        write_json(json_path, {"device": str(dev), "compare": compare, "values": values, "copy_seconds": t_copy,
                                "model_bytes": model_bytes, "steps": rows})
     return 0
