@@ -1477,6 +1477,82 @@ done:
 }
 
 /*
+ * ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out,
+ *              is_hist_out, before_out)
+ * An ulp2 segment's changes against its history, in one merge of the two sorted position lists (the
+ * encoder's side of docs/FORMAT.md, "History"). Per history entry (hpos, hstate: positions and state
+ * bytes): its context, class * HMASKS + mask - 1, its class from the base's bits there (from `old`, the
+ * base's bits at idx, where the entry is a change and `base` already holds the new bits), its
+ * direction (1 up, 2 down) and whether it changed again. Per change (idx, sorted; cls, its class):
+ * whether it is a history entry, and how many history entries of its class lie before it (what its
+ * rank, which counts every element of its class, must lose).
+ */
+static PyObject *ulp2_history(PyObject *self, PyObject *args) {
+    Py_buffer bb, ib, cb, ob = {0}, pb, sb, xb, db, ab, hb, fb;
+    int isz, shift;
+    unsigned long long mask;
+    long long lo;
+    if (!PyArg_ParseTuple(args, "y*iiKLy*y*z*y*y*w*w*w*w*w*", &bb, &isz, &shift, &mask, &lo, &ib, &cb, &ob, &pb, &sb,
+                          &xb, &db, &ab, &hb, &fb))
+        return NULL;
+    PyObject *result = NULL;
+    struct classing k;
+    if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
+    const Py_ssize_t nb = bb.len / isz, n = ib.len / 8, m = pb.len / 8;
+    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || (ob.buf != NULL && (ob.len != n * isz ||
+        (uintptr_t)ob.buf % isz)) || pb.len % 8 || (uintptr_t)pb.buf % 8 || sb.len != m || xb.len != m ||
+        db.len != m || ab.len != m || hb.len != n || fb.len != n * 8 || (uintptr_t)fb.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_history: bad buffer sizes or alignment");
+        goto done;
+    }
+    const int64_t *idx = ib.buf, *hpos = pb.buf;
+    const uint8_t *cls = cb.buf, *hstate = sb.buf;
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (idx[j] < 0 || idx[j] >= nb || (j && idx[j] <= idx[j - 1]) || cls[j] >= NCLASS) goto bad;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (hpos[i] < 0 || hpos[i] >= nb || (i && hpos[i] <= hpos[i - 1]) || (hstate[i] >> 1) < 1 ||
+            (hstate[i] >> 1) > HMASKS)
+            goto bad;
+    uint8_t *hctx = xb.buf, *hdir = db.buf, *again = ab.buf, *is_hist = hb.buf;
+    int64_t *before = fb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t cnt[NCLASS] = {0};
+    Py_ssize_t i = 0, j = 0;
+    while (i < m || j < n) {
+        if (i < m && (j >= n || hpos[i] <= idx[j])) {
+            const int changed = j < n && idx[j] == hpos[i];
+            const uint64_t bits = changed && ob.buf != NULL ? load_at(ob.buf, isz, j) : load_at(k.base, isz, hpos[i]);
+            const unsigned c = klass(bits, k.shift, k.mask, k.lo);
+            hctx[i] = (uint8_t)(c * HMASKS + (hstate[i] >> 1) - 1), hdir[i] = (uint8_t)(1 + (hstate[i] & 1));
+            again[i] = (uint8_t)changed;
+            if (changed) is_hist[j] = 1, before[j] = 0, j++;
+            cnt[c]++, i++;
+        } else {
+            is_hist[j] = 0, before[j] = cnt[cls[j]], j++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+    goto done;
+bad:
+    PyErr_SetString(PyExc_ValueError, "ulp2_history: positions must be sorted and inside the base, classes below 16, "
+                                      "history masks 1 to 7");
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&cb);
+    if (ob.buf != NULL) PyBuffer_Release(&ob);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&fb);
+    return result;
+}
+
+/*
  * history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n
  * One tensor's change history once a patch is applied (codec/history.py, History.after), in one
  * pass: every entry's mask of moves (state >> 1) shifts up one patch, and an entry whose mask runs
@@ -1542,6 +1618,9 @@ static PyMethodDef methods[] = {
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, portable=False)"},
+    {"ulp2_history", ulp2_history, METH_VARARGS,
+     "ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out, "
+     "is_hist_out, before_out)"},
     {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
     {"ulp2_pack", ulp2_pack, METH_VARARGS,
      "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},

@@ -59,6 +59,7 @@ __all__ = [
     "CENSUS",
     "class_scan",
     "ulp2_context",
+    "ulp2_history",
     "ulp2_pack",
     "ulp2_unpack",
     "MAX_ULP2_K",
@@ -514,6 +515,26 @@ def _needs_native(what: str) -> None:
     if _native is None:
         raise FormatError(f"{what}: ulp2 needs sparrowd's C extension (built at install time with a C compiler; "
                           "reinstall with one, or use --values ulp)")
+
+
+def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np.ndarray, old: np.ndarray | None,
+                 hpos: np.ndarray, hstate: np.ndarray) -> tuple[np.ndarray, ...]:
+    """An ulp2 segment's changes (``idx`` sorted, ``cls`` their classes; ``old``: the base's bits at
+    them where ``base`` holds the new ones) against its history (``hpos``, ``hstate``), in one merge:
+    per history entry its context and direction (as the decoder's) and whether it changed again (uint8
+    each); per change whether it is a history entry (bool) and how many history entries of its class
+    lie before it (int64)."""
+    _needs_native("encoding")
+    shift, mask = exponent_field(dtype)
+    m, n = hpos.size, idx.size
+    hctx, hdir, again = np.empty(m, np.uint8), np.empty(m, np.uint8), np.empty(m, np.uint8)
+    is_hist, before = np.empty(n, np.uint8), np.empty(n, np.int64)
+    _native.ulp2_history(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo,
+                         np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(cls, np.uint8),
+                         None if old is None else np.ascontiguousarray(old, base.dtype),
+                         np.ascontiguousarray(hpos, np.int64), np.ascontiguousarray(hstate, np.uint8),
+                         hctx, hdir, again, is_hist, before)
+    return hctx, hdir, again, is_hist.view(bool), before
 
 
 def ulp2_context() -> bytearray:

@@ -76,6 +76,7 @@ from .bits import (
     to_planes,
     uint_type,
     ulp2_context,
+    ulp2_history,
     ulp2_pack,
     ulp2_unpack,
     ulp_streams,
@@ -271,22 +272,15 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
     cls, codes = r.cls, seg.data
     hist = seg.history.within(seg.start, seg.stop) if seg.history is not None else None
     if hist is not None and hist.positions.size:
-        bits = seg.base[hist.positions]
-        if r.old is not None:  # the base holds the new bits where it changed: the old ones are kept aside
-            at = np.minimum(np.searchsorted(r.indices, hist.positions), r.indices.size - 1)
-            moved = r.indices[at] == hist.positions
-            bits[moved] = r.old[at[moved]]
-        hctx, hdir = _history_context(hist, bits, seg.dtype, r.lo)
-        at = np.minimum(np.searchsorted(hist.positions, seg.indices), hist.positions.size - 1)
-        again = hist.positions[at] == seg.indices  # changes of history elements: coded as such
-        flags = np.zeros(hist.positions.size, np.uint8)
-        flags[at[again]] = 1
-        again_codes = codes[again]
-        rank, cls, codes, rest = rank[~again], cls[~again], codes[~again], seg.indices[~again]
+        old = None
+        if r.old is not None and seg.indices.size:  # the base holds the new bits where it changed: old ones
+            k = int(np.searchsorted(r.indices, seg.indices[0]))  # the segment's changes: a run of the tensor's
+            old = r.old[k:k + seg.indices.size]
+        hctx, hdir, flags, again, before = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls, old,
+                                                        hist.positions, hist.state)
+        again_codes = codes[again]  # changes of history elements: coded as such
         # The other changes' ranks count no history element: less those of their class before them.
-        hkey = np.sort((hctx // MASKS).astype(np.int64) << 40 | hist.positions)
-        ckey = cls.astype(np.int64) << 40
-        rank = rank - (np.searchsorted(hkey, ckey | rest) - np.searchsorted(hkey, ckey))
+        rank, cls, codes = rank[~again] - before[~again], cls[~again], codes[~again]
     else:
         hctx = hdir = flags = np.empty(0, np.uint8)
         again_codes = codes[:0]

@@ -474,3 +474,37 @@ def test_ulp2_manifest_lists_no_segments_and_a_chunk_must_fit_its_tensors():
         check_segments(short, short.chunks[0], segs)
     m1, _ = encode_patch({"w": a}, {"w": b}, version=2, base_version=1, values=ULP)
     assert Manifest.from_bytes(m1.to_bytes()).chunks[0].segments == (("w", 0, 5000, m1.tensor("w").changed),)
+
+
+def test_ulp2_from_a_kept_copy_already_moved_gives_the_same_chunks():
+    """The Publisher's path: its kept copy of the base already holds the new bits where they changed,
+    and the old bits come aside (``add_extract`` with ``old_values``). Against a history, the chunks
+    are byte for byte those coded from the untouched base."""
+    from sparrowd.codec import History, PatchEncoder
+    from sparrowd.codec.history import changes_between
+
+    rng = np.random.default_rng(21)
+    n = 1 << 21
+    snaps = [make_pair(rng, "BF16", (n,), "1%", "ulp")[0]]
+    for _ in range(3):
+        b = snaps[-1].bits.copy()
+        moved = rng.choice(n, 20_000, replace=False)
+        b[moved[:10_000]] += 1
+        b[moved[10_000:]] -= 1
+        b[rng.choice(40_000, 5_000, replace=False)] += 1  # some of the first elements move again and again
+        snaps.append(RawTensor("BF16", (n,), b))
+    h = History()
+    for v in (1, 2):
+        h = h.after(v, changes_between({"w": snaps[v - 1]}, {"w": snaps[v]}))
+    old, new = snaps[2], snaps[3]
+    idx = np.flatnonzero(old.bits != new.bits).astype(np.int64)
+
+    def chunks(kept: RawTensor, ov) -> list[bytes]:
+        enc = PatchEncoder(version=3, base_version=2, values=ULP2, history=h, chunk_size=MIN_CHUNK_SIZE)
+        out = enc.add_extract("w", kept, new, idx, b"f" * 16, b"g" * 16, ov, new.bits[idx])
+        m, rest = enc.finish()
+        assert len(m.chunks) > 3
+        return [c.data for c in out + rest]
+
+    moved_copy = RawTensor("BF16", (n,), new.bits.copy())  # the kept copy, brought up to date
+    assert chunks(moved_copy, old.bits[idx]) == chunks(old, None)
