@@ -58,8 +58,8 @@ from pathlib import Path
 import blake3
 import numpy as np
 
-from .codec.bits import RawTensor
-from .codec.chunk import ULP, ULP2
+from .codec.bits import RawTensor, dtype_info
+from .codec.chunk import ULP, ULP2, join_ranks, rank_changes
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
@@ -148,6 +148,17 @@ class _Stream:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
 
 
+def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None):
+    """The CPU compare (the fused pass, which also brings the kept copy up to date), and for ulp2
+    (``dtype`` given) the changes' exponent-class ranks in the same worker: the class scan of the
+    base is the costliest part of an ulp2 patch, and it runs beside the other compares."""
+    idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True)
+    ranked = None
+    if dtype is not None and idx.size and dtype_info(dtype).is_float:
+        ranked = join_ranks([rank_changes(kept, dtype, idx, ov)], idx, ov)
+    return idx, ov, nv, old_fp, new_fp, ranked
+
+
 @dataclass
 class _Pending:
     """A version whose manifest was sent but whose reply never came: the daemon may hold it."""
@@ -156,7 +167,7 @@ class _Pending:
     manifest: str  # BLAKE3 of the manifest's bytes, hex
     updates: list
     moved: list  # kept copies and host mirrors already moved to this version: undone if the daemon did not take it
-    history: History  # ulp2: the change history once this version is applied
+    history: History | Future  # ulp2: the change history once this version is applied (or its merge under way)
 
 
 class Publisher:
@@ -193,6 +204,9 @@ class Publisher:
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
+        # ulp2: segments are prepared (ranks offset, history merged) on threads of their own, so that
+        # the encoder's thread only cuts and codes chunks; compares queued ahead do not hold them up
+        self._segments = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-segments")
 
     # ------------------------------------------------------------ inputs
 
@@ -312,8 +326,10 @@ class Publisher:
             raise InputError(f"version {version} does not follow the last published version {self.version}")
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version)
+        ulp2 = self.values == ULP2
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
-                           chunk_size=self._patch_chunk_size(), history=self._history if self.values == ULP2 else None)
+                           chunk_size=self._patch_chunk_size(), history=self._history_now() if ulp2 else None,
+                           pool=self._segments if ulp2 else None)
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
 
@@ -321,14 +337,14 @@ class Publisher:
         # version, put back if the version is not published.
         moved: list = []
 
-        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list) -> None:
+        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list, ranked=None) -> None:
             t0 = time.perf_counter()
             if update[3] is None:  # compared by torch: the new fingerprint comes from the host mirror
                 kept.mirror[idx] = nv
                 moved.append((kept.mirror, idx, ov))
                 update[3] = fingerprint(kept.mirror)
             # The values were gathered already; the encoder only needs the layout of both sides.
-            chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv)
+            chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv, ranked)
             stats.encode_seconds += time.perf_counter() - t0
             stream.send(chunks)
 
@@ -347,8 +363,8 @@ class Publisher:
         # On the CPU the fused C pass compares, gathers, fingerprints and brings the kept copy up to
         # date in one read; tensors go to two threads (the pass releases the GIL) and come back in
         # name order.
-        cpu = {name: self._compare.submit(self._timed, diff_fingerprint, self._host(self._last[name].bits),
-                                          self._host(new.bits), hash_old=False, update_old=True)
+        cpu = {name: self._compare.submit(self._timed, _compare_and_rank, self._host(self._last[name].bits),
+                                          self._host(new.bits), new.dtype if ulp2 else None)
                for name, new in served.items() if not self._by_torch(new.bits)}
         try:
             for name in names:
@@ -356,8 +372,9 @@ class Publisher:
                 stats.tensors += 1
                 stats.elements += new.bits.numel()
                 t0 = time.perf_counter()
+                ranked = None
                 if name in cpu:
-                    seconds, (idx_h, ov, nv, _, new_fp) = cpu.pop(name).result()
+                    seconds, (idx_h, ov, nv, _, new_fp, ranked) = cpu.pop(name).result()
                     stats.compare_seconds += seconds
                     if idx_h.size == 0:
                         continue  # the kept copy stays as it is
@@ -384,12 +401,14 @@ class Publisher:
                 stats.tensors_changed += 1
                 stats.elements_changed += int(idx_h.size)
                 layout = RawTensor(new.dtype, new.shape, host_new)
-                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update))
+                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update, ranked))
             for f in sent:
                 f.result()  # errors from the worker (daemon down, refused) surface here
             manifest, rest = enc.finish()
             stream.send(rest)
             body = manifest.to_bytes()
+            # The history the next patch is coded against, merged while the daemon signs this one.
+            history = self._segments.submit(enc.next_history) if ulp2 else enc.next_history()
         except BaseException:
             for f in [*sent, *cpu.values()]:
                 f.cancel()  # what has not started never will
@@ -407,9 +426,9 @@ class Publisher:
         except BaseException:  # an error, or an interrupt mid-request
             # Taken or not? The next call asks the daemon, and adopts this version if it is there
             # (or puts the kept copies back if it is not).
-            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved, enc.next_history())
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved, history)
             raise
-        self._advance(version, updates, enc.next_history())
+        self._advance(version, updates, history)
         self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
         if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
@@ -431,6 +450,7 @@ class Publisher:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._compare.shutdown(wait=True)
+        self._segments.shutdown(wait=True)
 
     def __enter__(self) -> "Publisher":
         return self
@@ -455,7 +475,13 @@ class Publisher:
         for host, idx, old_values in reversed(moved):
             host[idx] = old_values
 
-    def _advance(self, version: int, updates, history: History) -> None:
+    def _history_now(self) -> History:
+        """The change history the rollout nodes hold at ``self.version`` (its merge may still be under way)."""
+        if isinstance(self._history, Future):
+            self._history = self._history.result()
+        return self._history
+
+    def _advance(self, version: int, updates, history: History | Future) -> None:
         """Published: bring the kept copies up to this version, O(changed elements), no full copy."""
         for kept, idx, values, new_fp in updates:
             if values is not None:  # None: the CPU compare moved the kept copy in place already
