@@ -148,15 +148,26 @@ class _Stream:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
 
 
+def _ranks(base: np.ndarray, idx: np.ndarray, ov: np.ndarray, dtype: str | None):
+    """For ulp2 (``dtype`` given, a float), the changes' exponent-class ranks in ``base``, which
+    already holds the new bits at ``idx`` (``ov``: the old ones)."""
+    if dtype is None or not idx.size or not dtype_info(dtype).is_float:
+        return None
+    return join_ranks([rank_changes(base, dtype, idx, ov)], idx, ov)
+
+
+def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None):
+    """A torch compare's host mirror brought to the new version: its fingerprint, and its ranks."""
+    mirror[idx] = nv
+    return fingerprint(mirror), _ranks(mirror, idx, ov, dtype)
+
+
 def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None):
     """The CPU compare (the fused pass, which also brings the kept copy up to date), and for ulp2
     (``dtype`` given) the changes' exponent-class ranks in the same worker: the class scan of the
     base is the costliest part of an ulp2 patch, and it runs beside the other compares."""
     idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True)
-    ranked = None
-    if dtype is not None and idx.size and dtype_info(dtype).is_float:
-        ranked = join_ranks([rank_changes(kept, dtype, idx, ov)], idx, ov)
-    return idx, ov, nv, old_fp, new_fp, ranked
+    return idx, ov, nv, old_fp, new_fp, _ranks(kept, idx, ov, dtype)
 
 
 @dataclass
@@ -332,17 +343,17 @@ class Publisher:
                            pool=self._segments if ulp2 else None)
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
+        mirrors: list[Future] = []  # torch compares: host mirrors moved, fingerprinted (and ranked)
 
         # (host array, positions, old values): kept copies and host mirrors already moved to this
         # version, put back if the version is not published.
         moved: list = []
 
-        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list, ranked=None) -> None:
+        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list, ranked=None,
+                   mirrored: Future | None = None) -> None:
             t0 = time.perf_counter()
-            if update[3] is None:  # compared by torch: the new fingerprint comes from the host mirror
-                kept.mirror[idx] = nv
-                moved.append((kept.mirror, idx, ov))
-                update[3] = fingerprint(kept.mirror)
+            if mirrored is not None:  # compared by torch: the host mirror was moved (and ranked) on a thread
+                update[3], ranked = mirrored.result()
             # The values were gathered already; the encoder only needs the layout of both sides.
             chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv, ranked)
             stats.encode_seconds += time.perf_counter() - t0
@@ -372,7 +383,7 @@ class Publisher:
                 stats.tensors += 1
                 stats.elements += new.bits.numel()
                 t0 = time.perf_counter()
-                ranked = None
+                ranked = mirrored = None
                 if name in cpu:
                     seconds, (idx_h, ov, nv, _, new_fp, ranked) = cpu.pop(name).result()
                     stats.compare_seconds += seconds
@@ -397,11 +408,17 @@ class Publisher:
                     stats.to_host_seconds += time.perf_counter() - t0
                     host_new = old.mirror
                     update = [old, idx, new_vals, None]
+                    # The mirror moves on a compare thread, taking its new fingerprint (and for ulp2 its
+                    # class ranks) there, beside the other tensors'; recorded first, so it can be put back.
+                    moved.append((old.mirror, idx_h, ov))
+                    mirrored = self._compare.submit(_move_mirror, old.mirror, idx_h, nv, ov,
+                                                    new.dtype if ulp2 else None)
+                    mirrors.append(mirrored)
                 updates.append(update)
                 stats.tensors_changed += 1
                 stats.elements_changed += int(idx_h.size)
                 layout = RawTensor(new.dtype, new.shape, host_new)
-                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update, ranked))
+                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update, ranked, mirrored))
             for f in sent:
                 f.result()  # errors from the worker (daemon down, refused) surface here
             manifest, rest = enc.finish()
@@ -410,9 +427,9 @@ class Publisher:
             # The history the next patch is coded against, merged while the daemon signs this one.
             history = self._segments.submit(enc.next_history) if ulp2 else enc.next_history()
         except BaseException:
-            for f in [*sent, *cpu.values()]:
+            for f in [*sent, *cpu.values(), *mirrors]:
                 f.cancel()  # what has not started never will
-            for f in sent:
+            for f in [*sent, *mirrors]:
                 if not f.cancelled():
                     f.exception()  # wait for the one running: it may still move a mirror
             for name, f in cpu.items():  # a compare that ran has moved its kept copy
