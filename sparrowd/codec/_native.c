@@ -1214,7 +1214,7 @@ static int parse_history(struct history *h, Py_buffer *cb, Py_buffer *db) {
         if (h->ctx[i] >= HMASKS * NCLASS || h->dir[i] < 1 || h->dir[i] > 2) goto bad;
     return 1;
 bad:
-    PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 48, directions 1 or 2, one of each per element)");
+    PyErr_SetString(PyExc_ValueError, "ulp2: bad history (contexts below 112, directions 1 or 2, one of each per element)");
     return 0;
 }
 
@@ -1557,8 +1557,8 @@ done:
  * One tensor's change history once a patch is applied (codec/history.py, History.after), in one
  * pass: every entry's mask of moves (state >> 1) shifts up one patch, and an entry whose mask runs
  * empty leaves; the patch's changed positions `idx` (sorted) enter, or stay, with bit 0 of the mask
- * set and bit 0 of the state set where their zigzag ulp code moved them down. Both position lists are sorted; so is the result (n entries of
- * pos_out and state_out, which have room for both lists).
+ * set and bit 0 of the state set where their zigzag ulp code moved them down. Both position lists
+ * are sorted; so is the result (n entries of pos_out and state_out, which have room for both lists).
  */
 static PyObject *history_after(PyObject *self, PyObject *args) {
     Py_buffer ob, sb, ib, zb, pb, qb;
