@@ -16,6 +16,7 @@ ulp), and ``check_result``. :func:`apply_patch` chains them in memory.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -105,13 +106,19 @@ class PatchEncoder:
         self.version, self.base_version, self.values = version, base_version, values
         self.chunk_size = chunk_size
         self.meta = dict(meta or {})
-        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        self._level = level
+        self._cctx = _compressor(level)
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
         self._files: dict[str, FileEntry] = {}
         self._pool = pool
         self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
+        # With a pool, chunks close on it too (their ulp2 streams are coded in order inside each chunk,
+        # so chunks are the grain of parallel coding): up to LAG of them in flight, settled in order.
+        # A chunk's cut depends on the compressed sizes of the chunks before it only up to LAG back,
+        # with a pool or without, so the output depends neither on timing nor on the pool.
+        self._inflight: deque[tuple[Future, float]] = deque()
         if history is not None and values != ULP2:
             raise InputError("a change history is for ulp2 patches only")
         self.history = history if history is not None and history.versions else None
@@ -216,7 +223,7 @@ class PatchEncoder:
         if len(view) > MAX_FILE:
             raise InputError(f"file {name!r}: {len(view)} bytes, more than {MAX_FILE} (is it weights?)")
         self._files[name] = FileEntry(name, len(view), blake3.blake3(view).digest())
-        out = []
+        out = self._settle(0)  # the tensor chunks in flight go first, in the order they were cut
         for start in range(0, len(view), self.chunk_size):
             c = encode_file_chunk(name, start, view[start : start + self.chunk_size], self._cctx)
             self._chunks.append(ChunkEntry(c.hash, c.size, c.raw_size, (), c.file))
@@ -236,7 +243,7 @@ class PatchEncoder:
         while True:
             room = self.chunk_size / self._ratio - self._pending_est
             if self._pending and room < self.chunk_size / self._ratio / 16:
-                out.append(self._flush())
+                out += self._flush()
                 continue
             fit = max(1, int(room / per))
             if fit >= seg.count:
@@ -246,29 +253,43 @@ class PatchEncoder:
             head, seg = _split(seg, fit)
             self._pending.append(self._encode(head))
             self._pending_est += head.count * per
-            out.append(self._flush())
+            out += self._flush()
 
     def _encode(self, seg: Segment) -> Future:
         if self._pool is not None:
             return self._pool.submit(encode_segment, seg)
-        done: Future = Future()
-        done.set_result(encode_segment(seg))
-        return done
+        return _done(encode_segment(seg))
 
-    def _flush(self) -> Chunk:
-        chunk = encode_chunk([f.result() for f in self._pending], self._cctx)
-        if self._pending_est > 0:
-            self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / self._pending_est)
+    def _flush(self) -> list[Chunk]:
+        """Close the pending segments into a chunk; returns the chunks settled meanwhile, in order."""
+        pending, est = self._pending, self._pending_est
         self._pending, self._pending_est = [], 0.0
-        self._chunks.append(ChunkEntry(chunk.hash, chunk.size, chunk.raw_size, chunk.segments))
-        return chunk
+        if self._pool is None:
+            self._inflight.append((_done(_close_chunk(pending, self._cctx)), est))
+        else:
+            self._inflight.append((self._pool.submit(_close_chunk, pending, None, self._level), est))
+        return self._settle(LAG)  # with a pool or without, so that both cut the same chunks
+
+    def _settle(self, keep: int) -> list[Chunk]:
+        """Take closed chunks in order until at most ``keep`` are in flight: each recalibrates the
+        compressed-to-estimated ratio the next cuts use, and joins the manifest's list."""
+        out = []
+        while len(self._inflight) > keep:
+            fut, est = self._inflight.popleft()
+            chunk = fut.result()
+            if est > 0:
+                self._ratio = 0.5 * self._ratio + 0.5 * (chunk.size / est)
+            self._chunks.append(ChunkEntry(chunk.hash, chunk.size, chunk.raw_size, chunk.segments))
+            out.append(chunk)
+        return out
 
     def finish(self) -> tuple[Manifest, list[Chunk]]:
         """Flush what is pending; the manifest lists every chunk handed out."""
         if self._finished:
             raise RuntimeError("PatchEncoder.finish called twice")
         self._finished = True
-        rest = [self._flush()] if self._pending else []
+        rest = self._flush() if self._pending else []
+        rest += self._settle(0)
         manifest = Manifest(
             version=self.version,
             base_version=self.base_version,
@@ -293,6 +314,24 @@ class PatchEncoder:
             raise RuntimeError("PatchEncoder.next_history before finish")
         start = History() if self.base_version is None or self.history is None else self.history
         return start.after(self.version, self._moved, self._reset)
+
+
+LAG = 2  # chunks an encoder with a pool keeps closing at once (PatchEncoder._flush)
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+
+
+def _close_chunk(pending: list[Future], cctx: zstandard.ZstdCompressor | None, level: int = DEFAULT_LEVEL) -> Chunk:
+    """A chunk from its segments as they are encoded (on a pool: with a compressor of its own)."""
+    return encode_chunk([f.result() for f in pending], cctx if cctx is not None else _compressor(level))
+
+
+def _done(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
 
 
 def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
@@ -405,9 +444,9 @@ def encode_patch(
                 chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv, ranked)
             if on_tensor:
                 on_tensor(name, changed)
-    for name, data in sorted((files or {}).items()):
-        chunks += enc.add_file(name, data)
-    manifest, rest = enc.finish()
+        for name, data in sorted((files or {}).items()):
+            chunks += enc.add_file(name, data)
+        manifest, rest = enc.finish()  # the last chunks close on the pool too
     return manifest, chunks + rest
 
 
