@@ -215,8 +215,8 @@ class Publisher:
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
-        # ulp2: segments are prepared (ranks offset, history merged) on threads of their own, so that
-        # the encoder's thread only cuts and codes chunks; compares queued ahead do not hold them up
+        # Segments are encoded (for ulp2: ranks offset, history merged) and chunks closed on threads of
+        # their own, so that the encoder's thread only cuts; compares queued ahead do not hold them up
         self._segments = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-segments")
 
     # ------------------------------------------------------------ inputs
@@ -340,7 +340,7 @@ class Publisher:
         ulp2 = self.values == ULP2
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
                            chunk_size=self._patch_chunk_size(), history=self._history_now() if ulp2 else None,
-                           pool=self._segments if ulp2 else None)
+                           pool=self._segments)
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
         mirrors: list[Future] = []  # torch compares: host mirrors moved, fingerprinted (and ranked)
