@@ -1477,6 +1477,83 @@ done:
 }
 
 /*
+ * ulp2_rows_pack(flags, ctx) -> bytes;  ulp2_rows_unpack(data, ctx, flags_out)
+ * The rows stream of an ulp2 segment in row mode (docs/FORMAT.md): for each row the segment touches,
+ * a modelled bit, 1 if the row has changes, in ROWS[ctx] (ctx 1 where the row holds an element of
+ * the segment's history, else 0), with a range coder and contexts of its own, ended as every ulp2
+ * stream is.
+ */
+static PyObject *ulp2_rows_pack(PyObject *self, PyObject *args) {
+    Py_buffer fb, cb;
+    if (!PyArg_ParseTuple(args, "y*y*", &fb, &cb)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *buf = NULL;
+    const Py_ssize_t n = fb.len;
+    const uint8_t *flags = fb.buf, *ctx = cb.buf;
+    if (cb.len != n) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_rows_pack: one context per row");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ctx[i] > 1 || flags[i] > 1) {
+            PyErr_SetString(PyExc_ValueError, "ulp2_rows_pack: flags and contexts are 0 or 1");
+            goto done;
+        }
+    const Py_ssize_t cap = n * 11 / 8 + 64;
+    buf = PyMem_Malloc(cap);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    struct prob rows[2] = {{PINIT, 0}, {PINIT, 0}};
+    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, -1, cap};
+    for (Py_ssize_t i = 0; i < n; i++) enc_bit(&e, &rows[ctx[i]], flags[i]);
+    enc_finish(&e);
+    if (e.pos > cap) {
+        PyErr_SetString(PyExc_RuntimeError, "ulp2_rows_pack: the stream outgrew its buffer");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)buf, e.pos);
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
+static PyObject *ulp2_rows_unpack(PyObject *self, PyObject *args) {
+    Py_buffer db, cb, fb;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &db, &cb, &fb)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = cb.len;
+    const uint8_t *ctx = cb.buf;
+    uint8_t *flags = fb.buf;
+    if (fb.len != n) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_rows_unpack: one flag per context");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ctx[i] > 1) {
+            PyErr_SetString(PyExc_ValueError, "ulp2_rows_unpack: contexts are 0 or 1");
+            goto done;
+        }
+    struct prob rows[2] = {{PINIT, 0}, {PINIT, 0}};
+    struct rc_dec d = {db.buf, 0, db.len, 0xFFFFFFFFu, 0};
+    for (int b = 0; b < 4; b++) d.code = (d.code << 8) | dec_byte(&d);
+    for (Py_ssize_t i = 0; i < n && d.pos <= d.len + 4; i++) flags[i] = (uint8_t)dec_bit(&d, &rows[ctx[i]]);
+    if (d.pos < d.len || d.pos > d.len + 4) {
+        PyErr_Format(PyExc_ValueError, "ulp2 rows stream %s", d.pos > d.len ? "runs past its end" : "leaves bytes over");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&fb);
+    return result;
+}
+
+/*
  * ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out,
  *              is_hist_out, before_out)
  * An ulp2 segment's changes against its history, in one merge of the two sorted position lists (the
@@ -1618,6 +1695,8 @@ static PyMethodDef methods[] = {
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, portable=False)"},
+    {"ulp2_rows_pack", ulp2_rows_pack, METH_VARARGS, "ulp2_rows_pack(flags, ctx) -> bytes"},
+    {"ulp2_rows_unpack", ulp2_rows_unpack, METH_VARARGS, "ulp2_rows_unpack(data, ctx, flags_out)"},
     {"ulp2_history", ulp2_history, METH_VARARGS,
      "ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out, "
      "is_hist_out, before_out)"},

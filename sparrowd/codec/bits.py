@@ -60,6 +60,8 @@ __all__ = [
     "class_scan",
     "ulp2_context",
     "ulp2_history",
+    "ulp2_rows_pack",
+    "ulp2_rows_unpack",
     "ulp2_pack",
     "ulp2_unpack",
     "MAX_ULP2_K",
@@ -535,6 +537,24 @@ def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np
                          np.ascontiguousarray(hpos, np.int64), np.ascontiguousarray(hstate, np.uint8),
                          hctx, hdir, again, is_hist, before)
     return hctx, hdir, again, is_hist.view(bool), before
+
+
+def ulp2_rows_pack(flags: np.ndarray, ctx: np.ndarray) -> bytes:
+    """The rows stream of an ulp2 segment in row mode: per row it touches, whether the row has changes
+    (``flags``), modelled in the row's context ``ctx`` (1: the row holds a history element)."""
+    _needs_native("encoding")
+    return _native.ulp2_rows_pack(np.ascontiguousarray(flags, np.uint8), np.ascontiguousarray(ctx, np.uint8))
+
+
+def ulp2_rows_unpack(data, ctx: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`ulp2_rows_pack`: the rows' flags (bool); FormatError on a bad stream."""
+    _needs_native("decoding")
+    flags = np.empty(ctx.size, np.uint8)
+    try:
+        _native.ulp2_rows_unpack(data, np.ascontiguousarray(ctx, np.uint8), flags)
+    except ValueError as e:
+        raise FormatError(str(e)) from None
+    return flags.view(bool)
 
 
 def ulp2_context() -> bytearray:

@@ -78,6 +78,8 @@ from .bits import (
     ulp2_context,
     ulp2_history,
     ulp2_pack,
+    ulp2_rows_pack,
+    ulp2_rows_unpack,
     ulp2_unpack,
     ulp_streams,
 )
@@ -139,6 +141,7 @@ class Segment:
     base: np.ndarray | None = None  # ulp2, encoding: the base tensor's flat bits (its classes)
     ranked: Ranked | None = None  # ulp2, encoding: the changes' classes and ranks (rank_changes)
     history: TensorHistory | None = None  # ulp2, encoding: the tensor's change history (codec.history)
+    row: int = 0  # ulp2, encoding: the tensor's row length (its last dimension; 0 for a vector), for row mode
 
     @property
     def count(self) -> int:
@@ -229,15 +232,15 @@ class Chunk:
 # ---------------------------------------------------------------- encoding
 
 
-STREAMS = ("unary", "rem", "sign", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "coded")
+STREAMS = ("unary", "rem", "sign", "mag", "esc", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "coded", "rows")
 _RANK = {name: i for i, name in enumerate(STREAMS)}
 
 
-def segment_streams(kind: str, values: str, itemsize: int) -> tuple[str, ...]:
+def segment_streams(kind: str, values: str, itemsize: int, rows: bool = False) -> tuple[str, ...]:
     """The streams a segment's blobs belong to, in the order of its ``blobs`` lengths (an ulp2
-    segment has one, range-coded)."""
+    segment has one, range-coded; in row mode, the rows stream before it)."""
     if values == ULP2:
-        return ("coded",)
+        return ("rows", "coded") if rows else ("coded",)
     idx = ("unary", "rem") if kind == SPARSE else ()
     vals = ("sign", "mag", "esc") if values == ULP else tuple(f"p{i}" for i in range(itemsize))
     return idx + vals
@@ -260,13 +263,97 @@ def _history_context(hist: TensorHistory, bits: np.ndarray, dtype: str, lo: int)
     return cls * MASKS + (hist.state >> 1) - 1, 1 + (hist.state & DOWN)
 
 
-def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
-    """``class_lo`` of an ulp2 segment, and what :func:`~.bits.ulp2_pack` codes: the expensive part,
-    done as segments arrive; the coding itself waits for the chunk (its contexts carry from one
-    segment to the next)."""
+# Row mode (docs/FORMAT.md, "Row mode"): a matrix whose changes sit in few of its rows (an embedding,
+# whose rows of tokens absent from recent batches do not move) says first which rows changed, then
+# codes its changes against those rows alone, laid end to end.
+ROW_MODE_MIN_ROWS = 64  # rows a segment must touch to be worth a rows stream
+ROW_MODE_GAIN = 0.97  # row mode is taken where its estimate is below this share of the plain one
+
+
+def _row_spans(start: int, stop: int, length: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the rows ``rows`` (sorted) of a segment ``[start, stop)``: where each one's part of the
+    segment starts, its length, and where it starts in the rows laid end to end."""
+    starts = np.maximum(start, rows * length)
+    lens = np.minimum(stop, rows * length + length) - starts
+    return starts, lens, np.cumsum(lens) - lens
+
+
+def _compacted(bits: np.ndarray, starts: np.ndarray, lens: np.ndarray, offs: np.ndarray) -> np.ndarray:
+    """The rows' elements laid end to end (a copy: the changed rows are a small part of the tensor)."""
+    total = int(lens.sum())
+    return bits[np.repeat(starts - offs, lens) + np.arange(total)]
+
+
+def _row_contexts(start: int, stop: int, length: int, hist: TensorHistory | None) -> np.ndarray:
+    """Per row the segment touches: 1 where it holds an element of the segment's history."""
+    first = start // length
+    ctx = np.zeros((stop - 1) // length - first + 1, np.uint8)
+    if hist is not None and hist.positions.size:
+        ctx[hist.positions // length - first] = 1
+    return ctx
+
+
+def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts, offs) -> TensorHistory | None:
+    """The history entries in ``rows``, at their places in the rows laid end to end."""
+    if hist is None or not hist.positions.size:
+        return hist
+    k = np.minimum(np.searchsorted(rows, hist.positions // length), rows.size - 1)
+    keep = rows[k] == hist.positions // length
+    pos = hist.positions[keep]
+    return TensorHistory(offs[k[keep]] + (pos - starts[k[keep]]), hist.state[keep])
+
+
+def _bernoulli_bits(n: int, k: int) -> float:
+    if n <= 0 or k <= 0 or k >= n:
+        return 0.0
+    p = k / n
+    return -n * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+
+
+def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
+    """For a segment whose changes sit in few of the rows it touches: the same changes as a segment of
+    those rows laid end to end, and the rows stream that says which rows they are; else None."""
+    length, start, stop = seg.row, seg.start, seg.stop
+    if length <= 0 or not seg.count or (stop - 1) // length - start // length + 1 < ROW_MODE_MIN_ROWS:
+        return None
+    rows = np.unique(seg.indices // length)
+    hist = seg.history.within(start, stop) if seg.history is not None else None
+    ctx = _row_contexts(start, stop, length, hist)
+    flags = np.zeros(ctx.size, np.uint8)
+    flags[rows - start // length] = 1
+    starts, lens, offs = _row_spans(start, stop, length, rows)
+    total = int(lens.sum())
+    # Estimates, positions only (what row mode changes): every element a Bernoulli trial at the
+    # segment's density, against the rows' flags (given their context) and the rows' elements alone.
+    rows_bits = sum(_bernoulli_bits(int((ctx == c).sum()), int(flags[ctx == c].sum())) for c in (0, 1))
+    if rows_bits + _bernoulli_bits(total, seg.count) >= ROW_MODE_GAIN * _bernoulli_bits(stop - start, seg.count):
+        return None
+    r = seg.ranked
+    old = None
+    if r.old is not None:  # the base holds the new bits where it changed: the old ones, for this segment
+        k = int(np.searchsorted(r.indices, seg.indices[0]))
+        old = r.old[k:k + seg.count]
+    base = _compacted(seg.base, starts, lens, offs)
+    k = np.searchsorted(rows, seg.indices // length)
+    idx = offs[k] + (seg.indices - starts[k])
+    shift, mask = exponent_field(seg.dtype)
+    ranked = Ranked(r.lo, *class_scan(base, 0, total, idx, shift, mask, r.lo, old), idx, old)
+    inner = Segment(seg.name, seg.dtype, SPARSE, ULP2, 0, total, seg.data, idx, base, ranked,
+                    _in_rows(hist, length, rows, starts, offs))
+    return inner, ulp2_rows_pack(flags, ctx)
+
+
+def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
+    """``class_lo`` of an ulp2 segment, what :func:`~.bits.ulp2_pack` codes, and in row mode the rows
+    stream: the expensive part, done as segments arrive; the coding itself waits for the chunk (its
+    contexts carry from one segment to the next)."""
     r = seg.ranked
     if seg.base is None or r is None:
         raise ValueError(f"ulp2 segment {seg.name}: the base and the changes' ranks are needed to encode")
+    rowed = _row_mode(seg)
+    if rowed is not None:
+        inner, rows = rowed
+        return (*_prepare_ulp2(inner)[:2], rows)
     shift, mask = exponent_field(seg.dtype)
     rank = r.rank - r.counts_before(seg.base, seg.start, shift, mask)[r.cls] if seg.start else r.rank
     cls, codes = r.cls, seg.data
@@ -293,7 +380,7 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple]:
         gaps = np.diff(rank[f:f + n], prepend=-1) - 1
         table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
         f += n
-    return r.lo, (rank, table, codes[order], hctx, hdir, flags, again_codes)
+    return r.lo, (rank, table, codes[order], hctx, hdir, flags, again_codes), None
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]:
@@ -302,9 +389,11 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]
         raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
     blobs: list[np.ndarray] = []
     k = 0
-    lo = coding = None
+    lo = coding = rows = None
     if seg.values == ULP2:
-        lo, coding = _prepare_ulp2(seg)
+        lo, coding, rows = _prepare_ulp2(seg)
+        if rows is not None:  # the rows stream goes first; the coded stream joins it when the chunk closes
+            blobs.append(np.frombuffer(rows, np.uint8))
     elif seg.kind == SPARSE:
         k, unary, rem = rice_index(seg.indices, seg.start)
         blobs += [unary, rem]
@@ -325,6 +414,8 @@ def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]
     }
     if lo is not None:
         header["class_lo"] = lo
+    if rows is not None:
+        header["rows"] = seg.row
     return header, blobs, coding
 
 
@@ -353,9 +444,10 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
         if e.coding is not None:  # the chunk's ulp2 segments in order, each from the contexts the last left
             state = ulp2_context() if state is None else state
             coded = ulp2_pack(*e.coding, state=state)
-            header, blobs = {**header, "blobs": [len(coded)]}, [np.frombuffer(coded, np.uint8)]
+            blobs = [*blobs, np.frombuffer(coded, np.uint8)]
+            header = {**header, "blobs": [int(b.nbytes) for b in blobs]}
         headers.append(header)
-        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize)
+        streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize, "rows" in header)
         body += [(_RANK[st], i, b) for st, b in zip(streams, blobs)]
     body.sort(key=lambda x: (x[0], x[1]))
     head = pack({"segments": headers})
@@ -415,7 +507,10 @@ def _check_segment(h: dict) -> tuple[str, ...]:
         _, mask = exponent_field(h["dtype"])
         if not (NonNegInt(h.get("class_lo")) and h["class_lo"] <= mask):
             raise FormatError(f"chunk segment {name!r}: ulp2 needs class_lo, an exponent of its dtype")
-    streams = segment_streams(kind, values, info.itemsize)
+    rows = "rows" in h
+    if rows and (values != ULP2 or not NonNegInt(h["rows"]) or h["rows"] < 1 or n < 1):
+        raise FormatError(f"chunk segment {name!r}: row mode is for ulp2 segments with changes, rows of 1 or more")
+    streams = segment_streams(kind, values, info.itemsize, rows)
     lens = h["blobs"]
     if len(lens) != len(streams) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
         raise FormatError(f"chunk segment {name!r}: expected {len(streams)} blob lengths")
@@ -423,21 +518,41 @@ def _check_segment(h: dict) -> tuple[str, ...]:
 
 
 def _decode_ulp2(h: dict, blobs: list[memoryview], base, history, state: bytearray) -> Segment:
-    name, start, stop, n = h["name"], h["start"], h["stop"], h["count"]
+    name, start, stop = h["name"], h["start"], h["stop"]
     w = dtype_info(h["dtype"]).itemsize
     bits = base(name) if base is not None else None
     if bits is None:
         raise FormatError(f"chunk segment {name!r}: ulp2 is coded against the base, which was not given")
     if bits.dtype.itemsize != w or stop > bits.size:
         raise FormatError(f"chunk segment {name!r}: the base tensor does not fit the segment")
-    shift, mask = exponent_field(h["dtype"])
     hist = history(name) if history is not None else None
     hist = hist.within(start, stop) if hist is not None else None
+    if "rows" not in h:
+        indices, data = _decode_ulp2_range(h, blobs[0], bits, start, stop, hist, state)
+        return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, indices)
+    length = h["rows"]  # row mode: which rows changed, then the changes within them laid end to end
+    rows = start // length + np.flatnonzero(ulp2_rows_unpack(blobs[0], _row_contexts(start, stop, length, hist)))
+    if not rows.size:
+        raise FormatError(f"chunk segment {name!r}: its rows stream names no row")
+    starts, lens, offs = _row_spans(start, stop, length, rows)
+    inner = _in_rows(hist, length, rows, starts, offs)
+    indices, data = _decode_ulp2_range(h, blobs[1], _compacted(bits, starts, lens, offs), 0, int(lens.sum()), inner,
+                                       state)
+    k = np.searchsorted(offs, indices, side="right") - 1
+    return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, starts[k] + (indices - offs[k]))
+
+
+def _decode_ulp2_range(h: dict, blob, bits: np.ndarray, start: int, stop: int, hist: TensorHistory | None,
+                       state: bytearray) -> tuple[np.ndarray, np.ndarray]:
+    """The changed positions in ``bits[start:stop)`` and their codes, from an ulp2 coded stream."""
+    n = h["count"]
+    shift, mask = exponent_field(h["dtype"])
     if hist is not None and hist.positions.size:
         hctx, hdir = _history_context(hist, bits[hist.positions], h["dtype"], h["class_lo"])
     else:
         hctx = hdir = np.empty(0, np.uint8)
-    counts, ranks, grouped, again, again_codes = ulp2_unpack(blobs[0], stop - start, n, w, hctx, hdir, state)
+    counts, ranks, grouped, again, again_codes = ulp2_unpack(blob, stop - start, n, bits.dtype.itemsize, hctx, hdir,
+                                                             state)
     indices, perm = class_positions(bits, start, stop, shift, mask, h["class_lo"], counts, ranks,
                                     hist.positions if hist is not None else None)
     data = grouped[perm]
@@ -446,7 +561,7 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base, history, state: bytearr
         data = np.concatenate([data, again_codes])
         order = np.argsort(indices, kind="stable")
         indices, data = indices[order], data[order]
-    return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, indices)
+    return indices, data
 
 
 def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, state=None) -> Segment:

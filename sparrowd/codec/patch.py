@@ -189,7 +189,9 @@ class PatchEncoder:
         if ranked is None:
             ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov)], indices, ov)
         hist = self.history.get(name) if self.history is not None else None
-        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked, hist))
+        row = new.shape[-1] if len(new.shape) >= 2 else 0
+        return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked, hist,
+                                  row))
 
     def _add_full(self, name: str, old: RawTensor | None, new: RawTensor) -> list[Chunk]:
         self._reset.add(name)
@@ -346,9 +348,9 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
     r = (None, None) if seg.ranked is None else seg.ranked.split(k)
     return (
         Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base, r[0],
-                seg.history),
+                seg.history, seg.row),
         Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base, r[1],
-                seg.history),
+                seg.history, seg.row),
     )
 
 

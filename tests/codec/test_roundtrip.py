@@ -507,4 +507,119 @@ def test_ulp2_from_a_kept_copy_already_moved_gives_the_same_chunks():
         return [c.data for c in out + rest]
 
     moved_copy = RawTensor("BF16", (n,), new.bits.copy())  # the kept copy, brought up to date
-    assert chunks(moved_copy, old.bits[idx]) == chunks(old, None)
+    got = chunks(moved_copy, old.bits[idx])
+    m, ref = encode_patch({"w": old}, {"w": new}, version=3, base_version=2, values=ULP2, history=h,
+                          chunk_size=MIN_CHUNK_SIZE)
+    assert got == [c.data for c in ref]
+    assert np.array_equal(apply_patch(m, got, {"w": old}, h)["w"].bits, new.bits)
+
+
+def _row_sparse_chain(rng, rows: int, cols: int, live: float, steps: int = 3) -> list[RawTensor]:
+    """An embedding-like matrix: each step moves elements of a few rows only (those of the tokens in
+    the batch), a share of them rows that moved the step before."""
+    n = rows * cols
+    bits = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    snaps, hot = [RawTensor("BF16", (rows, cols), bits.copy())], np.empty(0, np.int64)
+    for _ in range(steps):
+        fresh = rng.choice(rows, max(1, int(rows * live)), replace=False)
+        hot = np.union1d(fresh, hot[rng.random(hot.size) < 0.5])
+        pos = (hot[:, None] * cols + np.arange(cols)).reshape(-1)
+        moved = pos[rng.random(pos.size) < 0.05]
+        bits[moved] += np.where(rng.random(moved.size) < 0.5, 1, 0xFFFF).astype(np.uint16)
+        snaps.append(RawTensor("BF16", (rows, cols), bits.copy()))
+    return snaps
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 700), cols=st.sampled_from([1, 3, 64, 384]), live=st.sampled_from([0.01, 0.1, 0.9]),
+       seed=st.integers(0, 2**32 - 1), chunk_size=st.sampled_from([MIN_CHUNK_SIZE, 1 << 20]))
+def test_ulp2_row_mode_round_trips(rows, cols, live, seed, chunk_size):
+    """Matrices whose changes sit in a few rows take row mode (a rows stream, then the changes within
+    those rows laid end to end); any shape, cut across chunks anywhere, against a history, comes back
+    bit for bit."""
+    from sparrowd.codec import History
+    from sparrowd.codec.history import changes_between
+
+    snaps = _row_sparse_chain(np.random.default_rng(seed), rows, cols, live)
+    h = History()
+    for v in range(1, len(snaps)):
+        old, new = {"e": snaps[v - 1]}, {"e": snaps[v]}
+        m, chunks = encode_patch(old, new, version=v, base_version=v - 1, values=ULP2, history=h or None,
+                                 chunk_size=chunk_size)
+        got = apply_patch(Manifest.from_bytes(m.to_bytes()), [c.data for c in chunks], old, h or None)
+        assert np.array_equal(got["e"].bits if "e" in got else old["e"].bits, new["e"].bits)
+        h = h.after(v, changes_between(old, new))
+
+
+def test_ulp2_row_mode_is_taken_where_it_pays_and_costs_less():
+    """An embedding whose changes sit in 2% of its rows is coded in row mode and comes out smaller
+    than without it; a matrix that changes in every row is not; a rows stream that names no row, or
+    row mode on a segment that is not ulp2, is refused."""
+    import sparrowd.codec.chunk as chunk_mod
+    from sparrowd.codec import decode_chunk
+    from sparrowd.codec.chunk import CHUNK_MAGIC
+    from sparrowd.schema import pack, unpack
+
+    def header(data):
+        raw = zstandard.ZstdDecompressor().decompress(data)
+        hlen = int.from_bytes(raw[4:8], "little")
+        return raw, hlen, unpack(raw[8:8 + hlen], what="chunk header")
+
+    snaps = _row_sparse_chain(np.random.default_rng(30), 4000, 256, 0.02, steps=1)
+    old, new = {"e": snaps[0]}, {"e": snaps[1]}
+    m, chunks = encode_patch(old, new, version=1, base_version=0, values=ULP2)
+    raw, hlen, head = header(chunks[0].data)
+    assert head["segments"][0]["rows"] == 256 and len(head["segments"][0]["blobs"]) == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunk_mod, "ROW_MODE_MIN_ROWS", 1 << 40)
+        plain, _ = encode_patch(old, new, version=1, base_version=0, values=ULP2)
+    assert m.patch_bytes < 0.8 * plain.patch_bytes, (m.patch_bytes, plain.patch_bytes)
+    dense = _row_sparse_chain(np.random.default_rng(31), 400, 256, 1.0, steps=1)
+    _, dchunks = encode_patch({"e": dense[0]}, {"e": dense[1]}, version=1, base_version=0, values=ULP2)
+    assert "rows" not in header(dchunks[0].data)[2]["segments"][0]
+
+    def redo(seg_edit, blob_edit=None):
+        h = unpack(raw[8:8 + hlen], what="chunk header")
+        seg_edit(h["segments"][0])
+        body = raw[8 + hlen:]
+        if blob_edit is not None:
+            body = blob_edit(body, h["segments"][0])
+        packed = pack(h)
+        return zstandard.ZstdCompressor().compress(CHUNK_MAGIC + len(packed).to_bytes(4, "little") + packed + body)
+
+    with pytest.raises(FormatError, match="row mode"):
+        decode_chunk(redo(lambda s: s.update(rows=0)), base={"e": snaps[0].bits})
+    n_rows = head["segments"][0]["blobs"][0]
+    # the rows stream goes last in the body (stream order): all zero bytes name no row
+    no_rows = redo(lambda s: None, lambda body, s: body[:len(body) - n_rows] + b"\0" * n_rows)
+    with pytest.raises(FormatError):
+        decode_chunk(no_rows, base={"e": snaps[0].bits})
+
+
+def test_ulp2_row_mode_from_a_kept_copy_gives_the_same_chunks():
+    """Row mode on the Publisher's path (a kept copy already moved, the old bits aside), against a
+    history and cut across chunks: byte for byte the chunks coded from the untouched base."""
+    from sparrowd.codec import History, PatchEncoder
+    from sparrowd.codec.history import changes_between
+
+    snaps = _row_sparse_chain(np.random.default_rng(33), 6000, 384, 0.03)
+    h = History()
+    for v in (1, 2):
+        h = h.after(v, changes_between({"e": snaps[v - 1]}, {"e": snaps[v]}))
+    old, new = snaps[2], snaps[3]
+    idx = np.flatnonzero(old.bits != new.bits).astype(np.int64)
+
+    def chunks(kept: RawTensor, ov) -> list[bytes]:
+        enc = PatchEncoder(version=3, base_version=2, values=ULP2, history=h, chunk_size=MIN_CHUNK_SIZE)
+        out = enc.add_extract("e", kept, new, idx, b"f" * 16, b"g" * 16, ov, new.bits[idx])
+        m, rest = enc.finish()
+        assert len(m.chunks) > 2
+        return [c.data for c in out + rest]
+
+    moved = RawTensor("BF16", new.shape, new.bits.copy())
+    got = chunks(moved, old.bits[idx])
+    m, ref = encode_patch({"e": old}, {"e": new}, version=3, base_version=2, values=ULP2, history=h,
+                          chunk_size=MIN_CHUNK_SIZE)
+    assert got == [c.data for c in ref]
+    assert np.array_equal(apply_patch(m, got, {"e": old}, h)["e"].bits, new.bits)
+    assert all(b'rows' in zstandard.ZstdDecompressor().decompress(c) for c in got)
