@@ -65,10 +65,15 @@ def test_ulp2_segments_from_outside(lo, body, count, v):
     from sparrowd.schema import pack
 
     blobs = [len(body)]
+    halves = [len(body) // 2, len(body) - len(body) // 2]  # row mode: the rows stream, then the coded one
     for seg in ({"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
                  "count": count, "index_k": 0, "blobs": blobs, "class_lo": lo},
                 {"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
-                 "count": count, "index_k": 0, "blobs": blobs, "class_lo": v}):
+                 "count": count, "index_k": 0, "blobs": blobs, "class_lo": v},
+                {"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
+                 "count": count, "index_k": 0, "blobs": halves, "class_lo": lo, "rows": 1 + lo % 97},
+                {"name": "w", "dtype": "BF16", "kind": "sparse", "values": "ulp2", "start": 0, "stop": 4096,
+                 "count": count, "index_k": 0, "blobs": halves, "class_lo": lo, "rows": v}):
         head = pack({"segments": [seg]})
         raw = CHUNK_MAGIC + len(head).to_bytes(4, "little") + head + body
         data = zstandard.ZstdCompressor().compress(raw)
@@ -91,20 +96,25 @@ def test_ulp2_coded_streams_damaged(flips, trim):
     a = (rng.normal(0, 0.02, 20_000).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     b = a.copy()
     b[rng.random(a.size) < 0.02] += 1
-    _, chunks = encode_patch({"w": RawTensor("BF16", (a.size,), a)}, {"w": RawTensor("BF16", (a.size,), b)},
-                             version=2, base_version=1, values="ulp2")
-    raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0].data))
-    head = 8 + int.from_bytes(raw[4:8], "little")
-    for at, byte in flips:
-        raw[head + at % (len(raw) - head)] = byte
-    body = bytes(raw) + b"\0" * max(trim, 0) if trim >= 0 else bytes(raw[:trim])
-    data = zstandard.ZstdCompressor().compress(body)
-    try:
-        segs = decode_chunk(data, base={"w": a})
-    except SparrowError as e:
-        assert str(e) and "\n" not in str(e)
-    else:
-        assert all(s.indices.size == 0 or (0 <= s.indices.min() and s.indices.max() < a.size) for s in segs)
+    rowed = b.copy()  # an embedding-like matrix: changes in 5 of its 200 rows (row mode)
+    rowed[:] = a
+    rowed[np.arange(5)[:, None] * 100 * 40 + np.arange(0, 100, 3)] += 1
+    for shape, new in (((a.size,), b), ((200, 100), rowed)):
+        _, chunks = encode_patch({"w": RawTensor("BF16", shape, a)}, {"w": RawTensor("BF16", shape, new)},
+                                 version=2, base_version=1, values="ulp2")
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0].data))
+        head = 8 + int.from_bytes(raw[4:8], "little")
+        assert (b"rows" in raw[:head]) == (len(shape) == 2)
+        for at, byte in flips:
+            raw[head + at % (len(raw) - head)] = byte
+        body = bytes(raw) + b"\0" * max(trim, 0) if trim >= 0 else bytes(raw[:trim])
+        data = zstandard.ZstdCompressor().compress(body)
+        try:
+            segs = decode_chunk(data, base={"w": a})
+        except SparrowError as e:
+            assert str(e) and "\n" not in str(e)
+        else:
+            assert all(s.indices.size == 0 or (0 <= s.indices.min() and s.indices.max() < a.size) for s in segs)
 
 
 @settings(max_examples=100, deadline=None)
