@@ -303,6 +303,16 @@ def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts, 
     return TensorHistory(offs[k[keep]] + (pos - starts[k[keep]]), hist.state[keep])
 
 
+def _segment_old(seg: Segment) -> np.ndarray | None:
+    """Where the segment's base already holds the new bits at its changes (a kept copy the diff
+    brought up to date): the old bits there, which its ranks were taken with; else None."""
+    r = seg.ranked
+    if r.old is None or not seg.indices.size:
+        return None
+    k = int(np.searchsorted(r.indices, seg.indices[0]))  # the segment's changes: a run of the tensor's
+    return r.old[k:k + seg.indices.size]
+
+
 def _bernoulli_bits(n: int, k: int) -> float:
     if n <= 0 or k <= 0 or k >= n:
         return 0.0
@@ -328,11 +338,7 @@ def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
     rows_bits = sum(_bernoulli_bits(int((ctx == c).sum()), int(flags[ctx == c].sum())) for c in (0, 1))
     if rows_bits + _bernoulli_bits(total, seg.count) >= ROW_MODE_GAIN * _bernoulli_bits(stop - start, seg.count):
         return None
-    r = seg.ranked
-    old = None
-    if r.old is not None:  # the base holds the new bits where it changed: the old ones, for this segment
-        k = int(np.searchsorted(r.indices, seg.indices[0]))
-        old = r.old[k:k + seg.count]
+    r, old = seg.ranked, _segment_old(seg)
     base = _compacted(seg.base, starts, lens, offs)
     k = np.searchsorted(rows, seg.indices // length)
     idx = offs[k] + (seg.indices - starts[k])
@@ -359,12 +365,8 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
     cls, codes = r.cls, seg.data
     hist = seg.history.within(seg.start, seg.stop) if seg.history is not None else None
     if hist is not None and hist.positions.size:
-        old = None
-        if r.old is not None and seg.indices.size:  # the base holds the new bits where it changed: old ones
-            k = int(np.searchsorted(r.indices, seg.indices[0]))  # the segment's changes: a run of the tensor's
-            old = r.old[k:k + seg.indices.size]
-        hctx, hdir, flags, again, before = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls, old,
-                                                        hist.positions, hist.state)
+        hctx, hdir, flags, again, before = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls,
+                                                        _segment_old(seg), hist.positions, hist.state)
         again_codes = codes[again]  # changes of history elements: coded as such
         # The other changes' ranks count no history element: less those of their class before them.
         rank, cls, codes = rank[~again] - before[~again], cls[~again], codes[~again]
