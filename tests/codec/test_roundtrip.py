@@ -476,13 +476,35 @@ def test_ulp2_manifest_lists_no_segments_and_a_chunk_must_fit_its_tensors():
     assert Manifest.from_bytes(m1.to_bytes()).chunks[0].segments == (("w", 0, 5000, m1.tensor("w").changed),)
 
 
+def _check_kept_copy(snaps: list[RawTensor], min_chunks: int) -> list[bytes]:
+    """The Publisher's path, coded against the history of the first two steps: its kept copy of the
+    base already holds the new bits where they changed, and the old bits come aside (``add_extract``
+    with ``old_values``). The chunks must be byte for byte those ``encode_patch`` codes from the
+    untouched base, and decode to the new version. Returns them."""
+    from sparrowd.codec import History, PatchEncoder
+    from sparrowd.codec.history import changes_between
+
+    h = History()
+    for v in (1, 2):
+        h = h.after(v, changes_between({"t": snaps[v - 1]}, {"t": snaps[v]}))
+    old, new = snaps[2], snaps[3]
+    idx = np.flatnonzero(old.bits != new.bits).astype(np.int64)
+    enc = PatchEncoder(version=3, base_version=2, values=ULP2, history=h, chunk_size=MIN_CHUNK_SIZE)
+    moved = RawTensor(new.dtype, new.shape, new.bits.copy())  # the kept copy, brought up to date
+    got = enc.add_extract("t", moved, new, idx, b"f" * 16, b"g" * 16, old.bits[idx], new.bits[idx])
+    _, rest = enc.finish()
+    got = [c.data for c in got + rest]
+    m, ref = encode_patch({"t": old}, {"t": new}, version=3, base_version=2, values=ULP2, history=h,
+                          chunk_size=MIN_CHUNK_SIZE)
+    assert len(got) >= min_chunks and got == [c.data for c in ref]
+    assert np.array_equal(apply_patch(m, got, {"t": old}, h)["t"].bits, new.bits)
+    return got
+
+
 def test_ulp2_from_a_kept_copy_already_moved_gives_the_same_chunks():
     """The Publisher's path: its kept copy of the base already holds the new bits where they changed,
     and the old bits come aside (``add_extract`` with ``old_values``). Against a history, the chunks
     are byte for byte those coded from the untouched base."""
-    from sparrowd.codec import History, PatchEncoder
-    from sparrowd.codec.history import changes_between
-
     rng = np.random.default_rng(21)
     n = 1 << 21
     snaps = [make_pair(rng, "BF16", (n,), "1%", "ulp")[0]]
@@ -493,25 +515,7 @@ def test_ulp2_from_a_kept_copy_already_moved_gives_the_same_chunks():
         b[moved[10_000:]] -= 1
         b[rng.choice(40_000, 5_000, replace=False)] += 1  # some of the first elements move again and again
         snaps.append(RawTensor("BF16", (n,), b))
-    h = History()
-    for v in (1, 2):
-        h = h.after(v, changes_between({"w": snaps[v - 1]}, {"w": snaps[v]}))
-    old, new = snaps[2], snaps[3]
-    idx = np.flatnonzero(old.bits != new.bits).astype(np.int64)
-
-    def chunks(kept: RawTensor, ov) -> list[bytes]:
-        enc = PatchEncoder(version=3, base_version=2, values=ULP2, history=h, chunk_size=MIN_CHUNK_SIZE)
-        out = enc.add_extract("w", kept, new, idx, b"f" * 16, b"g" * 16, ov, new.bits[idx])
-        m, rest = enc.finish()
-        assert len(m.chunks) > 3
-        return [c.data for c in out + rest]
-
-    moved_copy = RawTensor("BF16", (n,), new.bits.copy())  # the kept copy, brought up to date
-    got = chunks(moved_copy, old.bits[idx])
-    m, ref = encode_patch({"w": old}, {"w": new}, version=3, base_version=2, values=ULP2, history=h,
-                          chunk_size=MIN_CHUNK_SIZE)
-    assert got == [c.data for c in ref]
-    assert np.array_equal(apply_patch(m, got, {"w": old}, h)["w"].bits, new.bits)
+    _check_kept_copy(snaps, min_chunks=4)
 
 
 def _row_sparse_chain(rng, rows: int, cols: int, live: float, steps: int = 3) -> list[RawTensor]:
@@ -599,27 +603,6 @@ def test_ulp2_row_mode_is_taken_where_it_pays_and_costs_less():
 def test_ulp2_row_mode_from_a_kept_copy_gives_the_same_chunks():
     """Row mode on the Publisher's path (a kept copy already moved, the old bits aside), against a
     history and cut across chunks: byte for byte the chunks coded from the untouched base."""
-    from sparrowd.codec import History, PatchEncoder
-    from sparrowd.codec.history import changes_between
-
     snaps = _row_sparse_chain(np.random.default_rng(33), 6000, 384, 0.03)
-    h = History()
-    for v in (1, 2):
-        h = h.after(v, changes_between({"e": snaps[v - 1]}, {"e": snaps[v]}))
-    old, new = snaps[2], snaps[3]
-    idx = np.flatnonzero(old.bits != new.bits).astype(np.int64)
-
-    def chunks(kept: RawTensor, ov) -> list[bytes]:
-        enc = PatchEncoder(version=3, base_version=2, values=ULP2, history=h, chunk_size=MIN_CHUNK_SIZE)
-        out = enc.add_extract("e", kept, new, idx, b"f" * 16, b"g" * 16, ov, new.bits[idx])
-        m, rest = enc.finish()
-        assert len(m.chunks) > 2
-        return [c.data for c in out + rest]
-
-    moved = RawTensor("BF16", new.shape, new.bits.copy())
-    got = chunks(moved, old.bits[idx])
-    m, ref = encode_patch({"e": old}, {"e": new}, version=3, base_version=2, values=ULP2, history=h,
-                          chunk_size=MIN_CHUNK_SIZE)
-    assert got == [c.data for c in ref]
-    assert np.array_equal(apply_patch(m, got, {"e": old}, h)["e"].bits, new.bits)
-    assert all(b'rows' in zstandard.ZstdDecompressor().decompress(c) for c in got)
+    got = _check_kept_copy(snaps, min_chunks=3)
+    assert all(b"rows" in zstandard.ZstdDecompressor().decompress(c) for c in got)
