@@ -408,15 +408,25 @@ def exponent_field(dtype: str) -> tuple[int, int]:
 NCLASS = 16  # ulp2 classes: the exponent relative to the segment's ``lo``, clamped to [0, 15]
 
 
+LO_SAMPLE_RUNS, LO_SAMPLE_RUN = 16, 4096  # class_lo's sample: runs of contiguous elements, spread evenly
+
+
 def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> int:
     """The ``lo`` of the classes of ``base[start:stop)`` (the encoder takes a whole tensor): 12 below the
-    commonest exponent (a sample of at most 64 Ki elements), so that the 16 classes span the exponents
-    where nearly every element and every change lies (one class for everything below, one above)."""
-    step = max(1, (stop - start) // 65536)
-    sample = (base[start:stop:step] >> base.dtype.type(shift)) & base.dtype.type(mask)
-    if sample.size == 0:
+    commonest exponent, so that the 16 classes span the exponents where nearly every element and every
+    change lies (one class for everything below, one above). The commonest exponent of a sample: 16
+    runs of 4096 contiguous elements spread evenly over the range (a strided sample of as many
+    elements touched a cache line each, and cost a fifth of an encode of 512 MiB)."""
+    n = stop - start
+    if n <= 0:
         return 0
-    return max(0, int(np.bincount(sample.astype(np.int64)).argmax()) - 12)
+    if n <= LO_SAMPLE_RUNS * LO_SAMPLE_RUN:
+        sample = base[start:stop]
+    else:
+        at = start + np.linspace(0, n - LO_SAMPLE_RUN, LO_SAMPLE_RUNS).astype(np.int64)
+        sample = base[(at[:, None] + np.arange(LO_SAMPLE_RUN)).reshape(-1)]
+    exps = (sample >> base.dtype.type(shift)) & base.dtype.type(mask)
+    return max(0, int(np.bincount(exps.astype(np.int64)).argmax()) - 12)
 
 
 def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: int) -> np.ndarray:
