@@ -9,7 +9,9 @@ daemon's asyncio drivers is written here, step for step beside
 ``daemon/swarm.py``: a node re-plans when something it can see changed and
 every 0.25 s, asks the chosen peer for a chunk, and is refused when choked
 or over its per-peer cap; a server sends at most two chunks at once
-(``RELAY_CONCURRENT``) and queues the rest; a node that stores a chunk tells
+(``RELAY_CONCURRENT``) in each of its lanes (a relay's uploads to its own
+region and to other regions are separate lanes, as in the daemon) and queues
+the rest; a node that stores a chunk tells
 its peers (a have message, one one-way delay later); the trainer shows each
 peer its super-seed offer.
 
@@ -187,8 +189,10 @@ class Node:
         self.picker = Picker(node_id, self.rname, rng=random.Random(rng.random()))
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, rng=random.Random(rng.random()))
         self.unchoked: set[str] = set()
-        self.queue: deque[Req] = deque()
-        self.active = 0
+        # Upload lanes (the daemon's ``_lane``): a relay's uploads to other regions (True) and to its own
+        # (False) are admitted, queued and served apart; the trainer's are all one lane (False).
+        self.queue: dict[bool, deque[Req]] = {False: deque(), True: deque()}
+        self.active = {False: 0, True: 0}
         self.alive = True
         self.aware = trainer  # knows of the current version
         self.done_at: float | None = None
@@ -278,15 +282,19 @@ class Sim:
     def choking_active(self, x: Node) -> bool:
         return len(x.known) > x.choker.slots
 
+    @staticmethod
+    def lane(x: Node, y: Node) -> bool:
+        return not x.trainer and x.region != y.region
+
     def may_download(self, x: Node, y: Node) -> bool:
         if not x.trainer:
-            return len(x.queue) < QUEUE_ADMIT  # a relay admits by queue depth
+            return len(x.queue[self.lane(x, y)]) < QUEUE_ADMIT  # a relay admits by its lane's queue depth
         return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id)
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""
         if not x.trainer:
-            return len(x.queue) >= QUEUE_ADMIT
+            return len(x.queue[self.lane(x, y)]) >= QUEUE_ADMIT
         if self.wants(x, y):
             return not self.may_download(x, y)
         return self.choking_active(x) and y.id not in x.unchoked
@@ -332,19 +340,20 @@ class Sim:
             feed.readers.append(r)
         if x.superseed is not None:
             x.superseed.claim(r.chunk, y.id)
-        x.queue.append(r)
+        x.queue[self.lane(x, y)].append(r)
         self.start_uploads(x)
 
     def start_uploads(self, x: Node) -> None:
-        while x.active < CONCURRENT[x.trainer] and x.queue:
-            r = x.queue.popleft()
-            if r.cancelled:
-                x.known[r.dst.id].uploads -= 1
-                self.dropped(r)
-                continue
-            x.active += 1
-            r.left = float(r.size)
-            self._add_flow(r)
+        for lane, queue in x.queue.items():
+            while x.active[lane] < CONCURRENT[x.trainer] and queue:
+                r = queue.popleft()
+                if r.cancelled:
+                    x.known[r.dst.id].uploads -= 1
+                    self.dropped(r)
+                    continue
+                x.active[lane] += 1
+                r.left = float(r.size)
+                self._add_flow(r)
 
     def _flow_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,
@@ -452,7 +461,7 @@ class Sim:
             self._remove_flow(i)
         for r in ended:
             x = r.src
-            x.active -= 1
+            x.active[self.lane(x, r.dst)] -= 1
             if r.dst.id in x.known:
                 x.known[r.dst.id].uploads -= 1
             if r.cancelled:
@@ -662,9 +671,10 @@ class Sim:
             g.fetching, g.partial = {}, {}  # its peers learn it fetches nothing when their requests to it fail
             self.pending.discard(g)
             self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)
-            for r in list(g.queue):
-                self.at(self.now + self.owd(g, r.dst), self.failed, r)
-            g.queue.clear()
+            for queue in g.queue.values():
+                for r in queue:
+                    self.at(self.now + self.owd(g, r.dst), self.failed, r)
+                queue.clear()
             for r in self.flows:
                 if r.src is g or r.dst is g:
                     r.cancelled = True  # its uploads end; the requester hears below
@@ -776,8 +786,9 @@ class Sim:
             if progress:
                 progress(row)
             for n in self.nodes:  # the next version starts from a quiet swarm, as the benchmark's does
-                n.queue.clear()
-                n.active = 0
+                for lane in n.queue:
+                    n.queue[lane].clear()
+                    n.active[lane] = 0
                 for k in n.known.values():
                     k.inflight = k.uploads = 0
             self.flows, self.events, self.dirty = [], [], set()
