@@ -188,3 +188,37 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
     later = _Watched(Config(**cfg))
     assert later.run(horizon=8)[0]["all_done"] and later.circles == 0
+
+
+def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions():
+    """A relay's uploads to its own region and to other regions are separate lanes (the daemon's
+    ``_lane``): with both same-region slots busy, a crosser from another region is served at once,
+    and each lane admits while at most ``QUEUE_ADMIT`` requests wait in it."""
+    from sparrowd.bench.sim import QUEUE_ADMIT, RELAY_CONCURRENT, Req
+
+    sim = Sim(Config(nodes=32, regions=4, patch=2 * MB, versions=1, seed=0))
+    sim.publish()
+    x = sim.nodes[1]
+    x.have = {0}
+    near = [k.node for k in x.known.values() if k.node.region == x.region and not k.node.trainer]
+    far = [k.node for k in x.known.values() if k.node.region != x.region and not k.node.trainer]
+    assert len(near) >= RELAY_CONCURRENT + QUEUE_ADMIT + 1 and len(far) >= RELAY_CONCURRENT + QUEUE_ADMIT + 1
+
+    def ask(y):
+        r = Req(y, x, 0, sim.version, sim.sizes[0], serial=sim._serial(), readers=[])
+        y.fetching.setdefault(0, {})[x.id] = r
+        y.known[x.id].inflight += 1
+        sim.request_arrives(r)
+        return r
+
+    for y in near[:RELAY_CONCURRENT + QUEUE_ADMIT]:
+        ask(y)
+    assert x.active == {False: RELAY_CONCURRENT, True: 0} and len(x.queue[False]) == QUEUE_ADMIT
+    assert not sim.may_download(x, near[-1]) and sim.choked_for(x, near[-1])  # its own region: full
+    assert sim.may_download(x, far[0]) and not sim.choked_for(x, far[0])  # other regions: free
+    crossing = [ask(y) for y in far[:RELAY_CONCURRENT]]
+    assert x.active == {False: RELAY_CONCURRENT, True: RELAY_CONCURRENT}
+    assert all(r in sim.flows for r in crossing)  # sent now, not after the neighbours' chunks
+    for y in far[RELAY_CONCURRENT:RELAY_CONCURRENT + QUEUE_ADMIT]:
+        ask(y)
+    assert sim.choked_for(x, far[-1]) and not sim.may_download(x, far[-1])

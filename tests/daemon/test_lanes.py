@@ -1,0 +1,106 @@
+"""A relay's two upload lanes, on a real daemon: its neighbours do not hold up other regions' crossers."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from urllib.parse import urlparse
+
+import msgpack
+import numpy as np
+import pytest
+
+from sparrowd.bench.swarm import _write_patch
+from sparrowd.daemon.swarm import QUEUE_ADMIT, RELAY_CONCURRENT
+from sparrowd.swarm.identity import make_proof
+from tests import members
+from tests.daemon.harness import get, wait_for
+from tests.daemon.patches import held, publish
+from tests.members import new_key
+
+pytestmark = pytest.mark.slow
+
+MP = {"Content-Type": "application/msgpack"}
+
+
+class Member:
+    """A member speaking the protocol by hand: joined with the swarm token, its lease kept."""
+
+    def __init__(self, cluster, node_id: str, region: str):
+        self.cluster, self.id, self.region, self.key = cluster, node_id, region, new_key()
+        code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=MP,
+                         data=msgpack.packb(members.join(self.key, node_id, region=region)))
+        assert code == 200, body
+        self.epoch = msgpack.unpackb(body)["epoch"]
+
+    def renew(self) -> None:
+        get(f"{self.cluster.tracker}/v1/tracker/renew", self.cluster.token, method="POST", headers=MP,
+            data=msgpack.packb(members.renew(self.key, self.id, self.epoch)))
+
+    def headers(self, to: str) -> dict:
+        return {"Authorization": f"Bearer {self.cluster.token}", "X-Sparrowd-Node": self.id,
+                "X-Sparrowd-Proof": make_proof(self.key, self.id, to, time.time())}
+
+    def known_to(self, relay) -> bool:
+        """An exchange answered at once: the relay holds this member's tracker entry (503 until then)."""
+        data = msgpack.packb({"node_id": self.id, "region": self.region, "after": -1, "wait": 0, "versions": []})
+        return get(f"{relay.url}/v1/swarm/exchange", None, method="POST", data=data,
+                   headers={**MP, **self.headers(relay.name)})[0] == 200
+
+    def ask(self, relay, key: str, index: int) -> http.client.HTTPResponse:
+        """A chunk request, its answer's status and headers read (the body is left to stream)."""
+        u = urlparse(relay.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("GET", f"/v1/swarm/chunk/{key}/{index}", headers=self.headers(relay.name))
+        return conn.getresponse()
+
+
+def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions(cluster, tmp_path):
+    # A relay in "us" holds a 4 MiB chunk and uploads at 256 KiB/s: every upload it starts lasts the
+    # whole test. Its own region fills its same-region slots and queue; a member from "eu" is still
+    # served at once, in the other lane (its first piece comes after those already paced).
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, 4 << 20, 4 << 20, np.random.default_rng(0))
+    cluster.trainer(region="eu", ttl=10.0)
+    relay = cluster.rollout("r0", "us", ttl=10.0, extra=("--upload-rate", "256K"))
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    publish(cluster, path)
+    wait_for(lambda: held(cluster).get("r0") == [1], 30, "r0 to hold version 1")
+
+    near = [Member(cluster, f"near{i}", "us") for i in range(RELAY_CONCURRENT + QUEUE_ADMIT + 1)]
+    far = [Member(cluster, f"far{i}", "eu") for i in range(RELAY_CONCURRENT + QUEUE_ADMIT + 1)]
+    stop = threading.Event()
+
+    def keep_leases():
+        while not stop.wait(2.0):
+            for m in near + far:
+                m.renew()
+
+    threading.Thread(target=keep_leases, daemon=True).start()
+    try:
+        for m in near + far:
+            wait_for(lambda m=m: m.known_to(relay), 15, f"r0 to know {m.id}")
+        # Its own region: two served, one waiting; the next is told "choked" at once.
+        near_answers = []
+        for m in near[:RELAY_CONCURRENT]:
+            r = m.ask(relay, "1", 0)
+            assert r.status == 200
+            near_answers.append(r)
+        waiting = [threading.Thread(target=lambda m=m: near_answers.append(m.ask(relay, "1", 0)), daemon=True)
+                   for m in near[RELAY_CONCURRENT:RELAY_CONCURRENT + QUEUE_ADMIT]]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)  # queued in the relay (its answer waits for a slot)
+        assert len(near_answers) == RELAY_CONCURRENT
+        r = near[-1].ask(relay, "1", 0)
+        assert r.status == 503 and b"choked" in r.read()
+        # Another region: served now, its first bytes flowing while the neighbours' uploads go on.
+        t0 = time.monotonic()
+        crossing = far[0].ask(relay, "1", 0)
+        assert crossing.status == 200
+        assert len(crossing.read(4096)) == 4096
+        assert time.monotonic() - t0 < 8.0
+        assert len(near_answers) == RELAY_CONCURRENT  # the neighbours still wait behind their lane
+    finally:
+        stop.set()
