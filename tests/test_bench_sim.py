@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparrowd.bench.sim import BLOCK, MB, Config, Sim, simulate
+from sparrowd.bench.sim import MB, Config, Sim, simulate
 
 
 def test_sixteen_nodes_get_every_version_near_the_bound_and_the_same_run_twice():
@@ -109,7 +109,8 @@ class _Watched(Sim):
         super().step_flows(dt)
         for r, feed_got in fed:
             assert self.s_got[r.serial] <= feed_got + 1e-6, "a stream got ahead of its feed"
-            assert self.s_got[r.serial] <= r.size - (r.size % BLOCK or BLOCK) + 1e-6, "last block before whole"
+            last = r.size - (r.size % self.block or self.block)
+            assert self.s_got[r.serial] <= last + 1e-6, "last block before whole"
 
     def arrives(self, r):
         y, x = r.dst, r.src
@@ -164,7 +165,7 @@ class _LeavesMidChunk(_Watched):
         for r in self.flows:
             f = r.feed
             if f is not None and not f.src.trainer and f in self.flows and \
-                    BLOCK <= self.s_got[f.serial] < f.size - BLOCK:
+                    self.block <= self.s_got[f.serial] < f.size - self.block:
                 self.gone, self.reader = f.src, r
                 self.leave([f.src])
                 return

@@ -27,7 +27,7 @@ real benchmark (``sparrowd bench swarm``) shares two cores among 16 daemons.
 
 Relays serve cut-through (``cut_through``, as the daemon's ``Partial``): a
 node serves a chunk it is fetching as well as one it holds, from the first
-of its requests for it (its partial), a whole block (``BLOCK``) at a time as
+of its requests for it (its partial), a whole block (``block_for``) at a time as
 the blocks arrive. A stream served so never gets ahead of the whole blocks
 its feeding request has delivered, and its last block waits until that
 request's last byte has arrived (the chunk is then held whole, and what is
@@ -94,7 +94,7 @@ from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_in
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed
-from ..swarm.versions import BLOCK
+from ..swarm.versions import block_for
 from ..units import format_bytes
 
 MB = 1 << 20
@@ -213,6 +213,7 @@ class Sim:
         self.dirty: set[Node] = set()
         self.chunk_size = cfg.chunk_size
         self.chunks = max(1, math.ceil(cfg.patch / self.chunk_size))
+        self.block = block_for(self.chunk_size)  # as the trainer's daemon hashes the version's chunks
         self.sizes = [min(self.chunk_size, cfg.patch - i * self.chunk_size) for i in range(self.chunks)]
         self.version = 0
         self.cross_bytes = 0
@@ -372,7 +373,7 @@ class Sim:
         self.f_size[i] = r.size
         self.f_serial[i] = r.serial
         self.f_feed[i] = r.feed.serial if r.feed is not None else -1
-        self.f_last[i] = r.size - (r.size % BLOCK or BLOCK)
+        self.f_last[i] = r.size - (r.size % self.block or self.block)
 
     def _remove_flow(self, i: int) -> None:
         last = len(self.flows) - 1
@@ -405,7 +406,7 @@ class Sim:
         if fed.any():
             fi = feed[fed]
             ready = np.where(self.s_whole[fi], np.inf,
-                             np.minimum(np.floor(self.s_got[fi] / BLOCK) * BLOCK, self.f_last[:nf][fed]))
+                             np.minimum(np.floor(self.s_got[fi] / self.block) * self.block, self.f_last[:nf][fed]))
             cap = np.full(nf, np.inf)
             cap[fed] = np.maximum(ready - (size[fed] - left[fed]), 0) / dt
         n_src = np.bincount(src, minlength=n)
@@ -439,7 +440,8 @@ class Sim:
             rate[local] = np.minimum(share[ls], lim)
         sent = np.minimum(left, rate * dt)
         if self.cfg.cut_through and self.cfg.relay_after_block:  # a partial's first block checked out
-            for i in np.nonzero((size - left < BLOCK) & (size - left + sent >= BLOCK) & (size > BLOCK))[0].tolist():
+            b = self.block
+            for i in np.nonzero((size - left < b) & (size - left + sent >= b) & (size > b))[0].tolist():
                 r = self.flows[i]
                 if r.dst.partial.get(r.chunk) is r and not r.cancelled:
                     self.tell(r.dst, r.chunk, have=False)  # its peers may fetch it from there now
@@ -498,7 +500,7 @@ class Sim:
         """The bytes of the partial ``f`` feeds that have checked out (the last block only once it is whole)."""
         if self.s_whole[f.serial]:
             return f.size
-        return min(self.s_got[f.serial] // BLOCK * BLOCK, f.size - (f.size % BLOCK or BLOCK))
+        return min(self.s_got[f.serial] // self.block * self.block, f.size - (f.size % self.block or self.block))
 
     def timed_out(self, r: Req) -> None:
         """The daemon's request timeout, for a stream from a partial (which waits as long as its feed

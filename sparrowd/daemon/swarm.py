@@ -73,6 +73,7 @@ from ..swarm.versions import (
     ChunkRef,
     VersionState,
     announce_body,
+    block_for,
     block_hashes,
     check_kind,
     from_bitmap,
@@ -408,8 +409,9 @@ class Swarm:
             if known != ref:
                 raise IntegrityError(f"{key}: chunk {index} was published with another hash")
             return {"index": index, "new": False}
+        block = vs.block or block_for(len(data))  # one block size a version, from its first chunk
         s = self.signer.sign(announce_kind(key.anchor), key.version,
-                             announce_body(index, [ref], [block_hashes(data)]))
+                             announce_body(index, [ref], [block_hashes(data, block)], block))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         vs.have.add(index)

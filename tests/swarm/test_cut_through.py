@@ -127,3 +127,18 @@ def test_the_picker_fetches_from_a_neighbour_still_fetching_the_chunk_when_it_re
     assert ("n2", 0) not in pick(far, PeerView("n2", "eu", set(), fetching={0}, cut_through=True, choking=True))
     assert ("n2", 0) not in pick(far, PeerView("n2", "eu", set(), fetching={0}, cut_through=True, inflight=2,
                                                slots=2))
+
+
+def test_small_chunks_are_hashed_in_small_blocks():
+    """About a 32nd of a chunk, a power of two between 16 and 64 KiB: a relay hands a chunk on after
+    its first block, so small chunks move down a chain of relays in small steps."""
+    from sparrowd.swarm.versions import RELAY_BLOCK_MIN, block_for
+
+    assert block_for(2 << 20) == BLOCK == 64 << 10
+    assert block_for(64 << 20) == BLOCK  # never larger: a relay's first step stays short
+    assert block_for(1 << 20) == 32 << 10
+    assert block_for(384 << 10) == block_for(256 << 10) == RELAY_BLOCK_MIN == 16 << 10
+    assert block_for(1) == RELAY_BLOCK_MIN  # never smaller: hashes stay a small part of an announcement
+    for size in (1, 5000, 300 << 10, 1 << 20, 3 << 20):
+        b = block_for(size)
+        assert b & (b - 1) == 0 and RELAY_BLOCK_MIN <= b <= BLOCK
