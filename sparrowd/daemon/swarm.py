@@ -221,6 +221,7 @@ class Swarm:
         else:
             self._uploads = {lane: asyncio.Semaphore(RELAY_CONCURRENT) for lane in (False, True)}
         self._waiting = {False: 0, True: 0}  # chunk requests waiting, by lane (a relay admits while few do)
+        self._told_choked = {False: False, True: False}  # a peer heard "choked" for the lane since it had room
         self.error: str | None = None
         # After a chunk could not be stored (a full disk), fetching pauses, longer each time in a row,
         # rather than downloading chunks only to drop them.
@@ -583,7 +584,9 @@ class Swarm:
                         "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
         if self.signer is None:
-            choked = self._waiting[self._lane(remote)] >= QUEUE_ADMIT
+            lane = self._lane(remote)
+            choked = self._waiting[lane] >= QUEUE_ADMIT
+            self._told_choked[lane] |= choked
         elif self._wants(remote):
             choked = not self._may_download(remote)  # it wants something: a free slot is its now
         else:
@@ -638,6 +641,8 @@ class Swarm:
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
         if not self._may_download(remote):
+            if self.signer is None:
+                self._told_choked[self._lane(remote)] = True
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
@@ -653,8 +658,9 @@ class Swarm:
             async with self._uploads[lane]:
                 self._waiting[lane] -= 1
                 waiting = False
-                if self.signer is None and self._waiting[lane] == QUEUE_ADMIT - 1:
-                    await self.notify()  # the queue has room again: peers told "choked" learn it now
+                if self.signer is None and self._waiting[lane] == QUEUE_ADMIT - 1 and self._told_choked[lane]:
+                    self._told_choked[lane] = False
+                    await self.notify()  # the lane has room again: peers told "choked" learn it now
                 resp, sent = await self._send(request, source, size, wan)
         finally:
             remote.uploads -= 1
