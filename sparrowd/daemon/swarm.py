@@ -583,12 +583,8 @@ class Swarm:
             out.append({"version": k.version, "anchor": k.anchor,
                         "statements": [s.to_bytes() for s in vs.statements[known:]],
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
-        if self.signer is None:
-            lane = self._lane(remote)
-            choked = self._waiting[lane] >= QUEUE_ADMIT
-            self._told_choked[lane] |= choked
-        elif self._wants(remote):
-            choked = not self._may_download(remote)  # it wants something: a free slot is its now
+        if self.signer is None or self._wants(remote):
+            choked = not self._may_download(remote)  # a relay's lane, or the trainer's free slot for a peer that wants
         else:
             choked = self._choking_active() and remote.node_id not in self.unchoked
         reply = {"gen": self.gen, "versions": out, "choked": choked,
@@ -611,7 +607,11 @@ class Swarm:
         super-seeding hands its first copies to the peers it unchokes, or given a slot left free
         since the last decision (``Choker.admit``)."""
         if self.signer is None:
-            return self._waiting[self._lane(remote)] < QUEUE_ADMIT
+            lane = self._lane(remote)
+            if self._waiting[lane] < QUEUE_ADMIT:
+                return True
+            self._told_choked[lane] = True  # woken when the lane has room again
+            return False
         return not self._choking_active() or self.choker.admit(self.unchoked, remote.node_id)
 
     def _lane(self, remote: Remote) -> bool:
@@ -641,8 +641,6 @@ class Swarm:
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
         if not self._may_download(remote):
-            if self.signer is None:
-                self._told_choked[self._lane(remote)] = True
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
