@@ -71,6 +71,7 @@ from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_ki
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import (
     ChunkRef,
+    StatementPage,
     VersionState,
     announce_body,
     block_for,
@@ -574,14 +575,17 @@ class Swarm:
                 # on: waking them all cost the trainer a reply to every peer for every chunk any peer
                 # stored.
                 wait = 0
+        if any(k in theirs and theirs[k][0] < len(vs.statements) for k, vs in self.versions.items()):
+            wait = 0  # it follows a version and lacks statements of it (the last reply was a page): at once
         await self.changed(m["after"], wait)
-        out = []
-        for k in sorted(self.versions):
+        # The statements go out a page at a time (StatementPage): first of the versions the peer follows,
+        # then of the others newest first (it may not want the old ones; it lists those it takes).
+        out, page = [], StatementPage()
+        for k in sorted(self.versions, key=lambda k: (0, k.version) if k in theirs else (1, -k.version)):
             vs = self.versions[k]
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            out.append({"version": k.version, "anchor": k.anchor,
-                        "statements": [s.to_bytes() for s in vs.statements[known:]],
+            out.append({"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
                         "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
         if self.signer is None or self._wants(remote):
             choked = not self._may_download(remote)  # a relay's lane, or the trainer's free slot for a peer that wants

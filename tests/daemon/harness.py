@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
+
+import msgpack
 
 from sparrowd.localswarm import free_port, wait_for  # noqa: F401  (the tests import them from here)
+from sparrowd.swarm.identity import make_proof
+from tests import members
 
 
 def make_token(path: Path) -> Path:
@@ -121,3 +128,46 @@ def node_row(tracker_url: str, token: str, node_id: str) -> dict:
 
 def node_ids(tracker_url: str, token: str) -> set[str]:
     return {n["node_id"] for n in status(tracker_url, token)["nodes"]}
+
+
+MP = {"Content-Type": "application/msgpack"}
+
+
+class Member:
+    """A member speaking the protocol by hand: joined with the swarm token, its lease kept."""
+
+    def __init__(self, cluster, node_id: str, region: str):
+        self.cluster, self.id, self.region, self.key = cluster, node_id, region, members.new_key()
+        code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=MP,
+                         data=msgpack.packb(members.join(self.key, node_id, region=region)))
+        assert code == 200, body
+        self.epoch = msgpack.unpackb(body)["epoch"]
+
+    def renew(self) -> None:
+        get(f"{self.cluster.tracker}/v1/tracker/renew", self.cluster.token, method="POST", headers=MP,
+            data=msgpack.packb(members.renew(self.key, self.id, self.epoch)))
+
+    def headers(self, to: str) -> dict:
+        return {"Authorization": f"Bearer {self.cluster.token}", "X-Sparrowd-Node": self.id,
+                "X-Sparrowd-Proof": make_proof(self.key, self.id, to, time.time())}
+
+    def known_to(self, relay) -> bool:
+        """An exchange answered at once: the relay holds this member's tracker entry (503 until then)."""
+        data = msgpack.packb({"node_id": self.id, "region": self.region, "after": -1, "wait": 0, "versions": []})
+        return get(f"{relay.url}/v1/swarm/exchange", None, method="POST", data=data,
+                   headers={**MP, **self.headers(relay.name)})[0] == 200
+
+    def exchange(self, peer, versions: list[dict], *, after: int = -1, wait: int = 0) -> tuple[int, dict | bytes]:
+        """One exchange with ``peer``: its status and, on 200, its decoded reply."""
+        data = msgpack.packb({"node_id": self.id, "region": self.region, "after": after, "wait": wait,
+                              "versions": versions})
+        code, body = get(f"{peer.url}/v1/swarm/exchange", None, method="POST", data=data,
+                         headers={**MP, **self.headers(peer.name)}, timeout=wait + 10)
+        return code, msgpack.unpackb(body) if code == 200 else body
+
+    def ask(self, relay, key: str, index: int) -> http.client.HTTPResponse:
+        """A chunk request, its answer's status and headers read (the body is left to stream)."""
+        u = urlparse(relay.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("GET", f"/v1/swarm/chunk/{key}/{index}", headers=self.headers(relay.name))
+        return conn.getresponse()

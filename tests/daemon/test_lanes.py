@@ -2,59 +2,18 @@
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
-from urllib.parse import urlparse
 
-import msgpack
 import numpy as np
 import pytest
 
 from sparrowd.bench.swarm import _write_patch
 from sparrowd.daemon.swarm import QUEUE_ADMIT, RELAY_CONCURRENT
-from sparrowd.swarm.identity import make_proof
-from tests import members
-from tests.daemon.harness import get, wait_for
+from tests.daemon.harness import Member, wait_for
 from tests.daemon.patches import held, publish
-from tests.members import new_key
 
 pytestmark = pytest.mark.slow
-
-MP = {"Content-Type": "application/msgpack"}
-
-
-class Member:
-    """A member speaking the protocol by hand: joined with the swarm token, its lease kept."""
-
-    def __init__(self, cluster, node_id: str, region: str):
-        self.cluster, self.id, self.region, self.key = cluster, node_id, region, new_key()
-        code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=MP,
-                         data=msgpack.packb(members.join(self.key, node_id, region=region)))
-        assert code == 200, body
-        self.epoch = msgpack.unpackb(body)["epoch"]
-
-    def renew(self) -> None:
-        get(f"{self.cluster.tracker}/v1/tracker/renew", self.cluster.token, method="POST", headers=MP,
-            data=msgpack.packb(members.renew(self.key, self.id, self.epoch)))
-
-    def headers(self, to: str) -> dict:
-        return {"Authorization": f"Bearer {self.cluster.token}", "X-Sparrowd-Node": self.id,
-                "X-Sparrowd-Proof": make_proof(self.key, self.id, to, time.time())}
-
-    def known_to(self, relay) -> bool:
-        """An exchange answered at once: the relay holds this member's tracker entry (503 until then)."""
-        data = msgpack.packb({"node_id": self.id, "region": self.region, "after": -1, "wait": 0, "versions": []})
-        return get(f"{relay.url}/v1/swarm/exchange", None, method="POST", data=data,
-                   headers={**MP, **self.headers(relay.name)})[0] == 200
-
-    def ask(self, relay, key: str, index: int) -> http.client.HTTPResponse:
-        """A chunk request, its answer's status and headers read (the body is left to stream)."""
-        u = urlparse(relay.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-        conn.request("GET", f"/v1/swarm/chunk/{key}/{index}", headers=self.headers(relay.name))
-        return conn.getresponse()
-
 
 def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions(cluster, tmp_path):
     # A relay in "us" holds a 4 MiB chunk and uploads at 256 KiB/s: every upload it starts lasts the

@@ -344,3 +344,28 @@ def test_have_maps_round_trip_at_every_size_and_small_ones_are_cached():
     hits = versions._to_bitmap_cached.cache_info().hits
     assert to_bitmap({0, 2}, 8) == to_bitmap([2, 0], 8)  # the second from the cache
     assert versions._to_bitmap_cached.cache_info().hits >= hits + 1
+
+
+def test_a_page_of_statements_stops_at_its_count_or_its_bytes_but_always_moves_on():
+    from sparrowd.swarm.signing import Signed
+    from sparrowd.swarm.versions import StatementPage
+
+    small = [Signed("announce", 1, bytes(100), bytes(64)) for _ in range(10)]
+    page = StatementPage(count=4, size=1 << 20)
+    assert len(page.take(small, 0)) == 4
+    page = StatementPage(count=100, size=1 << 20)
+    assert [Signed.from_bytes(b) for b in page.take(small, 7)] == small[7:]
+    assert page.take(small, 10) == []
+
+    # Over two versions: what the first took, the second cannot.
+    page = StatementPage(count=6, size=1 << 20)
+    assert len(page.take(small, 0)) == 6 and page.take(small, 0) == []
+
+    # By bytes: each takes about 190; the first is taken whatever its size.
+    one = len(small[0].to_bytes())
+    page = StatementPage(count=100, size=3 * one + 1)
+    assert len(page.take(small, 0)) == 3
+    big = [Signed("manifest", 1, bytes(10_000), bytes(64))]
+    page = StatementPage(count=100, size=1000)
+    assert len(page.take(big, 0)) == 1
+    assert page.take(small, 0) == []
