@@ -223,3 +223,13 @@ def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions():
     for y in far[RELAY_CONCURRENT:RELAY_CONCURRENT + QUEUE_ADMIT]:
         ask(y)
     assert sim.choked_for(x, far[-1]) and not sim.may_download(x, far[-1])
+
+
+def test_a_small_patch_crosses_into_each_region_once():
+    """A patch of one chunk is in the endgame from its first request. Asked of a second peer at once,
+    the chunk crossed into every region twice (2.0x (R-1) x patch); now the second request waits for
+    the first to be out ENDGAME_AFTER, and each region takes it once."""
+    for r in simulate(Config(nodes=16, regions=8, patch=MB // 4, versions=2, seed=0)):
+        assert r["all_done"], r
+        assert r["cross_region_over_r_minus_1"] <= 1.15, r
+        assert r["wasted_over_patch"] < 1.0, r

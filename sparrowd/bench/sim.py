@@ -149,6 +149,7 @@ class Req:
     feed: "Req | None" = None  # the server's request whose partial this is served from, cut-through
     readers: list["Req"] | None = None  # as a node's partial: the streams served from it
     cut: bool = False  # its partial was aborted: its requester hears one one-way delay later
+    sent: float = 0.0  # when its requester asked
 
 
 @dataclass
@@ -653,11 +654,12 @@ class Sim:
         for pid in y.picker.stalled(now, version=self.version, missing=missing, peers=views,
                                     region_nodes=region_nodes, available_since=since):
             y.known[pid].stalled = True
+        asked_at = {c: min(r.sent for r in y.fetching[c].values()) for c in missing if y.fetching.get(c)}
         for q in y.picker.pick(now, version=self.version, missing=missing, inflight=inflight, peers=views,
-                               region_nodes=region_nodes, available_since=since):
+                               region_nodes=region_nodes, available_since=since, asked_at=asked_at):
             x = self.by_id[q.peer_id]
             r = Req(y, x, q.index, self.version, self.sizes[q.index], serial=self._serial(),
-                    whole=q.index in haves[x.id], readers=[])
+                    whole=q.index in haves[x.id], readers=[], sent=now)
             y.fetching.setdefault(q.index, {})[x.id] = r
             y.partial.setdefault(q.index, r)  # the first request for a chunk feeds what the node relays
             if not r.whole:  # (requests for whole chunks are not held to the timeout here: they always move)

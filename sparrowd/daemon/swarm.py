@@ -199,6 +199,7 @@ class Swarm:
         self._waiters = asyncio.Condition()
         self._closing = False  # set by stop: long polls answer at once
         self.inflight: dict[tuple[Key, int], dict[str, asyncio.Task]] = {}
+        self.asked_at: dict[tuple[Key, int], float] = {}  # when a chunk in flight was asked for (the endgame)
         self.available_since: dict[tuple[Key, int], float] = {}
         self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
@@ -935,14 +936,16 @@ class Swarm:
                     event(log, logging.INFO, "peer held this node back (it did not bring its share of chunks across, "
                           "or claimed chunks it did not deliver); passed over until it delivers", peer=pid,
                           object=str(k))
+            asked_at = {i: self.asked_at[(k, i)] for i in missing if (k, i) in self.asked_at}
             for req in self.picker.pick(now, version=k.tag, missing=missing, inflight=inflight, peers=views,
-                                        region_nodes=region_nodes, available_since=since):
+                                        region_nodes=region_nodes, available_since=since, asked_at=asked_at):
                 ps = self.peers.get(req.peer_id)
                 if ps is None:
                     continue
                 ps.inflight += 1
                 task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
                 self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
+                self.asked_at.setdefault((k, req.index), now)
                 started += 1
         return started
 
@@ -1056,6 +1059,7 @@ class Swarm:
                 tasks.pop(ps.node_id, None)
                 if not tasks:
                     del self.inflight[key]
+                    self.asked_at.pop(key, None)
             self._changed.set()
 
 

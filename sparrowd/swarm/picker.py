@@ -4,7 +4,10 @@ Piece choice is rarest first: chunks held by the fewest peers go first, in a
 random order within small windows of equally rare ones, so that nodes asking
 at once do not all chase the same chunk. Near the end (every missing chunk
 already requested and few left) the endgame asks a second peer for each
-outstanding chunk; the driver cancels the loser when one arrives.
+outstanding chunk once its request has been out ``endgame_after`` seconds;
+the driver cancels the loser when one arrives. (A patch of a few chunks is
+in the endgame from its first request: asked at once, every crossing went
+twice and a region's crossers served each other's duplicates.)
 
 Peer choice ranks sources: same region first, then other peers before the
 trainer (whose uplink is the one thing the swarm must spare), then measured
@@ -47,7 +50,13 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount", "slots_for_rate"]
+__all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount", "slots_for_rate", "ENDGAME_AFTER"]
+
+# Seconds a chunk's request is out before the endgame asks a second peer too (``sparrowd bench sim``,
+# 8 regions, six seeds: asked at once, a 0.25 MiB patch crossed into each region twice and took 2.87x
+# the bound at 100 nodes; after 2 s, once, in 2.26x; 64 MiB, whose 2 MiB chunks take about a second
+# each, was no slower). A request that stalls has timeouts of its own besides.
+ENDGAME_AFTER = 2.0
 
 
 def _claims(p: PeerView, c: int) -> bool:
@@ -157,6 +166,7 @@ class Picker:
     cross_wait: float = 3.0
     endgame_left: int = 8
     claim_wait: float = 2.0  # a proven neighbour's claim holds this node back this many cross_waits
+    endgame_after: float = ENDGAME_AFTER
     rng: random.Random = field(default_factory=random.Random)
 
     def _order(self, chunks: list[int], peers: list[PeerView]) -> list[int]:
@@ -225,12 +235,14 @@ class Picker:
         peers: list[PeerView],
         region_nodes: Iterable[str],
         available_since: Mapping[int, float],
+        asked_at: Mapping[int, float] | None = None,
     ) -> list[Request]:
         """Requests to send now. ``missing``: chunk indices this node lacks (and knows of);
         ``inflight``: chunk -> peers already asked; ``region_nodes``: the nodes of this region
         that share its cross-region fetches (this one and the neighbours it counts on; in a region
         larger than a peer list shows, its gateways, this node only if it is one);
-        ``available_since``: when this node first saw a peer offering each chunk."""
+        ``available_since``: when this node first saw a peer offering each chunk; ``asked_at``: when
+        each chunk in flight was asked for (without it, the endgame duplicates at once)."""
         missing = list(missing)
         nodes = sorted(set(region_nodes))
         free = {p.peer_id: max(0, p.slots - p.inflight) for p in peers if not p.choking}
@@ -265,7 +277,7 @@ class Picker:
         if len(asked) == len(missing) and 0 < len(missing) <= self.endgame_left:
             for c in self._order(sorted(asked), peers):
                 already = set(inflight.get(c, ())) | {r.peer_id for r in out if r.index == c}
-                if len(already) >= 2:
+                if len(already) >= 2 or (asked_at is not None and now - asked_at.get(c, now) < self.endgame_after):
                     continue
                 for p in sources(c, already)[:1]:
                     free[p.peer_id] -= 1

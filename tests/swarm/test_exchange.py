@@ -125,6 +125,13 @@ def test_endgame_duplicates_the_last_requests_and_respects_slots():
                   available_since={})
     assert all(r.duplicate for r in reqs) and {r.index for r in reqs} == {0, 1}
     assert all(r.peer_id not in ({"a"} if r.index == 0 else {"b"}) for r in reqs)
+    # A request out for less than endgame_after gets no second yet.
+    p = Picker("me", "eu", endgame_left=4, endgame_after=2.0)
+    args = dict(version=1, missing=[0, 1], inflight={0: {"a"}, 1: {"b"}}, peers=peers, region_nodes=["me"],
+                available_since={})
+    reqs = p.pick(10.0, **args, asked_at={0: 9.0, 1: 7.5})  # chunk 1 was asked for 2.5 s ago, chunk 0 1 s ago
+    assert [(r.index, r.duplicate) for r in reqs] == [(1, True)] and reqs[0].peer_id != "b"
+    assert p.pick(10.0, **args, asked_at={0: 9.0, 1: 8.5}) == []
     # Far from the end, no duplicates.
     p = Picker("me", "eu", endgame_left=1)
     assert p.pick(0.0, version=1, missing=[0, 1], inflight={0: {"a"}, 1: {"b"}}, peers=peers, region_nodes=["me"],
