@@ -86,6 +86,7 @@ from ..daemon.swarm import (
     RELAY_CONCURRENT,
     SEED_CONCURRENT,
     SEED_PER_PEER,
+    SEED_SINGLE_FROM,
     UPLOAD_SLOTS,
     UPLOADS_PER_PEER,
 )
@@ -309,7 +310,7 @@ class Sim:
             return set()
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
-        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted) & x.have
+        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known)) & x.have
 
     def choke(self, x: Node) -> None:
         peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),
@@ -719,7 +720,8 @@ class Sim:
         t = self.trainer
         t.have = set(range(self.chunks))
         t.held_by = {}
-        t.superseed = SuperSeed(self.chunks, per_peer=SEED_PER_PEER, rng=random.Random(self.rng.random()))
+        t.superseed = SuperSeed(self.chunks, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM,
+                                rng=random.Random(self.rng.random()))
         for n in self.nodes:
             for k in n.known.values():
                 k.have = set(t.have) if k.node.trainer else set()

@@ -104,7 +104,8 @@ UPLOAD_SLOTS = 8  # peers the trainer unchokes at once (one of them the optimist
 QUEUE_ADMIT = 1  # a relay refuses requests (503, "choked") while this many wait in their lane
 DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that knows a new asker
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
-SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)
+SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)...
+SEED_SINGLE_FROM = 4  # ...but one, once this many peers keep its upload slots busy (SuperSeed)
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 
@@ -237,7 +238,7 @@ class Swarm:
         self.at = self.store.read_position(self.at)
         for vs in self.versions.values():
             if self.signer and vs.total is not None:
-                self.superseed[vs.key] = SuperSeed(vs.total, per_peer=SEED_PER_PEER)
+                self.superseed[vs.key] = _superseed(vs.total)
         if self.versions:
             event(log, logging.INFO, "chunk store loaded", versions=len(self.versions),
                   chunks=sum(len(v.have) for v in self.versions.values()))
@@ -418,7 +419,7 @@ class Swarm:
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         vs.have.add(index)
-        self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
+        self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         await self.notify()
         return {"index": index, "new": True}
 
@@ -456,7 +457,7 @@ class Swarm:
                 raise FormatError(f"version {m.version} applies to {m.base_version}, "
                                   f"but the latest published is {latest}")
         self._take_statement(vs, self.signer.sign(manifest_kind(key.anchor), m.version, m.to_bytes()))
-        self.superseed.setdefault(key, SuperSeed(0, per_peer=SEED_PER_PEER)).grow(len(vs.chunks))
+        self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         if self.daemon.tracker is not None:
             self.daemon.tracker.table.set_latest_version(max(m.version, latest or 0))
         event(log, logging.INFO, "anchor published" if key.anchor else "version published", version=m.version,
@@ -549,7 +550,7 @@ class Swarm:
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not any(any(r.have.values()) for r in self.remotes.values())
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by,
-                        trusted=trusted) & vs.have
+                        trusted=trusted, peers=len(self._live_remotes())) & vs.have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         body = await read_limited(request.content, MAX_EXCHANGE)
@@ -596,8 +597,13 @@ class Swarm:
                  "cut_through": self._relays_partials()}
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
+    def _live_remotes(self) -> list[Remote]:
+        """The peers heard from in the last 30 s."""
+        now = time.monotonic()
+        return [r for r in self.remotes.values() if now - r.last_seen < 30]
+
     def _choking_active(self) -> bool:
-        return len([r for r in self.remotes.values() if time.monotonic() - r.last_seen < 30]) > self.choker.slots
+        return len(self._live_remotes()) > self.choker.slots
 
     def _wants(self, remote: Remote) -> bool:
         """Whether this node holds a chunk the peer lacks (as far as its last exchange told)."""
@@ -1061,6 +1067,10 @@ class Swarm:
                     del self.inflight[key]
                     self.asked_at.pop(key, None)
             self._changed.set()
+
+
+def _superseed(chunks: int) -> SuperSeed:
+    return SuperSeed(chunks, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM)
 
 
 class _Cut(Exception):

@@ -376,3 +376,20 @@ def test_a_page_of_statements_stops_at_its_count_or_its_bytes_but_always_moves_o
     page = StatementPage(count=100, size=1000)
     assert len(page.take(big, 0)) == 1
     assert page.take(small, 0) == []
+
+
+def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
+    """The first copies of a small patch start in as many places as there are chunks: two a peer
+    put 8 chunks into 4 peers (and at 16 nodes in 8 regions, into 2 regions)."""
+    def first_copies(peers: int) -> dict[str, set[int]]:
+        ss = SuperSeed(8, per_peer=2, single_from=4, rng=random.Random(0))
+        return {p: got for p in (f"n{i}" for i in range(peers))
+                if (got := ss.offer(0.0, p, set(), {}, peers=peers))}
+
+    many = first_copies(16)
+    assert len(many) == 8 and all(len(g) == 1 for g in many.values())
+    few = first_copies(3)  # too few to keep the seed's slots busy one chunk each: two a peer
+    assert [len(g) for g in few.values()] == [2, 2, 2]
+    ss = SuperSeed(8, per_peer=2, single_from=4)
+    assert len(ss.offer(0.0, "a", set(), {}, peers=16)) == 1
+    assert len(ss.offer(1.0, "a", {next(iter(ss.assigned["a"]))}, {}, peers=16)) == 1  # the next once it holds it
