@@ -188,6 +188,7 @@ class Swarm:
         self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
+        self._live_at, self._live_count = float("-inf"), 0  # _live(): peers heard from lately, and when counted
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
         self.banned: set[str] = set()
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
@@ -550,7 +551,7 @@ class Swarm:
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not any(any(r.have.values()) for r in self.remotes.values())
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by,
-                        trusted=trusted, peers=len(self._live_remotes())) & vs.have
+                        trusted=trusted, peers=self._live()) & vs.have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         body = await read_limited(request.content, MAX_EXCHANGE)
@@ -597,13 +598,17 @@ class Swarm:
                  "cut_through": self._relays_partials()}
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
-    def _live_remotes(self) -> list[Remote]:
-        """The peers heard from in the last 30 s."""
+    def _live(self) -> int:
+        """How many peers were heard from in the last 30 s, counted at most once a second: the trainer
+        asks on every exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
-        return [r for r in self.remotes.values() if now - r.last_seen < 30]
+        if now - self._live_at >= 1.0:
+            self._live_at = now
+            self._live_count = sum(1 for r in self.remotes.values() if now - r.last_seen < 30)
+        return self._live_count
 
     def _choking_active(self) -> bool:
-        return len(self._live_remotes()) > self.choker.slots
+        return self._live() > self.choker.slots
 
     def _wants(self, remote: Remote) -> bool:
         """Whether this node holds a chunk the peer lacks (as far as its last exchange told)."""
