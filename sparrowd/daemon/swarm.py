@@ -189,6 +189,8 @@ class Swarm:
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self._live_at, self._live_count = float("-inf"), 0  # _live(): peers heard from lately, and when counted
+        self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
+        self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
         self.banned: set[str] = set()
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
@@ -473,7 +475,8 @@ class Swarm:
         """A node's lease ended: what super-seeding gave it goes to others, its view is dropped."""
         for ss in self.superseed.values():
             ss.forget(node_id)
-        self.remotes.pop(node_id, None)
+        if (r := self.remotes.pop(node_id, None)) is not None:
+            self._set_have(r, {})
 
     def _admit(self, request: web.Request) -> Remote | web.Response:
         """The peer a request comes from, if the tracker vouches for it and its proof holds;
@@ -543,15 +546,31 @@ class Swarm:
         if ss is None:
             return set()
         ss.grow(len(vs.chunks))
-        held_by: dict[int, int] = {}
-        for r in self.remotes.values():
-            for c in r.have.get(vs.key, ()):
-                held_by[c] = held_by.get(c, 0) + 1
         # Assignments go to peers that show chunks in their have-maps (a member that never fetches
         # gets none to sit on), once any peer does.
-        trusted = any(remote.have.values()) or not any(any(r.have.values()) for r in self.remotes.values())
-        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()), held_by,
-                        trusted=trusted, peers=self._live()) & vs.have
+        trusted = any(remote.have.values()) or not self._showing
+        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
+                        self.held_by.get(vs.key, {}), trusted=trusted, peers=self._live()) & vs.have
+
+    def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
+        """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers
+        whose maps show any chunk) follow, so that answering an exchange never walks every peer's
+        maps (a swarm of thousands polls the trainer)."""
+        self._showing += any(have.values()) - any(remote.have.values())
+        for k in remote.have.keys() | have.keys():
+            before, after = remote.have.get(k, frozenset()), have.get(k, frozenset())
+            if before == after:
+                continue
+            counts = self.held_by.setdefault(k, collections.Counter())
+            counts.update(after - before)
+            gone = before - after
+            counts.subtract(gone)
+            for c in gone:
+                if counts[c] <= 0:
+                    del counts[c]
+            if not counts:
+                del self.held_by[k]
+        remote.have = have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         body = await read_limited(request.content, MAX_EXCHANGE)
@@ -571,7 +590,7 @@ class Swarm:
         new_have = {v: h for v, (_, h) in theirs.items()}
         wait = min(float(m["wait"] or 0), 15.0)
         if new_have != remote.have:
-            remote.have = new_have
+            self._set_have(remote, new_have)
             if self.signer is not None:
                 # Its offer may have grown: this reply carries it at once. Nobody else's grew (a chunk
                 # one more peer holds is only ever offered less), so the other peers' long polls sleep
@@ -732,7 +751,7 @@ class Swarm:
                                         rate_to=r.rate_to.rate(now)))
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
-            if any(ss.lapsing(now, {c for r in self.remotes.values() for c in r.have.get(k, ())})
+            if any(ss.lapsing(now, self.held_by.get(k, {}).keys())
                    for k, ss in self.superseed.items()):
                 await self.notify()  # an assignment lapsed: the peers' long polls answer, one gets it now
             if unchoked != self.unchoked:

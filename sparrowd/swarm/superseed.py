@@ -31,7 +31,7 @@ Pure: ``offer(now, peer, holds, held_by)`` returns what to show that peer.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
 __all__ = ["SuperSeed"]
@@ -80,7 +80,7 @@ class SuperSeed:
                 if owner == peer:
                     self.given_at[c] = float("-inf")
 
-    def lapsing(self, now: float, held: set[int] | frozenset[int]) -> bool:
+    def lapsing(self, now: float, held: Set[int]) -> bool:
         """Whether a chunk nobody holds (``held``: chunks some peer holds) waits to be given again: its
         assignment went unclaimed past ``claim_within``, or its peer left. The driver then wakes the
         peers' long polls, so it goes to another now rather than at their next poll."""

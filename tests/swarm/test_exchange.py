@@ -393,3 +393,29 @@ def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
     ss = SuperSeed(8, per_peer=2, single_from=4)
     assert len(ss.offer(0.0, "a", set(), {}, peers=16)) == 1
     assert len(ss.offer(1.0, "a", {next(iter(ss.assigned["a"]))}, {}, peers=16)) == 1  # the next once it holds it
+
+
+def test_the_trainers_counts_of_holders_follow_every_change_of_have_maps():
+    """The trainer keeps, per object, how many peers' have-maps show each chunk, as maps change and
+    peers go, instead of walking every peer's maps for each exchange it answers."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import Remote, Swarm
+    from sparrowd.swarm.chain import Key
+
+    rng = random.Random(0)
+    keys = [Key(1, False), Key(2, False), Key(2, True)]
+    me = SimpleNamespace(held_by={}, _showing=0)
+    remotes = {f"p{i}": Remote(f"p{i}", "eu") for i in range(12)}
+    for _ in range(400):
+        r = remotes[rng.choice(sorted(remotes))]
+        have = {k: frozenset(rng.sample(range(20), rng.randint(0, 6))) for k in keys if rng.random() < 0.6}
+        Swarm._set_have(me, r, {} if rng.random() < 0.1 else have)  # now and then, as when it leaves
+        want = {}
+        for x in remotes.values():
+            for k, chunks in x.have.items():
+                for c in chunks:
+                    want.setdefault(k, {}).setdefault(c, 0)
+                    want[k][c] += 1
+        assert {k: dict(v) for k, v in me.held_by.items()} == want
+        assert me._showing == sum(any(x.have.values()) for x in remotes.values())
