@@ -147,8 +147,11 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
 
     def renew():
         while not stop.wait(0.5):
-            get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", headers=mp,
-                data=msgpack.packb(members.renew(key, node_id, lease["epoch"])))
+            try:
+                get(f"{cluster.tracker}/v1/tracker/renew", cluster.token, method="POST", headers=mp,
+                    data=msgpack.packb(members.renew(key, node_id, lease["epoch"])))
+            except OSError:
+                pass  # a renewal that timed out (a busy trainer) goes again at the next tick
 
     threading.Thread(target=renew, daemon=True).start()
     try:
