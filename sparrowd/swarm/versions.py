@@ -112,9 +112,9 @@ class StatementPage:
     def take(self, statements: list[Signed], known: int) -> list[bytes]:
         """The serialized statements after the first ``known`` that still fit."""
         out = []
-        for s in itertools.islice(statements, known, None):
+        for s in itertools.islice(statements, known, known + max(self.count, 0)):  # none past the count
             b = s.to_bytes()
-            if self.count <= 0 or (self.taken and len(b) > self.size):
+            if self.taken and len(b) > self.size:
                 break
             out.append(b)
             self.count -= 1
