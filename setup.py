@@ -25,6 +25,7 @@ setup(
             include_dirs=[XXHASH],
             define_macros=macros,
             extra_compile_args=["-O3", "-std=c11"],
+            libraries=["m"],
             optional=True,
         )
     ]

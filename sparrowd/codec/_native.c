@@ -38,6 +38,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -792,10 +793,63 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static Py_ssize_t positions_avx2
     return positions_scalar(k, w, p, stop);
 }
 
+/*
+ * The same with AVX-512 (BW), 64 elements a vector. The block's classes are computed 32 lanes at a
+ * time and packed to bytes; each class's compare over each 64 elements is a 64-bit mask, kept, so
+ * that a class's count over the block and a change's rank inside it are popcounts of those masks.
+ */
+__attribute__((target("avx512f,avx512bw,bmi,bmi2,popcnt"))) static Py_ssize_t ranks_avx512(
+    const struct classing *k, Py_ssize_t p, Py_ssize_t end, const int64_t *idx, Py_ssize_t n, uint8_t *cls,
+    int64_t *rank, int64_t *counts) {
+    Py_ssize_t j = 0;
+    const uint16_t *b = (const uint16_t *)k->base, *old = (const uint16_t *)k->old;
+    const __m128i sh = _mm_cvtsi32_si128(k->shift);
+    const __m512i mask = _mm512_set1_epi16((short)k->mask), lo = _mm512_set1_epi16((short)k->lo);
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi16(NCLASS - 1);
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7); /* packus works within 128-bit lanes */
+    _Alignas(64) uint8_t cb[BLOCK];
+    uint64_t m[NCLASS][BLOCK / 64];
+    for (; p + BLOCK <= end; p += BLOCK) {
+        __m512i cv[BLOCK / 64];
+        for (int s = 0; s < BLOCK / 64; s++) {
+            __m512i c0 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(b + p + 64 * s), sh), mask);
+            __m512i c1 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(b + p + 64 * s + 32), sh), mask);
+            c0 = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(c0, lo), zero), top);
+            c1 = _mm512_min_epi16(_mm512_max_epi16(_mm512_sub_epi16(c1, lo), zero), top);
+            cv[s] = _mm512_permutexvar_epi64(order, _mm512_packus_epi16(c0, c1));
+        }
+        Py_ssize_t stop = j;
+        while (stop < n && idx[stop] < p + BLOCK) stop++;
+        for (int s = 0; s < BLOCK / 64; s++) _mm512_store_si512(cb + 64 * s, cv[s]);
+        if (old && stop > j) { /* the block's changed elements belong to their base bits' class */
+            for (Py_ssize_t i = j; i < stop; i++) cb[idx[i] - p] = (uint8_t)klass(old[i], k->shift, k->mask, k->lo);
+            for (int s = 0; s < BLOCK / 64; s++) cv[s] = _mm512_load_si512(cb + 64 * s);
+        }
+        for (int q = 0; q < NCLASS; q++) {
+            const __m512i qv = _mm512_set1_epi8((char)q);
+            for (int s = 0; s < BLOCK / 64; s++) m[q][s] = _mm512_cmpeq_epi8_mask(cv[s], qv);
+        }
+        for (; j < stop; j++) {
+            const int off = (int)(idx[j] - p), step = off >> 6;
+            const unsigned c = cb[off];
+            int64_t r = counts[c];
+            for (int s = 0; s < step; s++) r += __builtin_popcountll(m[c][s]);
+            cls[j] = (uint8_t)c;
+            rank[j] = r + __builtin_popcountll(_bzhi_u64(m[c][step], (unsigned)(off & 63)));
+        }
+        for (int q = 0; q < NCLASS; q++)
+            counts[q] += __builtin_popcountll(m[q][0]) + __builtin_popcountll(m[q][1]) +
+                         __builtin_popcountll(m[q][2]) + __builtin_popcountll(m[q][3]);
+    }
+    return ranks_scalar(k, p, end, idx, j, n, cls, rank, counts);
+}
+
+/* The widest class scan this CPU runs: 2 (AVX-512), 1 (AVX2) or 0 (portable). */
 static int class_simd(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
-           __builtin_cpu_supports("popcnt");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+                     __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+    return avx2 ? 1 + (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) : 0;
 }
 #else
 static int class_simd(void) { return 0; }
@@ -814,22 +868,23 @@ static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift,
 
 /*
  * class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every,
- *             old=None, portable=False)
+ *             old=None, widest=-1)
  * Scans base[start:stop). For each sorted position p in `indices` (int64, all in [start, stop)), its
  * class (uint8 into cls_out) and how many elements of that class lie in [start, p) (int64 into
  * rank_out). census_out (int64, 16 per row) gets the class counts over [start, start + r * every) in
  * row r, for every r with r * every < stop - start, and over all of [start, stop) in the last row
  * (`every`: a positive multiple of 256). `old`, when given, holds the base's bits at the indices,
  * for a `base` that already holds the new bits there (a kept copy the diff brought up to date).
+ * `widest` caps the scan (2: AVX-512, 1: AVX2, 0: portable; -1: the widest this CPU runs, CLASS_SIMD).
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
     Py_buffer bb, ib, cb, rb, sb, ob = {0};
-    int isz, shift, portable_ = 0;
+    int isz, shift, widest = -1;
     unsigned long long mask;
     long long lo;
     Py_ssize_t start, stop, every;
-    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*p", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
-                          &sb, &every, &ob, &portable_))
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*i", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
+                          &sb, &every, &ob, &widest))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
@@ -851,6 +906,7 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
     }
     int64_t counts[NCLASS] = {0}, *census = sb.buf;
     uint8_t *cls = cb.buf;
+    const int best = class_simd(), simd = widest < 0 || widest > best ? best : widest;
     int64_t *rank = rb.buf;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t j = 0, r = 0;
@@ -862,7 +918,9 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
         kk.old = ob.buf != NULL ? (const char *)ob.buf + j * isz : NULL;
         memcpy(census + NCLASS * r++, counts, sizeof counts);
 #if defined(__GNUC__) && defined(__x86_64__)
-        if (isz == 2 && !portable_ && class_simd())
+        if (isz == 2 && simd == 2)
+            ranks_avx512(&kk, p, end, idx + j, m - j, cls + j, rank + j, counts);
+        else if (isz == 2 && simd == 1)
             ranks_avx2(&kk, p, end, idx + j, m - j, cls + j, rank + j, counts);
         else
 #endif
@@ -986,6 +1044,11 @@ struct prob {
 static const uint8_t RATE[16] = {1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, PMOVE};
 
 static inline void adapt(struct prob *c, unsigned bit) {
+    if (__builtin_expect(c->n == 15, 1)) { /* settled: a move of 1/32 keeps p inside [PMIN, 2^PB - PMIN] */
+        const unsigned p = c->p;
+        c->p = (uint16_t)(bit ? p - (p >> PMOVE) : p + (((1u << PB) - p) >> PMOVE));
+        return;
+    }
     const int sh = RATE[c->n];
     unsigned p = c->p;
     if (bit) p -= p >> sh; else p += ((1u << PB) - p) >> sh;
@@ -1058,10 +1121,15 @@ static inline void enc_shift(struct rc_enc *e) {
 }
 
 static inline void enc_bit(struct rc_enc *e, struct prob *p, unsigned bit) {
-    const uint32_t bound = (e->range >> PB) * p->p;
-    if (bit) e->low += bound, e->range -= bound;
-    else e->range = bound;
-    adapt(p, bit);
+    const uint32_t bound = (e->range >> PB) * p->p, m = 0u - (uint32_t)bit; /* branch-free: bits are news */
+    e->low += bound & m;
+    e->range = (bound & ~m) | ((e->range - bound) & m);
+    if (__builtin_expect(p->n == 15, 1)) { /* adapt(), settled, without a branch on the bit */
+        const uint32_t q = p->p, down = q - (q >> PMOVE), up = q + (((1u << PB) - q) >> PMOVE);
+        p->p = (uint16_t)((up & ~m) | (down & m));
+    } else {
+        adapt(p, bit);
+    }
     while (e->range < TOP) e->range <<= 8, enc_shift(e);
 }
 
@@ -1247,14 +1315,21 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     }
     if (!parse_table(&t, &tb, n)) goto done;
     const int64_t *ranks = rb.buf;
-    for (Py_ssize_t j = 0; j < n + na; j++)
-        if (load_at(j < n ? zb.buf : azb.buf, isz, j < n ? j : j - n) == 0) {
-            PyErr_SetString(PyExc_ValueError, "ulp2_pack: a zero ulp code");
-            goto done;
-        }
     /* Room: what the bits could take at worst (a modelled bit costs at most 11: PMIN), plus the
        flush; the encoder never writes past it and says if it would. */
     int64_t worst = 11 * (int64_t)h.m;
+    for (int side = 0; side < 2; side++) {
+        const void *z = side ? azb.buf : zb.buf;
+        const Py_ssize_t m = side ? na : n;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const uint64_t v = load_at(z, isz, j);
+            if (v == 0) {
+                PyErr_SetString(PyExc_ValueError, "ulp2_pack: a zero ulp code");
+                goto done;
+            }
+            worst += 11 * 3 + 12 * bitlen64((v - 1) >> 1);
+        }
+    }
     {
         Py_ssize_t j = 0;
         for (Py_ssize_t i = 0; i < t.n; i++) {
@@ -1269,8 +1344,6 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
                 prev = ranks[j];
             }
         }
-        for (j = 0; j < n + na; j++)
-            worst += 11 * 3 + 12 * bitlen64((load_at(j < n ? zb.buf : azb.buf, isz, j < n ? j : j - n) - 1) >> 1);
         worst += NCLASS * 11 * (1 + 2 * 65);
     }
     const Py_ssize_t cap = (Py_ssize_t)(worst / 8 + 64);
@@ -1343,6 +1416,94 @@ done:
     PyBuffer_Release(&ab);
     PyBuffer_Release(&azb);
     if (xb.buf != NULL) PyBuffer_Release(&xb);
+    return result;
+}
+
+/*
+ * class_sort(cls, rank, codes, itemsize, offset, rank_out, codes_out, table_out) -> classes
+ * What ulp2_pack takes, from a segment's changes in position order: each change's class (uint8,
+ * below 16) and rank (int64, less `offset[class]`: int64[16]) and code. The changes go class by
+ * class (a counting sort, stable: within a class they stay in position order, so their ranks
+ * ascend) into rank_out and codes_out; table_out (int64[16][3]) gets, for each class with changes
+ * in ascending order, the class, its count and its gap parameter k: of the Rice parameters around
+ * log2(mean gap * ln 2) (bits.rice_k's candidates), the one that codes the class's gaps shortest.
+ * Returns how many classes have changes. ValueError when a class's ranks do not ascend.
+ */
+static PyObject *class_sort(PyObject *self, PyObject *args) {
+    Py_buffer cb, rb, zb, ob, rob, zob, tb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*y*iy*w*w*w*", &cb, &rb, &zb, &isz, &ob, &rob, &zob, &tb)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = cb.len;
+    if (!check_width(isz)) goto done;
+    if (rb.len != 8 * n || (uintptr_t)rb.buf % 8 || zb.len != n * isz || (uintptr_t)zb.buf % isz ||
+        ob.len != 8 * NCLASS || (uintptr_t)ob.buf % 8 || rob.len != 8 * n || (uintptr_t)rob.buf % 8 ||
+        zob.len != n * isz || (uintptr_t)zob.buf % isz || tb.len != 8 * 3 * NCLASS || (uintptr_t)tb.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "class_sort: bad buffer sizes or alignment");
+        goto done;
+    }
+    const uint8_t *cls = cb.buf;
+    const int64_t *rank = rb.buf, *off = ob.buf;
+    int64_t *ro = rob.buf, *table = tb.buf;
+    Py_ssize_t count[NCLASS] = {0}, first[NCLASS + 1], at[NCLASS];
+    for (Py_ssize_t j = 0; j < n; j++) count[cls[j] & (NCLASS - 1)] += cls[j] < NCLASS;
+    first[0] = 0;
+    for (int c = 0; c < NCLASS; c++) first[c + 1] = first[c] + count[c], at[c] = first[c];
+    if (first[NCLASS] != n) {
+        PyErr_SetString(PyExc_ValueError, "class_sort: a class above 15");
+        goto done;
+    }
+    int bad = 0, m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const unsigned c = cls[j];
+        const Py_ssize_t d = at[c]++;
+        ro[d] = rank[j] - off[c];
+        store_at(zob.buf, isz, d, load_at(zb.buf, isz, j));
+    }
+    for (int c = 0; c < NCLASS && !bad; c++) {
+        const Py_ssize_t nc = count[c];
+        if (!nc) continue;
+        const int64_t *r = ro + first[c];
+        int64_t prev = -1;
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            if (r[i] <= prev) bad = 1;
+            prev = r[i];
+        }
+        if (bad) break;
+        /* bits.rice_k over the gaps r[i] - r[i-1] - 1 (r[-1] = -1), whose sum is r[last] + 1 - nc */
+        const double mean = (double)(uint64_t)(r[nc - 1] + 1 - nc) / (double)nc;
+        const int k0 = mean >= 2 ? (int)log2(mean * 0.6931) : 0;
+        const int klo = k0 - 1 < 0 ? 0 : k0 - 1 > 40 ? 40 : k0 - 1, khi = k0 + 1 > 40 ? 40 : k0 + 1;
+        uint64_t sum[3] = {0, 0, 0};
+        prev = -1;
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            const uint64_t g = (uint64_t)(r[i] - prev - 1);
+            prev = r[i];
+            for (int k = klo; k <= khi; k++) sum[k - klo] += g >> k;
+        }
+        int best = klo;
+        uint64_t cost = UINT64_MAX;
+        for (int k = klo; k <= khi; k++) {
+            const uint64_t bits = (uint64_t)nc * (uint64_t)(k + 1) + sum[k - klo];
+            if (bits < cost) cost = bits, best = k;
+        }
+        table[3 * m] = c, table[3 * m + 1] = nc, table[3 * m + 2] = best, m++;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "class_sort: ranks must ascend within each class");
+        goto done;
+    }
+    result = PyLong_FromLong(m);
+done:
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&zb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&rob);
+    PyBuffer_Release(&zob);
+    PyBuffer_Release(&tb);
     return result;
 }
 
@@ -1694,7 +1855,7 @@ static PyMethodDef methods[] = {
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
-     "old=None, portable=False)"},
+     "old=None, widest=-1)"},
     {"ulp2_rows_pack", ulp2_rows_pack, METH_VARARGS, "ulp2_rows_pack(flags, ctx) -> bytes"},
     {"ulp2_rows_unpack", ulp2_rows_unpack, METH_VARARGS, "ulp2_rows_unpack(data, ctx, flags_out)"},
     {"ulp2_history", ulp2_history, METH_VARARGS,
@@ -1703,6 +1864,8 @@ static PyMethodDef methods[] = {
     {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
     {"ulp2_pack", ulp2_pack, METH_VARARGS,
      "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},
+    {"class_sort", class_sort, METH_VARARGS,
+     "class_sort(cls, rank, codes, itemsize, offset, rank_out, codes_out, table_out) -> classes"},
     {"ulp2_unpack", ulp2_unpack, METH_VARARGS,
      "ulp2_unpack(data, span, itemsize, hctx, hdir, ranks_out, codes_out, counts_out, again_out, again_codes_out, "
      "state=None) -> int"},
@@ -1718,7 +1881,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     /* SIMD: the name of the scan diff_into uses unless asked for the portable one. */
-    if (PyModule_AddStringConstant(m, "SIMD", pick_simd() ? "avx2" : "portable") < 0) {
+    if (PyModule_AddStringConstant(m, "SIMD", pick_simd() ? "avx2" : "portable") < 0 ||
+        PyModule_AddIntConstant(m, "CLASS_SIMD", class_simd()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

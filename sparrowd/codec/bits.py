@@ -423,10 +423,12 @@ def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> 
     if n <= LO_SAMPLE_RUNS * LO_SAMPLE_RUN:
         sample = base[start:stop]
     else:
-        at = start + np.linspace(0, n - LO_SAMPLE_RUN, LO_SAMPLE_RUNS).astype(np.int64)
-        sample = base[(at[:, None] + np.arange(LO_SAMPLE_RUN)).reshape(-1)]
+        at = (start + np.linspace(0, n - LO_SAMPLE_RUN, LO_SAMPLE_RUNS).astype(np.int64)).tolist()
+        sample = np.concatenate([base[a:a + LO_SAMPLE_RUN] for a in at])
     exps = (sample >> base.dtype.type(shift)) & base.dtype.type(mask)
-    return max(0, int(np.bincount(exps.astype(np.int64)).argmax()) - 12)
+    if exps.dtype.itemsize > 4:  # bincount takes it as intp: 64-bit patterns would not cast safely
+        exps = exps.astype(np.int64)
+    return max(0, int(np.bincount(exps).argmax()) - 12)
 
 
 def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: int) -> np.ndarray:
@@ -439,14 +441,15 @@ CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of t
 
 
 def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shift: int, mask: int, lo: int,
-               old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True
+               old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True, widest: int = -1
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass over ``base[start:stop)`` (flat bits). For sorted positions ``indices`` (all in the
     range): each one's class and its rank among the elements of that class in ``[start, p)``; and the
     class *census*, ``(rows, 16)`` int64 counts over ``[start, start + r * every)`` in row ``r`` for
     every ``r * every < stop - start``, over all of ``[start, stop)`` in the last row. ``old``: the
     base's bits at ``indices``, for a ``base`` that already holds the new bits there (the Publisher's
-    kept copies, which its diff brings up to date as it compares)."""
+    kept copies, which its diff brings up to date as it compares). ``widest`` caps the C scan's
+    vectors (2: AVX-512, 1: AVX2, 0: none; -1: the widest the CPU runs, ``_native.CLASS_SIMD``)."""
     n = int(indices.size)
     rows = (stop - start + every - 1) // every + 1 if stop > start else 1
     cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
@@ -454,7 +457,7 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
     if native and _native is not None:
         _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
                             np.ascontiguousarray(indices, np.int64), cls, rank, census, every,
-                            None if old is None else np.ascontiguousarray(old, base.dtype))
+                            None if old is None else np.ascontiguousarray(old, base.dtype), widest)
         return cls, rank, census
     c = _classes(base, start, stop, shift, mask, lo)
     local = np.asarray(indices, np.int64) - start
@@ -521,6 +524,34 @@ def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: i
 
 
 MAX_ULP2_K = 40  # the largest gap parameter a class may have
+
+
+def class_sort(cls: np.ndarray, rank: np.ndarray, codes: np.ndarray, offset: np.ndarray | None = None, *,
+               native: bool = True) -> tuple[np.ndarray, list, np.ndarray]:
+    """What :func:`ulp2_pack` takes, from a segment's changes in position order: their classes,
+    their ranks (less ``offset[class]`` when given: each class's count before the segment) and
+    their codes. Returns the ranks class by class (ascending within each), the table
+    ``[[class, count, k], ...]`` with each class's Rice parameter (:func:`rice_k`) and the codes in
+    the same order as the ranks. ValueError when a class's ranks do not ascend."""
+    n = int(cls.size)
+    off = np.zeros(NCLASS, np.int64) if offset is None else np.ascontiguousarray(offset, np.int64)
+    if native and _native is not None:
+        ranks, out, table = np.empty(n, np.int64), np.empty_like(codes), np.empty((NCLASS, 3), np.int64)
+        m = _native.class_sort(np.ascontiguousarray(cls, np.uint8), np.ascontiguousarray(rank, np.int64),
+                               np.ascontiguousarray(codes), codes.dtype.itemsize, off, ranks, out, table)
+        return ranks, table[:m].tolist(), out
+    order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
+    ranks = (rank - off[cls])[order]
+    counts = np.bincount(cls, minlength=NCLASS)
+    table, f = [], 0
+    for c in np.flatnonzero(counts).tolist():
+        n = int(counts[c])
+        gaps = np.diff(ranks[f:f + n], prepend=-1) - 1
+        if np.any(gaps < 0):
+            raise ValueError("class_sort: ranks must ascend within each class")
+        table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
+        f += n
+    return ranks, table, codes[order]
 
 
 def _needs_native(what: str) -> None:

@@ -60,17 +60,16 @@ from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
     CENSUS,
     ESCAPE,
-    MAX_ULP2_K,
     NCLASS,
     class_lo,
     class_positions,
     class_scan,
+    class_sort,
     dtype_info,
     exponent_field,
     from_planes,
     rice_decode,
     rice_index,
-    rice_k,
     rotl1,
     rotr1,
     to_planes,
@@ -361,28 +360,21 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
         inner, rows = rowed
         return (*_prepare_ulp2(inner)[:2], rows)
     shift, mask = exponent_field(seg.dtype)
-    rank = r.rank - r.counts_before(seg.base, seg.start, shift, mask)[r.cls] if seg.start else r.rank
-    cls, codes = r.cls, seg.data
+    before = r.counts_before(seg.base, seg.start, shift, mask) if seg.start else None  # per class
+    rank, cls, codes = r.rank, r.cls, seg.data
     hist = seg.history.within(seg.start, seg.stop) if seg.history is not None else None
     if hist is not None and hist.positions.size:
-        hctx, hdir, flags, again, before = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls,
-                                                        _segment_old(seg), hist.positions, hist.state)
+        hctx, hdir, flags, again, in_hist = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls,
+                                                         _segment_old(seg), hist.positions, hist.state)
         again_codes = codes[again]  # changes of history elements: coded as such
         # The other changes' ranks count no history element: less those of their class before them.
-        rank, cls, codes = rank[~again] - before[~again], cls[~again], codes[~again]
+        keep = ~again
+        rank, cls, codes = rank[keep] - in_hist[keep], cls[keep], codes[keep]
     else:
         hctx = hdir = flags = np.empty(0, np.uint8)
         again_codes = codes[:0]
-    order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
-    rank = rank[order]
-    counts = np.bincount(cls, minlength=NCLASS)
-    table, f = [], 0
-    for c in np.flatnonzero(counts).tolist():
-        n = int(counts[c])
-        gaps = np.diff(rank[f:f + n], prepend=-1) - 1
-        table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
-        f += n
-    return r.lo, (rank, table, codes[order], hctx, hdir, flags, again_codes), None
+    rank, table, codes = class_sort(cls, rank, codes, before)
+    return r.lo, (rank, table, codes, hctx, hdir, flags, again_codes), None
 
 
 def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]:

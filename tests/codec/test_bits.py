@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparrowd.codec.bits import (
+    class_sort,
     from_planes,
     order_key,
     order_unkey,
@@ -132,6 +133,45 @@ def test_rice_index_refuses_positions_out_of_order():
         _native.rice_index(np.array([3, 9], np.int64), 4, 0, 2)
     with pytest.raises(ValueError, match="Rice parameters"):
         _native.rice_index(np.array([3, 9], np.int64), 0, 39, 41)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 15), st.integers(0, 1 << 20)), max_size=300),
+    st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]),
+    st.integers(0, 2**31),
+)
+def test_class_sort_native_and_numpy_agree(changes, w, seed):
+    """ulp2's class table: the C counting sort and Rice choice give numpy's ranks, table and codes,
+    for gaps from 0 (neighbours) to a million, and offsets that start each class's count anywhere."""
+    from sparrowd.codec import _native
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    rng = np.random.default_rng(seed)
+    cls = np.array([c for c, _ in changes], np.uint8)
+    rank = np.empty(cls.size, np.int64)
+    for c in range(16):  # ascending within each class: cumulative gaps
+        m = cls == c
+        rank[m] = np.cumsum(np.array([g for (cc, g) in changes if cc == c], np.int64) + 1)
+    offset = rng.integers(0, 50, 16)
+    rank += offset[cls]
+    codes = rng.integers(1, np.iinfo(w).max, cls.size, dtype=w, endpoint=True)
+    a, b = class_sort(cls, rank, codes, offset), class_sort(cls, rank, codes, offset, native=False)
+    assert np.array_equal(a[0], b[0]) and a[1] == b[1] and np.array_equal(a[2], b[2]) and a[2].dtype == w
+    assert sum(n for _, n, _ in a[1]) == cls.size and all(0 <= k <= 40 for _, _, k in a[1])
+
+
+def test_class_sort_refuses_ranks_out_of_order_and_classes_above_15():
+    from sparrowd.codec import _native
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    codes = np.ones(3, np.uint16)
+    with pytest.raises(ValueError, match="ascend"):
+        class_sort(np.array([2, 1, 2], np.uint8), np.array([5, 0, 5]), codes)
+    with pytest.raises(ValueError, match="above 15"):
+        class_sort(np.array([2, 16, 2], np.uint8), np.array([5, 0, 6]), codes)
 
 
 @pytest.mark.parametrize("w", [np.uint8, np.uint16, np.uint32, np.uint64])

@@ -320,8 +320,9 @@ def test_ulp2_native_scans_match_numpy(dtype):
 @pytest.mark.parametrize("length,start,density,every", [(300_000, 0, 0.01, 1 << 16), (290_001, 1000, 0.3, 256),
                                                         (700, 5, 0.05, 256), (70_000, 0, 0.0, 512)])
 def test_ulp2_class_census_matches_numpy(length, start, density, every):
-    """The scan's census (class counts every `every` elements) and ranks, native against numpy, over
-    lengths that end mid-block, dense and empty change sets, and a base that already moved."""
+    """The scan's census (class counts every `every` elements) and ranks, each C scan the CPU runs
+    against numpy, over lengths that end mid-block, dense and empty change sets, and a base that
+    already moved."""
     from sparrowd.codec.bits import _native, class_lo, class_scan, exponent_field
 
     if _native is None:
@@ -331,11 +332,14 @@ def test_ulp2_class_census_matches_numpy(length, start, density, every):
     base = (rng.normal(0, 0.02, length + 10).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     idx = (np.flatnonzero(rng.random(length - start) < density) + start).astype(np.int64)
     lo = class_lo(base, 0, base.size, shift, mask)
+    levels = range(_native.CLASS_SIMD + 1)  # every scan this CPU runs: portable, AVX2, AVX-512
     for old in (None, rng.integers(0, 1 << 15, idx.size).astype(np.uint16)):
-        got = [class_scan(base, start, length, idx, shift, mask, lo, old, every=every, native=n) for n in (True, False)]
-        for a, b in zip(*got):
-            assert np.array_equal(a, b)
-        census = got[0][2]
+        want = class_scan(base, start, length, idx, shift, mask, lo, old, every=every, native=False)
+        for widest in levels:
+            got = class_scan(base, start, length, idx, shift, mask, lo, old, every=every, widest=widest)
+            for a, b in zip(got, want):
+                assert np.array_equal(a, b), widest
+        census = got[2]
         assert census.shape == ((length - start + every - 1) // every + 1, 16) and census[-1].sum() == length - start
 
 
