@@ -59,7 +59,7 @@ import blake3
 import numpy as np
 
 from .codec.bits import RawTensor, dtype_info
-from .codec.chunk import ULP, ULP2, join_ranks, rank_changes
+from .codec.chunk import ULP, ULP2, join_ranks, rank_changes, ranked_part, ranking
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
@@ -164,10 +164,13 @@ def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.nda
 
 def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None):
     """The CPU compare (the fused pass, which also brings the kept copy up to date), and for ulp2
-    (``dtype`` given) the changes' exponent-class ranks in the same worker: the class scan of the
-    base is the costliest part of an ulp2 patch, and it runs beside the other compares."""
-    idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True)
-    return idx, ov, nv, old_fp, new_fp, _ranks(kept, idx, ov, dtype)
+    (``dtype`` given, a float) the changes' exponent-class ranks in the same pass, each block of the
+    kept copy scanned before its update, while it is in cache: the class scan of the base is the
+    costliest part of an ulp2 patch."""
+    classes = ranking(kept, dtype) if dtype is not None and dtype_info(dtype).is_float else None
+    idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True, classes=classes)
+    part = ranked_part(classes)
+    return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov)
 
 
 @dataclass

@@ -4,7 +4,7 @@
  * found at install time); the tests hold the two to each other.
  *
  * diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False,
- *           hash_old=None, hash_new=None) -> (count, stop)
+ *           hash_old=None, hash_new=None, rank=None) -> (count, stop)
  *
  * Compares the raw bit patterns of two equally long byte buffers holding
  * elements of `itemsize` bytes (1, 2, 4 or 8), elements [start, end), and
@@ -18,6 +18,8 @@
  * the XXH3-128 state given for it (`hasher()`, read with `digest()`), and
  * with `update` overwrites the differing elements of `old` with the new bits
  * (a kept copy brought up to date), the fingerprint of `old` taken first.
+ * With `rank` (parse_ranking, below) it also does ulp2's class scan of `old`
+ * (class_ranks) block by block, before the update, while the block is in cache.
  *
  * The scan only looks inside a step of 32 or 64 bytes whose compare found a
  * difference, so at RL densities (about 1% of elements) it runs at memory
@@ -58,14 +60,44 @@
  * `old`. `done` (elements) and `written` (changes) say how far it got, so a
  * scan that stops early for room has settled exactly what it scanned.
  */
+#define NCLASS 16 /* classes: the exponent relative to the segment's `lo`, clamped to [0, 15] */
+
+struct classing {
+    const void *base;
+    const void *old; /* class_ranks: the base's bits at the indices, when `base` holds new bits there */
+    int isz, shift;
+    uint64_t mask;
+    int64_t lo;
+};
+
+/*
+ * class_ranks' scan done by diff_into as it settles each block, while the block is in cache: the
+ * block's changes (the entries of idx it just wrote) get their classes and ranks, and the census
+ * its rows. Nothing is scanned until the range shows its first change (a tensor that did not change
+ * costs nothing); the stretch before it is scanned then. Its state outlives a diff_into call that
+ * stops for room (`state`: int64 [done, seen, counts...]).
+ */
+struct ranking {
+    struct classing k;
+    int simd;
+    Py_ssize_t start, every, done, j; /* j: the entries of this call's idx already ranked */
+    int seen;
+    uint8_t *cls;
+    int64_t *rank, *census, counts[NCLASS];
+};
+
+static void rank_to(struct ranking *r, Py_ssize_t upto, const int64_t *idx, Py_ssize_t c);
+
 struct settle {
     XXH3_state_t *ho, *hn;
     int update;
     Py_ssize_t done, written;
+    struct ranking *rk; /* with one, each block is also class-scanned, before its update */
 };
 
 static void settle_to(struct settle *x, const char *o, const char *n, size_t isz, Py_ssize_t upto,
                       const int64_t *idx, const char *nv, Py_ssize_t c) {
+    if (x->rk) rank_to(x->rk, upto, idx, c);
     if (upto > x->done) {
         if (x->ho) HASH_UPDATE(x->ho, o + x->done * isz, (size_t)(upto - x->done) * isz);
         if (x->hn) HASH_UPDATE(x->hn, n + x->done * isz, (size_t)(upto - x->done) * isz);
@@ -283,16 +315,20 @@ static PyObject *digest(PyObject *self, PyObject *o) {
     return PyBytes_FromStringAndSize((const char *)out.digest, sizeof out.digest);
 }
 
+static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob, int isz, Py_ssize_t start,
+                         Py_ssize_t cap, Py_buffer bufs[4]);
+
 static PyObject *diff_into(PyObject *self, PyObject *args) {
-    Py_buffer ob = {0}, nb, ib, vb, wb;
-    PyObject *old, *ho = Py_None, *hn = Py_None;
+    Py_buffer ob = {0}, nb, ib, vb, wb, rbufs[4] = {{0}};
+    PyObject *old, *ho = Py_None, *hn = Py_None, *spec = Py_None;
     int isz, plain = 0, update = 0;
     Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "Oy*innw*w*w*|ppOO", &old, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain, &update,
-                          &ho, &hn))
+    if (!PyArg_ParseTuple(args, "Oy*innw*w*w*|ppOOO", &old, &nb, &isz, &start, &end, &ib, &vb, &wb, &plain, &update,
+                          &ho, &hn, &spec))
         return NULL;
     PyObject *result = NULL;
-    struct settle x = {NULL, NULL, update, start, 0};
+    struct ranking rk;
+    struct settle x = {NULL, NULL, update, start, 0, NULL};
     if ((ho != Py_None && (x.ho = hasher_state(ho)) == NULL) || (hn != Py_None && (x.hn = hasher_state(hn)) == NULL))
         goto done;
     if (PyObject_GetBuffer(old, &ob, update ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) goto done;
@@ -316,14 +352,25 @@ static PyObject *diff_into(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "buffers must be aligned to their element size");
         goto done;
     }
+    if (spec != Py_None) {
+        if (!parse_ranking(&rk, spec, &ob, isz, start, cap, rbufs)) goto done;
+        x.rk = &rk;
+    }
     Py_ssize_t count = 0, stop = start;
     int64_t *idx = (int64_t *)ib.buf;
     Py_BEGIN_ALLOW_THREADS
     const int which = isz == 1 ? 0 : isz == 2 ? 1 : isz == 4 ? 2 : 3;
     stop = (plain ? portable : chosen)[which](ob.buf, nb.buf, end, start, idx, vb.buf, wb.buf, cap, &count, &x);
     Py_END_ALLOW_THREADS
+    if (x.rk) { /* what the next call (after more room) goes on from */
+        int64_t *st = rbufs[3].buf;
+        st[0] = rk.done, st[1] = rk.seen;
+        memcpy(st + 2, rk.counts, sizeof rk.counts);
+    }
     result = Py_BuildValue("nn", count, stop);
 done:
+    for (int i = 0; i < 4; i++)
+        if (rbufs[i].obj != NULL) PyBuffer_Release(&rbufs[i]);
     if (ob.obj != NULL) PyBuffer_Release(&ob);
     PyBuffer_Release(&nb);
     PyBuffer_Release(&ib);
@@ -589,7 +636,6 @@ done:
     return result;
 }
 
-#define NCLASS 16 /* classes: the exponent relative to the segment's `lo`, clamped to [0, 15] */
 
 static inline unsigned klass(uint64_t bits, int shift, uint64_t mask, int64_t lo) {
     const int64_t e = (int64_t)((bits >> shift) & mask) - lo;
@@ -605,13 +651,6 @@ static inline uint64_t load_at(const void *b, int isz, Py_ssize_t i) {
     }
 }
 
-struct classing {
-    const void *base;
-    const void *old; /* class_ranks: the base's bits at the indices, when `base` holds new bits there */
-    int isz, shift;
-    uint64_t mask;
-    int64_t lo;
-};
 
 /* Scalar scans, element by element (any width; the tails of the vector scans). */
 #define RANKS_SCALAR(T)                                                                                      \
@@ -855,6 +894,34 @@ static int class_simd(void) {
 static int class_simd(void) { return 0; }
 #endif
 
+/* A class scan of [p, end) with the widest scan allowed (`simd`: as class_simd). */
+static void ranks_any(const struct classing *k, int simd, Py_ssize_t p, Py_ssize_t end, const int64_t *idx,
+                      Py_ssize_t n, uint8_t *cls, int64_t *rank, int64_t *counts) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (k->isz == 2 && simd == 2)
+        ranks_avx512(k, p, end, idx, n, cls, rank, counts);
+    else if (k->isz == 2 && simd == 1)
+        ranks_avx2(k, p, end, idx, n, cls, rank, counts);
+    else
+#endif
+        ranks_scalar(k, p, end, idx, 0, n, cls, rank, counts);
+}
+
+
+static void rank_to(struct ranking *r, Py_ssize_t upto, const int64_t *idx, Py_ssize_t c) {
+    if (!r->seen && c == 0) return; /* no change yet: nothing to rank, and maybe nothing ever */
+    r->seen = 1;
+    while (r->done < upto) {
+        const Py_ssize_t row = (r->done - r->start) / r->every, at = r->start + row * r->every;
+        if (at == r->done) memcpy(r->census + NCLASS * row, r->counts, sizeof r->counts);
+        const Py_ssize_t end = at + r->every < upto ? at + r->every : upto;
+        Py_ssize_t m = r->j;
+        while (m < c && idx[m] < end) m++;
+        ranks_any(&r->k, r->simd, r->done, end, idx + r->j, m - r->j, r->cls + r->j, r->rank + r->j, r->counts);
+        r->j = m, r->done = end;
+    }
+}
+
 static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift, unsigned long long mask,
                           long long lo) {
     if (!check_width(isz)) return 0;
@@ -917,14 +984,7 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
         struct classing kk = k;
         kk.old = ob.buf != NULL ? (const char *)ob.buf + j * isz : NULL;
         memcpy(census + NCLASS * r++, counts, sizeof counts);
-#if defined(__GNUC__) && defined(__x86_64__)
-        if (isz == 2 && simd == 2)
-            ranks_avx512(&kk, p, end, idx + j, m - j, cls + j, rank + j, counts);
-        else if (isz == 2 && simd == 1)
-            ranks_avx2(&kk, p, end, idx + j, m - j, cls + j, rank + j, counts);
-        else
-#endif
-            ranks_scalar(&kk, p, end, idx + j, 0, m - j, cls + j, rank + j, counts);
+        ranks_any(&kk, simd, p, end, idx + j, m - j, cls + j, rank + j, counts);
         j = m;
     }
     memcpy(census + NCLASS * r, counts, sizeof counts);
@@ -938,6 +998,41 @@ done:
     PyBuffer_Release(&sb);
     if (ob.buf != NULL) PyBuffer_Release(&ob);
     return result;
+}
+
+/*
+ * diff_into's `rank` argument: (shift, mask, lo, cls_out, rank_out, census_out, every, state, widest).
+ * cls_out and rank_out run beside the call's idx_out (as long); census_out is class_ranks' census for
+ * the whole range from `start` (its last row, the totals, is the caller's: state's counts at the
+ * end); state (int64[2 + 16]) is [done, seen, counts], zeros at the range's start and carried
+ * from call to call.
+ */
+static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob, int isz, Py_ssize_t start,
+                         Py_ssize_t cap, Py_buffer bufs[4]) {
+    int shift, widest;
+    unsigned long long mask;
+    long long lo;
+    Py_ssize_t every;
+    if (!PyTuple_Check(spec) ||
+        !PyArg_ParseTuple(spec, "iKLw*w*w*nw*i", &shift, &mask, &lo, &bufs[0], &bufs[1], &bufs[2], &every, &bufs[3],
+                          &widest))
+        return 0;
+    Py_buffer bb = *ob;
+    if (!parse_classing(&r->k, &bb, isz, shift, mask, lo)) return 0;
+    const Py_ssize_t n = ob->len / isz, rows = (n - start + every - 1) / every + 1;
+    const int64_t *st = bufs[3].buf;
+    if (bufs[0].len < cap || bufs[1].len < cap * 8 || (uintptr_t)bufs[1].buf % 8 || every <= 0 || every % 256 ||
+        bufs[2].len != rows * NCLASS * 8 || (uintptr_t)bufs[2].buf % 8 || bufs[3].len != (2 + NCLASS) * 8 ||
+        (uintptr_t)bufs[3].buf % 8 || st[0] < start || st[0] > n) {
+        PyErr_SetString(PyExc_ValueError, "diff_into: bad rank buffers, census interval or state");
+        return 0;
+    }
+    const int best = class_simd();
+    r->simd = widest < 0 || widest > best ? best : widest;
+    r->start = start, r->every = every, r->done = st[0], r->seen = st[1] != 0, r->j = 0;
+    r->cls = bufs[0].buf, r->rank = bufs[1].buf, r->census = bufs[2].buf;
+    memcpy(r->counts, st + 2, sizeof r->counts);
+    return 1;
 }
 
 /*
@@ -1847,7 +1942,7 @@ static PyMethodDef methods[] = {
      "history_after(old_pos, old_state, idx, codes, itemsize, pos_out, state_out) -> n"},
     {"diff_into", diff_into, METH_VARARGS,
      "diff_into(old, new, itemsize, start, end, idx_out, old_out, new_out, portable=False, update=False, "
-     "hash_old=None, hash_new=None) -> (count, stop)"},
+     "hash_old=None, hash_new=None, rank=None) -> (count, stop)"},
     {"hasher", hasher, METH_NOARGS, "hasher() -> a fresh XXH3-128 state for diff_into's fingerprints"},
     {"digest", digest, METH_O, "digest(hasher) -> the 16 canonical bytes of its XXH3-128"},
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},

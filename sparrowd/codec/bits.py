@@ -68,6 +68,7 @@ __all__ = [
     "class_ranks",
     "class_positions",
     "class_lo",
+    "ClassRanks",
     "NCLASS",
 ]
 
@@ -472,6 +473,32 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
     per = np.bincount(np.arange(c.size) // every * NCLASS + c, minlength=(rows - 1) * NCLASS)
     census[1:] = np.cumsum(per.reshape(rows - 1, NCLASS), axis=0)
     return cls, rank, census
+
+
+@dataclass
+class ClassRanks:
+    """:func:`class_scan` asked of a diff (``classes`` of :func:`~.extract.diff_fingerprint` and
+    :func:`~.extract.diff_values`), which then scans the old side's classes block by block in its
+    own pass, while each block is in cache, rather than in a second pass over memory. ``shift``,
+    ``mask``, ``lo``, ``every``: as for :func:`class_scan`; ``widest``: its ``widest``. The diff
+    fills in ``cls``, ``rank`` and ``census`` as :func:`class_scan` gives them for the diffed range
+    and its changed positions (ranked among the old bits, before any ``update_old``), or leaves them
+    None when nothing in the range changed (then nothing was scanned)."""
+
+    shift: int
+    mask: int
+    lo: int
+    every: int = CENSUS
+    widest: int = -1
+    cls: np.ndarray | None = None
+    rank: np.ndarray | None = None
+    census: np.ndarray | None = None
+
+    def scan(self, base: np.ndarray, start: int, stop: int, indices: np.ndarray, *, native: bool = True) -> None:
+        """Fill in the results with :func:`class_scan` (the diff's way without the C extension)."""
+        if indices.size:
+            self.cls, self.rank, self.census = class_scan(base, start, stop, indices, self.shift, self.mask, self.lo,
+                                                          every=self.every, native=native, widest=self.widest)
 
 
 def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int,

@@ -61,6 +61,7 @@ from .bits import (
     CENSUS,
     ESCAPE,
     NCLASS,
+    ClassRanks,
     class_lo,
     class_positions,
     class_scan,
@@ -88,6 +89,8 @@ __all__ = [
     "Segment",
     "Ranked",
     "rank_changes",
+    "ranking",
+    "ranked_part",
     "join_ranks",
     "Chunk",
     "encode_chunk",
@@ -192,6 +195,21 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
         raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
     lo = class_lo(base, 0, base.size, shift, mask)  # the same for every part of the tensor
     return (lo, *class_scan(base, start, stop, indices, shift, mask, lo, old))
+
+
+def ranking(base: np.ndarray, dtype: str) -> ClassRanks:
+    """The class scan of a tensor's base for a diff to do in its own pass (``classes`` of
+    :func:`~.extract.diff_fingerprint`); :func:`ranked_part` then gives what :func:`rank_changes`
+    gives."""
+    shift, mask = exponent_field(dtype)
+    return ClassRanks(shift, mask, class_lo(base, 0, base.size, shift, mask))
+
+
+def ranked_part(classes: ClassRanks | None) -> tuple | None:
+    """A :func:`ranking` the diff filled in, as :func:`rank_changes` gives it (None if it had no changes)."""
+    if classes is None or classes.cls is None:
+        return None
+    return classes.lo, classes.cls, classes.rank, classes.census
 
 
 def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None) -> Ranked:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from .bits import NCLASS, ClassRanks
+
 try:
     from . import _native
 except ImportError:  # no compiler at install time: the numpy path gives the same result
@@ -78,52 +80,67 @@ def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, li
 
 
 def _diff_native(
-    old: np.ndarray, new: np.ndarray, hash_old: bool = False, hash_new: bool = False, update: bool = False
+    old: np.ndarray, new: np.ndarray, hash_old: bool = False, hash_new: bool = False, update: bool = False,
+    classes: ClassRanks | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes | None, bytes | None]:
     """One fused pass: compare, gather, and for each block while it is in cache
-    the fingerprints asked for (the old side's before any update) and, with
-    ``update``, the new bits written into ``old``. Outputs start with room for
-    1/32 of the input (3% density) and double when the scan runs out."""
+    the fingerprints asked for (the old side's before any update), with
+    ``classes`` ulp2's class scan of the old side, and, with ``update``, the new
+    bits written into ``old``. Outputs start with room for 1/32 of the input (3%
+    density) and double when the scan runs out."""
     isz, n = old.dtype.itemsize, old.size
     cap = min(n + 32, max(1 << 15, n // 32))
-    ib, ob, nb = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+    outs = [np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)]
+    if classes is not None:
+        outs += [np.empty(cap, np.uint8), np.empty(cap, np.int64)]  # each change's class and rank
+        census = np.zeros(((n + classes.every - 1) // classes.every + 1, NCLASS), np.int64)
+        state = np.zeros(2 + NCLASS, np.int64)  # where the class scan got to, whether it began, its counts
     ho = _native.hasher() if hash_old else None
     hn = _native.hasher() if hash_new else None
     count = pos = 0
     while True:
-        got, pos = _native.diff_into(old, new, isz, pos, n, ib[count:], ob[count:], nb[count:], False, update, ho, hn)
+        rank = None if classes is None else (classes.shift, classes.mask, classes.lo, outs[3][count:],
+                                             outs[4][count:], census, classes.every, state, classes.widest)
+        got, pos = _native.diff_into(old, new, isz, pos, n, outs[0][count:], outs[1][count:], outs[2][count:], False,
+                                     update, ho, hn, rank)
         count += got
         if pos == n:
             break
         cap *= 2
-        ib, ob, nb = (np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in (ib, ob, nb))
+        outs = [np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in outs]
     fo = _native.digest(ho) if hash_old else None
     fn = _native.digest(hn) if hash_new else None
-    return ib[:count], ob[:count], nb[:count], fo, fn
+    if classes is not None and state[1]:
+        census[-1] = state[2:]
+        classes.cls, classes.rank, classes.census = outs[3][:count], outs[4][:count], census
+    return outs[0][:count], outs[1][:count], outs[2][:count], fo, fn
 
 
 def diff_fingerprint(
-    old: np.ndarray, new: np.ndarray, *, hash_old: bool = True, update_old: bool = False
+    old: np.ndarray, new: np.ndarray, *, hash_old: bool = True, update_old: bool = False,
+    classes: ClassRanks | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes | None, bytes]:
     """:func:`diff_values` over whole arrays, plus both fingerprints, reading each array once.
     ``hash_old=False`` skips the old side's fingerprint (the caller kept it) and returns None for it.
     ``update_old=True`` also brings ``old`` (writable) up to ``new`` where they differ: the caller's
-    kept copy, updated in the same pass; the returned old values put it back."""
+    kept copy, updated in the same pass; the returned old values put it back. ``classes``: ulp2's
+    class scan of ``old`` (before any update), done in the same pass (:class:`~.bits.ClassRanks`)."""
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         raise ValueError("diff needs two 1-D arrays of the same unsigned dtype and length")
     if update_old and not (old.flags.writeable and old.flags.c_contiguous):
         raise ValueError("update_old needs a writable contiguous old array")
     if _native is None or old.size == 0:
         fo = fingerprint(old) if hash_old else None
-        idx, ov, nv = diff_values(old, new)
+        idx, ov, nv = diff_values(old, new, classes=classes)
         if update_old:
             old[idx] = nv
         return idx, ov, nv, fo, fingerprint(new)
-    return _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hash_old, True, update_old)
+    return _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hash_old, True, update_old, classes)
 
 
 def diff_values(
-    old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None, *, native: bool = True
+    old: np.ndarray, new: np.ndarray, lo: int = 0, hi: int | None = None, *, native: bool = True,
+    classes: ClassRanks | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Changed positions in ``[lo, hi)`` and the old and new bits there.
 
@@ -131,16 +148,22 @@ def diff_values(
     ``lo`` and ``hi`` (elements) let a caller split a large tensor into parts
     for a thread pool (:func:`split_ranges`). Returns sorted int64 indices and
     two arrays of bit patterns, gathered while each block is still in cache.
-    ``native=False`` forces the numpy path (tests compare the two).
+    ``native=False`` forces the numpy path (tests compare the two). ``classes``:
+    as for :func:`diff_fingerprint`, over ``[lo, hi)`` (a class scan from ``lo``).
     """
     if old.dtype != new.dtype or old.shape != new.shape or old.ndim != 1:
         raise ValueError("diff needs two 1-D arrays of the same unsigned dtype and length")
     hi = old.size if hi is None else hi
+    whole_old, whole_new = old, new
     old, new = np.ascontiguousarray(old[lo:hi]), np.ascontiguousarray(new[lo:hi])
     if native and _native is not None and old.size:
-        idx, ov, nv, _, _ = _diff_native(old, new)
+        idx, ov, nv, _, _ = _diff_native(old, new, classes=classes)
         if lo:
             idx += lo
+        return idx, ov, nv
+    if classes is not None:  # the numpy diff, then the class scan
+        idx, ov, nv = diff_values(whole_old, whole_new, lo, hi, native=False)
+        classes.scan(whole_old, lo, hi, idx, native=native)
         return idx, ov, nv
     per_word = 8 // old.dtype.itemsize
     done = (old.size // per_word) * per_word

@@ -43,6 +43,8 @@ from .chunk import (
     is_ulp,
     join_ranks,
     rank_changes,
+    ranked_part,
+    ranking,
 )
 from .extract import SHORT_FP, diff_bits, diff_fingerprint, diff_values, fingerprint, fp_equal, split_ranges
 from .history import History
@@ -360,17 +362,17 @@ def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
 
 def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None):
     """A worker's job: diff and fingerprint a whole tensor, and for ulp2 (``rank_dtype``) rank the
-    changes within their classes while the base is at hand."""
-    idx, ov, nv, fo, fn = diff_fingerprint(old, new)
-    part = rank_changes(old, rank_dtype, idx) if rank_dtype and idx.size else None
-    return idx, ov, nv, (fo, fn), part
+    changes within their classes in the same pass, block by block while each is in cache."""
+    classes = ranking(old, rank_dtype) if rank_dtype else None
+    idx, ov, nv, fo, fn = diff_fingerprint(old, new, classes=classes)
+    return idx, ov, nv, (fo, fn), ranked_part(classes)
 
 
 def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None):
     """The same for the part ``[lo, hi)`` of a large tensor (no fingerprints: they need the whole)."""
-    idx, ov, nv = diff_values(old, new, lo, hi)
-    part = rank_changes(old, rank_dtype, idx, start=lo, stop=hi) if rank_dtype and idx.size else None
-    return idx, ov, nv, part
+    classes = ranking(old, rank_dtype) if rank_dtype else None
+    idx, ov, nv = diff_values(old, new, lo, hi, classes=classes)
+    return idx, ov, nv, ranked_part(classes)
 
 
 def _fingerprints(pool: ThreadPoolExecutor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:

@@ -173,3 +173,52 @@ def test_diff_fingerprint_can_bring_the_old_side_up_to_date(native, w, monkeypat
         ro = old.copy()
         ro.flags.writeable = False
         diff_fingerprint(ro, new, update_old=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["BF16", "F16", "F32"]),
+    st.integers(0, 300_000),
+    st.sampled_from([0.0, 0.001, 0.01, 0.2]),
+    st.integers(0, 2),
+    st.booleans(),
+    st.integers(0, 2**31),
+)
+def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update, seed):
+    """ulp2's class scan done by the diff block by block (ClassRanks) gives what a separate
+    class_scan of the old side gives: for whole tensors and for parts, with the kept copy updated
+    in the same pass or not, at densities that make the outputs grow (and the scan restart), with
+    every SIMD width this CPU runs, and in the numpy fallback."""
+    from sparrowd.codec.bits import ClassRanks, class_lo, class_scan, exponent_field
+    from sparrowd.codec.chunk import CENSUS
+
+    rng = np.random.default_rng(seed)
+    shift, mask = exponent_field(dtype)
+    w = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}[dtype]
+    f = rng.normal(0, 0.02, n).astype(np.float32)
+    old = (f.view(np.uint32) >> 16).astype(w) if dtype == "BF16" else f.astype(np.float16 if w == np.uint16 else
+                                                                                 np.float32).view(w)
+    new = old.copy()
+    moved = np.flatnonzero(rng.random(n) < density)
+    new[moved] ^= w(1)
+    lo = class_lo(old, 0, n, shift, mask)
+    a = (n // 3 // CENSUS) * CENSUS if part else 0  # a part starts at a multiple of CENSUS
+    b = n if part != 1 else max(a, n - 1000)
+    want_idx = moved[(moved >= a) & (moved < b)]
+    want = class_scan(old, a, b, want_idx, shift, mask, lo) if want_idx.size else None
+    for native in (True, False):
+        for widest in range(extract._native.CLASS_SIMD + 1) if native else [-1]:
+            kept = old.copy()
+            classes = ClassRanks(shift, mask, lo, widest=widest)
+            if part:
+                idx = diff_values(kept, new, a, b, native=native, classes=classes)[0]
+            elif native:
+                idx = diff_fingerprint(kept, new, update_old=update, classes=classes)[0]
+            else:
+                idx = diff_values(kept, new, native=False, classes=classes)[0]
+            assert np.array_equal(idx, want_idx)
+            if want is None:
+                assert classes.cls is None
+                continue
+            for got, exp in zip((classes.cls, classes.rank, classes.census), want):
+                assert np.array_equal(got, exp), (native, widest)
