@@ -34,7 +34,10 @@
  * pattern relative to the segment's `lo`, clamped to 16 classes, and a changed
  * position is coded as its rank among the elements of its class in the
  * segment. Both make one pass over the base bits of the segment with a counter
- * per class (AVX2: byte-lane counters per block of 256 elements).
+ * per class (AVX2: byte-lane counters per block of 256 elements; AVX-512:
+ * 64-bit compare masks per class and popcounts), and diff_into can do the
+ * encoder's as it diffs. class_sort and ulp2_pack then build and range-code
+ * the stream, ulp2_unpack decodes it.
  *
  * No numpy headers: everything goes through the buffer protocol.
  */
