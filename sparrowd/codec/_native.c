@@ -1006,9 +1006,9 @@ done:
 /*
  * diff_into's `rank` argument: (shift, mask, lo, cls_out, rank_out, census_out, every, state, widest).
  * cls_out and rank_out run beside the call's idx_out (as long); census_out is class_ranks' census for
- * the whole range from `start` (its last row, the totals, is the caller's: state's counts at the
- * end); state (int64[2 + 16]) is [done, seen, counts], zeros at the range's start and carried
- * from call to call.
+ * all of the buffers, from element 0 (its last row, the totals, is the caller's: state's counts at
+ * the end); state (int64[2 + 16]) is [done, seen, counts], zeros before the first call (which
+ * starts at element 0) and carried from call to call, each starting where the last stopped.
  */
 static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob, int isz, Py_ssize_t start,
                          Py_ssize_t cap, Py_buffer bufs[4]) {
@@ -1022,17 +1022,17 @@ static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob,
         return 0;
     Py_buffer bb = *ob;
     if (!parse_classing(&r->k, &bb, isz, shift, mask, lo)) return 0;
-    const Py_ssize_t n = ob->len / isz, rows = (n - start + every - 1) / every + 1;
+    const Py_ssize_t n = ob->len / isz, rows = (n + every - 1) / every + 1;
     const int64_t *st = bufs[3].buf;
     if (bufs[0].len < cap || bufs[1].len < cap * 8 || (uintptr_t)bufs[1].buf % 8 || every <= 0 || every % 256 ||
         bufs[2].len != rows * NCLASS * 8 || (uintptr_t)bufs[2].buf % 8 || bufs[3].len != (2 + NCLASS) * 8 ||
-        (uintptr_t)bufs[3].buf % 8 || st[0] < start || st[0] > n) {
+        (uintptr_t)bufs[3].buf % 8 || st[0] > start || (st[1] != 0 && st[0] != start)) {
         PyErr_SetString(PyExc_ValueError, "diff_into: bad rank buffers, census interval or state");
         return 0;
     }
     const int best = class_simd();
     r->simd = widest < 0 || widest > best ? best : widest;
-    r->start = start, r->every = every, r->done = st[0], r->seen = st[1] != 0, r->j = 0;
+    r->start = 0, r->every = every, r->done = st[0], r->seen = st[1] != 0, r->j = 0;
     r->cls = bufs[0].buf, r->rank = bufs[1].buf, r->census = bufs[2].buf;
     memcpy(r->counts, st + 2, sizeof r->counts);
     return 1;
