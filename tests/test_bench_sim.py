@@ -16,7 +16,7 @@ def test_sixteen_nodes_get_every_version_near_the_bound_and_the_same_run_twice()
     rows = simulate(cfg)
     assert [r["version"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["all_done"] and r["nodes"] == 16 and r["chunks"] == 24  # auto_chunk_size: 256 KiB
+        assert r["all_done"] and r["nodes"] == 16 and r["chunks"] == 16
         assert r["seconds"] >= cfg.bound  # nothing beats the trainer's uplink
         assert r["time_over_bound"] < 2.0, r
         assert r["trainer_upload_over_patch"] <= 1.1, r  # super-seeding: one copy, then the peers trade
@@ -184,8 +184,7 @@ def test_a_partial_whose_feed_left_is_cut_and_everyone_still_completes():
 def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
-    # 16 chunks of 384 KiB (auto_chunk_size's until 2026-11-25): seeds 1 and 10 of 1-12 circle
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, chunk=384 << 10, versions=1, seed=1)
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=1)  # seeds 1 and 10 of 1-12 circle
     early = _Watched(Config(relay_after_block=False, **cfg))
     assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
     later = _Watched(Config(**cfg))

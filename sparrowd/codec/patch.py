@@ -67,21 +67,16 @@ __all__ = [
 DEFAULT_CHUNK_SIZE = 2 << 20
 MIN_CHUNK_SIZE = 4 << 10
 DEFAULT_LEVEL = 3
-AUTO_CHUNKS = 32  # chunks a patch is cut into by default, between the two sizes below
+AUTO_CHUNKS = 16  # chunks a patch is cut into by default, between the two sizes below
 MIN_AUTO_CHUNK_SIZE = 256 << 10
 
 
 def auto_chunk_size(expected_bytes: int) -> int:
-    """The chunk size for a patch of about ``expected_bytes``: a 32nd of it, between 256 KiB and
-    2 MiB (``DEFAULT_CHUNK_SIZE``), in whole 4 KiB. A patch of a few chunks moves hop by hop (on the
-    WAN emulator a 6 MiB patch in 3 chunks reached 8 nodes in 2.7x the bound, in 11 chunks in 1.3x),
-    and the last chunks the trainer sends still have to spread when it is done: the smaller they
-    are, the shorter that tail. In ``sparrowd bench sim`` (8 regions) 32 chunks beat 16 at every
-    size and swarm tried: 16 MiB 1.07x against 1.09x at 16 nodes and 1.08x against 1.14x at 100,
-    32 MiB 1.07x against 1.16x at 100, 6 MiB (24 chunks: the 256 KiB floor) 1.14x against 1.19x at
-    100. Below 256 KiB the requests' round trips cost more than the tail saves (2 MiB at 16 nodes:
-    1.36x in 8 chunks, 1.43x in 16), and on the real daemons each request costs CPU (a 64 MiB patch
-    in 128 chunks: 1.7x, against 1.3x in 32); docs/PERFORMANCE.md."""
+    """The chunk size for a patch of about ``expected_bytes``: a sixteenth of it, between 256 KiB and
+    2 MiB (``DEFAULT_CHUNK_SIZE``), in whole 4 KiB. A swarm relays a chunk only once it holds all of
+    it, so a patch of a few chunks moves hop by hop: on the WAN emulator a 6 MiB patch in 3 chunks
+    reached 8 nodes in 2.7x the bound, in 11 chunks in 1.3x. Smaller chunks than that cost CPU per
+    request (a 64 MiB patch in 512 KiB chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md."""
     size = min(DEFAULT_CHUNK_SIZE, max(MIN_AUTO_CHUNK_SIZE, int(expected_bytes) // AUTO_CHUNKS))
     return size // (4 << 10) * (4 << 10)
 
