@@ -1518,6 +1518,43 @@ done:
 }
 
 /*
+ * exponent_mode(base, itemsize, shift, mask, starts, run) -> the commonest (bits >> shift) & mask
+ * over the runs base[s:s + run) for each s in `starts` (int64), the least of equals (numpy's
+ * argmax of a bincount): bits.class_lo's sample, in one call without the GIL.
+ */
+static PyObject *exponent_mode(PyObject *self, PyObject *args) {
+    Py_buffer bb, sb;
+    int isz, shift;
+    unsigned long long mask;
+    Py_ssize_t run;
+    if (!PyArg_ParseTuple(args, "y*iiKy*n", &bb, &isz, &shift, &mask, &sb, &run)) return NULL;
+    PyObject *result = NULL;
+    struct classing k;
+    if (!parse_classing(&k, &bb, isz, shift, mask, 0)) goto done;
+    const Py_ssize_t n = bb.len / isz, m = sb.len / 8;
+    const int64_t *starts = sb.buf;
+    if (sb.len % 8 || (uintptr_t)sb.buf % 8 || run < 0 || mask > 0x7FF) goto bad;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (starts[i] < 0 || starts[i] > n - run) goto bad;
+    uint32_t count[0x800] = {0};
+    unsigned best = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m; i++)
+        for (Py_ssize_t p = starts[i]; p < starts[i] + run; p++) count[(load_at(bb.buf, isz, p) >> shift) & mask]++;
+    for (unsigned e = 1; e <= mask; e++)
+        if (count[e] > count[best]) best = e;
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromUnsignedLong(best);
+    goto done;
+bad:
+    PyErr_SetString(PyExc_ValueError, "exponent_mode: bad starts, run or mask");
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+/*
  * class_sort(cls, rank, codes, itemsize, offset, rank_out, codes_out, table_out) -> classes
  * What ulp2_pack takes, from a segment's changes in position order: each change's class (uint8,
  * below 16) and rank (int64, less `offset[class]`: int64[16]) and code. The changes go class by
@@ -1962,6 +1999,7 @@ static PyMethodDef methods[] = {
     {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
     {"ulp2_pack", ulp2_pack, METH_VARARGS,
      "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},
+    {"exponent_mode", exponent_mode, METH_VARARGS, "exponent_mode(base, itemsize, shift, mask, starts, run) -> int"},
     {"class_sort", class_sort, METH_VARARGS,
      "class_sort(cls, rank, codes, itemsize, offset, rank_out, codes_out, table_out) -> classes"},
     {"ulp2_unpack", ulp2_unpack, METH_VARARGS,

@@ -412,7 +412,7 @@ NCLASS = 16  # ulp2 classes: the exponent relative to the segment's ``lo``, clam
 LO_SAMPLE_RUNS, LO_SAMPLE_RUN = 16, 4096  # class_lo's sample: runs of contiguous elements, spread evenly
 
 
-def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> int:
+def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int, *, native: bool = True) -> int:
     """The ``lo`` of the classes of ``base[start:stop)`` (the encoder takes a whole tensor): 12 below the
     commonest exponent, so that the 16 classes span the exponents where nearly every element and every
     change lies (one class for everything below, one above). The commonest exponent of a sample: 16
@@ -422,10 +422,12 @@ def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int) -> 
     if n <= 0:
         return 0
     if n <= LO_SAMPLE_RUNS * LO_SAMPLE_RUN:
-        sample = base[start:stop]
+        at, run = np.array([start], np.int64), n
     else:
-        at = (start + np.linspace(0, n - LO_SAMPLE_RUN, LO_SAMPLE_RUNS).astype(np.int64)).tolist()
-        sample = np.concatenate([base[a:a + LO_SAMPLE_RUN] for a in at])
+        at, run = start + np.linspace(0, n - LO_SAMPLE_RUN, LO_SAMPLE_RUNS).astype(np.int64), LO_SAMPLE_RUN
+    if native and _native is not None:
+        return max(0, _native.exponent_mode(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, at, run) - 12)
+    sample = np.concatenate([base[a:a + run] for a in at.tolist()])
     exps = (sample >> base.dtype.type(shift)) & base.dtype.type(mask)
     if exps.dtype.itemsize > 4:  # bincount takes it as intp: 64-bit patterns would not cast safely
         exps = exps.astype(np.int64)
