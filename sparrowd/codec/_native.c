@@ -1429,18 +1429,18 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         }
     }
     {
+        /* A class's gaps g cost at most 11 ((g >> k) + 3) + k bits each, and the sum of g >> k is at
+           most (the sum of g) >> k, which is the last rank + 1 - count when the ranks ascend (the
+           coding loop checks that they do, before it codes each gap). */
         Py_ssize_t j = 0;
         for (Py_ssize_t i = 0; i < t.n; i++) {
-            int64_t prev = -1;
-            for (int64_t m = 0; m < t.count[i]; m++, j++) {
-                const int64_t g = ranks[j] - prev - 1;
-                if (g < 0) {
-                    PyErr_SetString(PyExc_ValueError, "ulp2_pack: ranks must ascend within each class");
-                    goto done;
-                }
-                worst += 11 * ((g >> t.k[i]) + 3) + t.k[i];
-                prev = ranks[j];
+            j += t.count[i];
+            const int64_t last = ranks[j - 1], sum = last + 1 - t.count[i];
+            if (last < 0 || last >= ((int64_t)1 << 48)) {
+                PyErr_SetString(PyExc_ValueError, "ulp2_pack: ranks must ascend within each class, below 2^48");
+                goto done;
             }
+            worst += 11 * ((sum > 0 ? sum >> t.k[i] : 0) + 3 * t.count[i]) + t.k[i] * t.count[i];
         }
         worst += NCLASS * 11 * (1 + 2 * 65);
     }
@@ -1453,6 +1453,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t used;
+    int descending = 0;
     Py_BEGIN_ALLOW_THREADS
     struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, -1, cap};
     for (Py_ssize_t i = 0; i < h.m; i++) enc_bit(&e, &c.again[h.ctx[i]], again[i] != 0);
@@ -1471,10 +1472,14 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
         }
     }
     Py_ssize_t j = 0;
-    for (Py_ssize_t i = 0; i < t.n; i++) {
+    for (Py_ssize_t i = 0; i < t.n && !descending; i++) {
         const int k = (int)t.k[i];
         int64_t prev = -1;
         for (int64_t m = 0; m < t.count[i]; m++, j++) {
+            if (ranks[j] <= prev) {
+                descending = 1;
+                break;
+            }
             const uint64_t g = (uint64_t)(ranks[j] - prev - 1);
             prev = ranks[j];
             const uint64_t q = g >> k;
@@ -1498,6 +1503,10 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     enc_finish(&e);
     used = e.pos;
     Py_END_ALLOW_THREADS
+    if (descending) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_pack: ranks must ascend within each class");
+        goto done;
+    }
     if (xb.buf != NULL) memcpy(xb.buf, &c, sizeof c);
     if (used > cap) {
         PyErr_SetString(PyExc_RuntimeError, "ulp2_pack: the coded stream outgrew its buffer");

@@ -210,3 +210,21 @@ def test_class_lo_native_and_numpy_agree(dtype):
     hi, lower = mask, mask - 1  # two exponents twice each: the lower one counts as the commonest
     tie = np.array([hi << shift, lower << shift, lower << shift, hi << shift], w)
     assert class_lo(tie, 0, 4, shift, mask) == class_lo(tie, 0, 4, shift, mask, native=False) == lower - 12
+
+
+def test_ulp2_pack_refuses_ranks_that_do_not_ascend():
+    """The coder sizes its buffer from each class's last rank, and checks the order as it codes:
+    ranks out of order, repeated, negative or absurdly large are refused, not coded (nor looped on)."""
+    from sparrowd.codec import _native
+    from sparrowd.codec.bits import ulp2_pack
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    e = np.empty(0, np.uint8)
+    codes = np.ones(3, np.uint16)
+    for ranks in ([5, 3, 9], [5, 5, 9], [-1, 3, 9]):
+        with pytest.raises(ValueError, match="ascend"):
+            ulp2_pack(np.array(ranks, np.int64), [[4, 3, 2]], codes, e, e, e, codes[:0])
+    with pytest.raises(ValueError, match="2\\^48"):
+        ulp2_pack(np.array([1, 2, 1 << 50], np.int64), [[4, 3, 2]], codes, e, e, e, codes[:0])
+    assert ulp2_pack(np.array([1, 2, 1 << 40], np.int64), [[4, 3, 30]], codes, e, e, e, codes[:0])
