@@ -1016,8 +1016,11 @@ static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob,
     unsigned long long mask;
     long long lo;
     Py_ssize_t every;
-    if (!PyTuple_Check(spec) ||
-        !PyArg_ParseTuple(spec, "iKLw*w*w*nw*i", &shift, &mask, &lo, &bufs[0], &bufs[1], &bufs[2], &every, &bufs[3],
+    if (!PyTuple_Check(spec)) {
+        PyErr_SetString(PyExc_TypeError, "diff_into: rank must be a tuple (or None)");
+        return 0;
+    }
+    if (!PyArg_ParseTuple(spec, "iKLw*w*w*nw*i", &shift, &mask, &lo, &bufs[0], &bufs[1], &bufs[2], &every, &bufs[3],
                           &widest))
         return 0;
     Py_buffer bb = *ob;

@@ -95,6 +95,19 @@ def test_native_refuses_bad_arguments():
         _native.diff_into(a, a, 2, 0, 64, *out, False, False, "not a hasher")
     with pytest.raises(BufferError):
         _native.diff_into(a.tobytes(), a, 2, 0, 64, *out, False, True)  # update needs a writable old side
+    # ulp2's class scan riding along: a tuple, with buffers of the right sizes and a state that fits
+    cls, rank, state = np.empty(64, np.uint8), np.empty(64, np.int64), np.zeros(18, np.int64)
+    census = np.zeros((2, 16), np.int64)  # 64 elements, a row every 256: one row and the totals
+    with pytest.raises(TypeError, match="tuple"):
+        _native.diff_into(a, a, 2, 0, 64, *out, False, False, None, None, [7, 255])
+    for bad in ((np.empty(8, np.uint8), rank, census, 256, state),  # no room beside the indices
+                (cls, rank, np.zeros((3, 16), np.int64), 256, state),  # a census of the wrong height
+                (cls, rank, census, 100, state),  # not a multiple of 256
+                (cls, rank, census, 256, np.array([9, 1] + [0] * 16, np.int64))):  # resumes past where it starts
+        with pytest.raises(ValueError, match="rank buffers"):
+            _native.diff_into(a, a, 2, 0, 64, *out, False, False, None, None, (7, 255, 100, *bad[:4], bad[4], -1))
+    assert _native.diff_into(a, a, 2, 0, 64, *out, False, False, None, None, (7, 255, 100, cls, rank, census, 256,
+                                                                            state, -1)) == (0, 64)
 
 
 def test_diff_fingerprint_can_skip_the_old_side():
