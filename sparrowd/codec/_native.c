@@ -41,6 +41,9 @@
  *
  * No numpy headers: everything goes through the buffer protocol.
  */
+#ifndef SPARROWD_SOURCE
+#define SPARROWD_SOURCE "" /* setup.py passes the digest of this file (blake2b, 8 bytes, hex) */
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -2030,7 +2033,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     /* SIMD: the name of the scan diff_into uses unless asked for the portable one. */
     if (PyModule_AddStringConstant(m, "SIMD", pick_simd() ? "avx2" : "portable") < 0 ||
-        PyModule_AddIntConstant(m, "CLASS_SIMD", class_simd()) < 0) {
+        PyModule_AddIntConstant(m, "CLASS_SIMD", class_simd()) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE", SPARROWD_SOURCE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

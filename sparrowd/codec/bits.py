@@ -21,8 +21,11 @@ Transforms, all vectorised, all exact and invertible:
 
 from __future__ import annotations
 
+import hashlib
 import math
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +35,22 @@ try:
     from . import _native
 except ImportError:  # no compiler at install time: the numpy paths give the same bytes
     _native = None
+
+
+def native_source_stale() -> bool:
+    """Whether the C extension was built from another ``_native.c`` than the one beside it (a
+    checkout whose rebuild failed keeps its old module: the build is optional, so pip says
+    nothing). False where the source is not shipped or the module carries no digest."""
+    src = Path(__file__).with_name("_native.c")
+    built = getattr(_native, "SOURCE", "")
+    if _native is None or not built or not src.is_file():
+        return False
+    return hashlib.blake2b(src.read_bytes(), digest_size=8).hexdigest() != built
+
+
+if native_source_stale():
+    warnings.warn("sparrowd's C extension was built from another version of sparrowd/codec/_native.c: "
+                  "rebuild it (pip install -e .) and read the compiler's errors", RuntimeWarning, stacklevel=1)
 
 __all__ = [
     "DType",

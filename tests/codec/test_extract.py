@@ -29,6 +29,16 @@ def test_the_native_extension_is_built():
     assert extract._native is not None
 
 
+def test_the_native_extension_is_built_from_this_source(tmp_path, monkeypatch):
+    """The module carries its source's digest: a checkout whose rebuild failed (the build is
+    optional, so quiet) still has the old module, and this fails rather than testing it."""
+    from sparrowd.codec import bits
+
+    assert bits._native.SOURCE and not bits.native_source_stale()
+    monkeypatch.setattr(bits._native, "SOURCE", "0" * 16)  # built from something else
+    assert bits.native_source_stale()
+
+
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("w", [np.uint8, np.uint16, np.uint32, np.uint64])
 @pytest.mark.parametrize("n", [0, 1, 7, 9, 1000, (1 << 19) + 5])
