@@ -421,6 +421,42 @@ static inline void flush_bits(struct bit_writer *w) {
  * same rule as bits.rice_k; the caller picks the range from the mean gap.
  * Positions must be int64, increasing, and at or after `start`.
  */
+/* The gaps g of sorted positions p (g = p[i] - p[i-1] - 1, with p[-1] = start - 1): into sums[j]
+   the sum of g >> (kmin + j) for each candidate Rice parameter from kmin to kmax (at most 8), whose
+   exact cost is then n * (k + 1) + sums (rice_pick). Returns whether the positions increase from
+   `start` (the same pass checks it). */
+static int rice_sums(const int64_t *p, Py_ssize_t n, int64_t start, int kmin, int kmax, uint64_t sums[8]) {
+    if (!n) return 1;
+    const int nk = kmax - kmin + 1;
+    int ordered = p[0] >= start;
+    for (int j = 0; j < nk; j++) sums[j] = (uint64_t)(p[0] - start) >> (kmin + j);
+    for (int j = 0; j < nk; j += 2) { /* two candidates per pass: a loop the compiler vectorises */
+        const int k0 = kmin + j, k1 = j + 1 < nk ? k0 + 1 : 63;
+        uint64_t s0 = 0, s1 = 0, bad = 0;
+        for (Py_ssize_t i = 1; i < n; i++) {
+            const uint64_t g = (uint64_t)(p[i] - p[i - 1] - 1);
+            bad |= g;
+            s0 += g >> k0;
+            s1 += g >> k1;
+        }
+        ordered &= (int64_t)bad >= 0; /* a gap below 0 (out of order) sets the top bit */
+        sums[j] += s0;
+        if (j + 1 < nk) sums[j + 1] += s1;
+    }
+    return ordered;
+}
+
+/* The cheapest of the candidates rice_sums costed (the smallest on a tie). */
+static int rice_pick(Py_ssize_t n, int kmin, int kmax, const uint64_t sums[8]) {
+    uint64_t best = 0;
+    int k = kmin;
+    for (int j = 0; j <= kmax - kmin; j++) {
+        const uint64_t cost = (uint64_t)n * (uint64_t)(kmin + j + 1) + sums[j];
+        if (j == 0 || cost < best) best = cost, k = kmin + j;
+    }
+    return k;
+}
+
 static PyObject *rice_index(PyObject *self, PyObject *args) {
     Py_buffer ib;
     Py_ssize_t start;
@@ -437,33 +473,11 @@ static PyObject *rice_index(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "Rice parameters must lie in [0, 40], at most 8 of them");
         goto done;
     }
-    /* Exact cost of each candidate k: n * (k + 1) + sum(g >> k); the same pass checks the order. */
     uint64_t sums[8] = {0};
-    const int nk = kmax - kmin + 1;
-    int k = kmin, ordered = 1;
+    int k, ordered;
     Py_BEGIN_ALLOW_THREADS
-    if (n) {
-        ordered = p[0] >= (int64_t)start;
-        for (int j = 0; j < nk; j++) sums[j] = (uint64_t)(p[0] - start) >> (kmin + j);
-        for (int j = 0; j < nk; j += 2) { /* two candidates per pass: a loop the compiler vectorises */
-            const int k0 = kmin + j, k1 = j + 1 < nk ? k0 + 1 : 63;
-            uint64_t s0 = 0, s1 = 0, bad = 0;
-            for (Py_ssize_t i = 1; i < n; i++) {
-                const uint64_t g = (uint64_t)(p[i] - p[i - 1] - 1);
-                bad |= g;
-                s0 += g >> k0;
-                s1 += g >> k1;
-            }
-            ordered &= (int64_t)bad >= 0; /* a gap below 0 (out of order) sets the top bit */
-            sums[j] += s0;
-            if (j + 1 < nk) sums[j + 1] += s1;
-        }
-    }
-    uint64_t best = 0;
-    for (int j = 0; j < nk; j++) {
-        const uint64_t cost = (uint64_t)n * (uint64_t)(kmin + j + 1) + sums[j];
-        if (j == 0 || cost < best) best = cost, k = kmin + j;
-    }
+    ordered = rice_sums(p, n, start, kmin, kmax, sums);
+    k = rice_pick(n, kmin, kmax, sums);
     Py_END_ALLOW_THREADS
     if (!ordered) {
         PyErr_SetString(PyExc_ValueError, "indices must increase and start at or after `start`");
@@ -1615,30 +1629,17 @@ static PyObject *class_sort(PyObject *self, PyObject *args) {
         const Py_ssize_t nc = count[c];
         if (!nc) continue;
         const int64_t *r = ro + first[c];
-        int64_t prev = -1;
-        for (Py_ssize_t i = 0; i < nc; i++) {
-            if (r[i] <= prev) bad = 1;
-            prev = r[i];
-        }
-        if (bad) break;
-        /* bits.rice_k over the gaps r[i] - r[i-1] - 1 (r[-1] = -1), whose sum is r[last] + 1 - nc */
-        const double mean = (double)(uint64_t)(r[nc - 1] + 1 - nc) / (double)nc;
+        /* bits.rice_k's candidates: around log2(mean gap * ln 2), the gaps (r[-1] = -1) summing to
+           r[last] + 1 - nc when the ranks ascend (rice_sums checks that they do) */
+        const double mean = (double)(r[nc - 1] + 1 - nc) / (double)nc;
         const int k0 = mean >= 2 ? (int)log2(mean * 0.6931) : 0;
         const int klo = k0 - 1 < 0 ? 0 : k0 - 1 > 40 ? 40 : k0 - 1, khi = k0 + 1 > 40 ? 40 : k0 + 1;
-        uint64_t sum[3] = {0, 0, 0};
-        prev = -1;
-        for (Py_ssize_t i = 0; i < nc; i++) {
-            const uint64_t g = (uint64_t)(r[i] - prev - 1);
-            prev = r[i];
-            for (int k = klo; k <= khi; k++) sum[k - klo] += g >> k;
+        uint64_t sums[8] = {0};
+        if (!rice_sums(r, nc, 0, klo, khi, sums)) {
+            bad = 1;
+            break;
         }
-        int best = klo;
-        uint64_t cost = UINT64_MAX;
-        for (int k = klo; k <= khi; k++) {
-            const uint64_t bits = (uint64_t)nc * (uint64_t)(k + 1) + sum[k - klo];
-            if (bits < cost) cost = bits, best = k;
-        }
-        table[3 * m] = c, table[3 * m + 1] = nc, table[3 * m + 2] = best, m++;
+        table[3 * m] = c, table[3 * m + 1] = nc, table[3 * m + 2] = rice_pick(nc, klo, khi, sums), m++;
     }
     Py_END_ALLOW_THREADS
     if (bad) {

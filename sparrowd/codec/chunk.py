@@ -189,12 +189,10 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
     """Scan ``base[start:stop)`` (a whole tensor, or a part starting at a multiple of ``CENSUS``) for
     the classes and ranks of its changed ``indices`` (all inside the part); :func:`join_ranks` puts
     a tensor's parts together. ``old``: as for :class:`Ranked`."""
-    shift, mask = exponent_field(dtype)
-    stop = base.size if stop is None else stop
     if start % CENSUS:
         raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
-    lo = class_lo(base, 0, base.size, shift, mask)  # the same for every part of the tensor
-    return (lo, *class_scan(base, start, stop, indices, shift, mask, lo, old))
+    c = ranking(base, dtype)  # its lo is the same for every part of the tensor
+    return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old))
 
 
 def ranking(base: np.ndarray, dtype: str) -> ClassRanks:
@@ -202,7 +200,7 @@ def ranking(base: np.ndarray, dtype: str) -> ClassRanks:
     :func:`~.extract.diff_fingerprint`); :func:`ranked_part` then gives what :func:`rank_changes`
     gives."""
     shift, mask = exponent_field(dtype)
-    return ClassRanks(shift, mask, class_lo(base, 0, base.size, shift, mask))
+    return ClassRanks(shift, mask, class_lo(base, 0, base.size, shift, mask))  # lo: from the whole tensor
 
 
 def ranked_part(classes: ClassRanks | None) -> tuple | None:
