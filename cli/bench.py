@@ -118,6 +118,10 @@ def register_sim(bs) -> None:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--plot", metavar="SVG", help="also plot time to all over the bound against N (an SVG file)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    s.add_argument("--trace", metavar="FILE", type=json_file,
+                   help="also write every chunk request's events (asked, refused, failed, cut, stored, wasted: "
+                        "when, which node of which region asked which peer for which chunk) as JSON Lines, to "
+                        "see where a version's time goes")
     s.set_defaults(func=cmd_sim)
 
 
@@ -142,7 +146,8 @@ def cmd_sim(args) -> int:
         raise InputError(f"--plot {args.plot}: its folder is not writable")
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
                chunk=None if args.chunk == "auto" else parse_size(args.chunk), rtt=args.rtt, churn=args.churn,
-               seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through, **rates)
+               seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through,
+               trace_path=args.trace, **rates)
 
 
 def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):

@@ -76,6 +76,44 @@ def test_cli_prints_writes_json_and_a_plot(tmp_path):
     assert svg.read_text().startswith("<svg") and svg.read_text().count("<circle") == 2
 
 
+def test_the_trace_accounts_for_every_request_and_every_copy():
+    """``--trace``'s events, one run: every node stores each chunk once, from a peer it asked; every
+    request that ends was asked for first, by that node of that peer, and ends after it was asked;
+    a refusal or a stored copy from another region comes at least a round trip after the asking."""
+    cfg = Config(nodes=8, regions=4, patch=1 * MB, versions=2, seed=4, trace=True)
+    sim = Sim(cfg)
+    rows = sim.run()
+    events = sim.trace
+    assert all(r["all_done"] for r in rows)
+    asked = {(e["version"], e["node"], e["peer"], e["chunk"], e["asked"]) for e in events if e["event"] == "asked"}
+    stored = [e for e in events if e["event"] == "stored"]
+    assert sorted((e["version"], e["node"], e["chunk"]) for e in stored) == sorted(
+        (v, n.id, c) for v in (1, 2) for n in sim.nodes[1:] for c in range(rows[0]["chunks"]))
+    for e in events:
+        if e["event"] != "asked":
+            assert (e["version"], e["node"], e["peer"], e["chunk"], e["asked"]) in asked, e
+            assert e["t"] >= e["asked"], e
+            if e["event"] in ("stored", "refused") and e["region"] != e["peer_region"]:
+                assert e["t"] - e["asked"] >= cfg.rtt - 1e-9, e
+    for v in (1, 2):  # times count from each version's start, in the order things happened
+        ts = [e["t"] for e in events if e["version"] == v]
+        assert ts == sorted(ts) and ts[0] >= 0
+        assert max(e["t"] for e in stored if e["version"] == v) == pytest.approx(rows[v - 1]["seconds"], abs=0.011)
+    assert Sim(Config(nodes=8, regions=4, patch=1 * MB, versions=1, seed=4)).trace is None
+
+
+def test_cli_writes_the_trace_as_json_lines(tmp_path):
+    out = tmp_path / "trace.jsonl"
+    p = _cli("--nodes", "6", "--regions", "3", "--patch-mib", "0.25", "--versions", "1", "--trace", str(out),
+             tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    assert f"{len(events)} request events written" in p.stdout
+    assert sum(e["event"] == "stored" for e in events) == 6  # one chunk to each node
+    assert {e["rollouts"] for e in events} == {6} and {e["patch_mib"] for e in events} == {0.25}
+    assert not list(tmp_path.glob("*.tmp*"))  # written whole, by a rename
+
+
 # ---------------------------------------------------------------- cut-through relaying
 
 

@@ -59,6 +59,13 @@ as bytes, and the trainer's CPU. A node sees at once what its peers fetch
 next exchange reply). Offers from the trainer are computed when a
 node plans, as if its long poll had just answered.
 
+``trace`` (``bench sim --trace FILE``) keeps every chunk request's events,
+times counted from the version's start: ``asked`` when its node sends it,
+``refused``, ``failed`` or ``cut`` when its node hears so, ``stored`` or
+``wasted`` (a copy the node already had) when its last byte arrives; a request
+with no later event was cancelled (an endgame loser, or its version ended).
+Where a version's time goes (which hop waited on what) is read from it.
+
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
 ``churn_at`` of the bound into the last version; their peers' requests to
 them fail (the peer cools down, as the daemon does). The trainer, which
@@ -124,6 +131,7 @@ class Config:
     dt: float = 0.005
     seed: int = 0
     cut_through: bool = True  # relays serve chunks they are fetching, block by block (the trainer never fetches)
+    trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
     relay_after_block: bool = True  # ...and shows it fetching, only once a block has checked out (False: at once)
 
     @property
@@ -223,6 +231,8 @@ class Sim:
         self.relayed = 0.0  # bytes sent by streams served from a partial (cut-through)
         self.cuts = 0  # streams cut because their partial was aborted
         self.shown_fetching: dict[int, tuple[float, set[int]]] = {}  # by node: (when, what shows_fetching said)
+        self.trace: list[dict] | None = [] if cfg.trace else None
+        self.version_start = 0.0
         r = cfg.regions
         self.trainer = Node(0, "trainer", 0, True, cfg, self.rng)
         self.nodes = [self.trainer] + [Node(i + 1, f"n{i}-r{i % r}", i % r, False, cfg, self.rng)
@@ -272,6 +282,16 @@ class Sim:
 
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
+
+    def note(self, event: str, r: Req) -> None:
+        """One event of a chunk request, for ``--trace``: ``asked`` (its node sent it), ``refused``,
+        ``failed`` or ``cut`` (its node heard), ``stored`` or ``wasted`` (its last byte arrived)."""
+        if self.trace is not None:
+            t0 = self.version_start
+            self.trace.append({"t": round(self.now - t0, 6), "version": r.version, "event": event,
+                               "node": r.dst.id, "region": r.dst.region, "peer": r.src.id,
+                               "peer_region": r.src.region, "chunk": r.chunk, "asked": round(r.sent - t0, 6),
+                               "cut_through": not r.whole})
 
     def owd(self, a: Node, b: Node) -> float:
         return (self.cfg.local_rtt if a.region == b.region else self.cfg.rtt) / 2
@@ -483,9 +503,13 @@ class Sim:
         """A cancelled request left its server: a loser's node already knows; a cut stream's node hears
         one one-way delay later."""
         if r.cut:
-            self.at(self.now + self.owd(r.src, r.dst), self.release, r)
+            self.at(self.now + self.owd(r.src, r.dst), self.heard_cut, r)
         else:
             self.release(r)
+
+    def heard_cut(self, r: Req) -> None:
+        self.note("cut", r)
+        self.release(r)
 
     def shows_fetching(self, x: Node):
         """The chunks x tells its peers it is fetching: all it has asked for, or, where it relays only
@@ -545,9 +569,11 @@ class Sim:
         self.dirty.add(y)
 
     def refused(self, r: Req) -> None:
+        self.note("refused", r)
         self.release(r)
 
     def failed(self, r: Req) -> None:
+        self.note("failed", r)
         k = r.dst.known.get(r.src.id)
         if k is not None and r.whole:  # a cut-through stream's end is not held against its server
             k.strikes += 1
@@ -558,6 +584,7 @@ class Sim:
     def arrives(self, r: Req) -> None:
         y, x = r.dst, r.src
         fresh = r.version == self.version and y.alive and r.chunk not in y.have
+        self.note("stored" if fresh else "wasted", r)
         if fresh:
             y.have.add(r.chunk)
             self.whole(y, r.chunk)
@@ -666,6 +693,7 @@ class Sim:
             if not r.whole:  # (requests for whole chunks are not held to the timeout here: they always move)
                 self.at(now + 5.0 + r.size / MIN_RATE, self.timed_out, r)
             y.known[x.id].inflight += 1
+            self.note("asked", r)
             self.at(now + self.owd(y, x), self.request_arrives, r)
 
     # ------------------------------------------------------------ churn
@@ -749,7 +777,7 @@ class Sim:
         cfg = self.cfg
         rows = []
         for v in range(cfg.versions):
-            t0 = self.now
+            t0 = self.version_start = self.now
             sent0, cross0, wasted0 = self.sent[0], self.cross_bytes, self.wasted
             relayed0, cuts0 = self.relayed, self.cuts
             self.publish()
@@ -853,10 +881,11 @@ def _svg(points: dict[str, list[tuple[int, float]]], path: str) -> None:
 
 def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int, chunk: int | None,
         trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
-        seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True) -> int:
-    from . import write_json
+        seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True,
+        trace_path: str | None = None) -> int:
+    from . import write_json, write_lines
 
-    results = []
+    results, traces = [], []
     print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_bytes(trainer_rate)}/s, nodes "
           f"{format_bytes(node_rate)}/s ({format_bytes(wan_rate)}/s to other regions), links "
           f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms, relays "
@@ -866,10 +895,13 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
         for n in nodes:
             cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,
                          trainer_rate=trainer_rate, node_rate=node_rate, wan_rate=wan_rate, link_rate=link_rate,
-                         rtt=rtt, churn=churn, seed=seed, cut_through=cut_through)
+                         rtt=rtt, churn=churn, seed=seed, cut_through=cut_through, trace=trace_path is not None)
             t = time.monotonic()
-            rows = simulate(cfg)
+            sim = Sim(cfg)
+            rows = sim.run()
             wall = time.monotonic() - t
+            if sim.trace is not None:
+                traces += [{"patch_mib": p, "rollouts": n, **e} for e in sim.trace]
             for r in rows:
                 r.update(patch_mib=p, rollouts=n, regions=regions)
                 results.append(r)
@@ -890,4 +922,7 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
         print(f"   plot written to {plot}")
     if json_path:
         write_json(json_path, {"runs": results})
+    if trace_path:
+        write_lines(trace_path, traces)
+        print(f"   {len(traces)} request events written to {trace_path}")
     return 0
