@@ -63,7 +63,8 @@ node plans, as if its long poll had just answered.
 times counted from the version's start: ``asked`` when its node sends it,
 ``refused``, ``failed`` or ``cut`` when its node hears so, ``stored`` or
 ``wasted`` (a copy the node already had) when its last byte arrives; a request
-with no later event was cancelled (an endgame loser, or its version ended).
+with no later event was cancelled (an endgame loser, a stream from a partial
+past its timeout, or its version ended).
 Where a version's time goes (which hop waited on what) is read from it.
 
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
@@ -131,8 +132,8 @@ class Config:
     dt: float = 0.005
     seed: int = 0
     cut_through: bool = True  # relays serve chunks they are fetching, block by block (the trainer never fetches)
-    trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
     relay_after_block: bool = True  # ...and shows it fetching, only once a block has checked out (False: at once)
+    trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
 
     @property
     def chunk_size(self) -> int:
