@@ -1290,28 +1290,52 @@ static PyObject *ulp2_context(PyObject *self, PyObject *unused) {
     return PyByteArray_FromStringAndSize((const char *)&c, sizeof c);
 }
 
+/*
+ * The encoder writes the same bytes as LZMA's (its first byte, always 0, left out) but resolves a
+ * carry at once, into the bytes already written, rather than holding back a byte and a run of
+ * 0xFF: then moving on after a coded bit takes no branch on how many bytes it writes (0, 1 or 2;
+ * the range is at least 2^8 there), and the carry's own branch, a carry through a 0xFF byte, is
+ * rare. `buf` has a 0 byte before it (which no carry reaches) and 2 bytes of slack after `cap`;
+ * `pos` counts on past `cap`, writing nothing there, so that the caller can tell.
+ */
 struct rc_enc {
     uint64_t low;
     uint32_t range;
-    uint8_t cache;
-    uint64_t pending;
     uint8_t *buf;
     Py_ssize_t pos, cap;
 };
 
-static inline void enc_shift(struct rc_enc *e) {
-    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
-        const uint8_t carry = (uint8_t)(e->low >> 32);
-        uint8_t t = e->cache;
-        do {
-            if (e->pos >= 0 && e->pos < e->cap) e->buf[e->pos] = (uint8_t)(t + carry);
-            e->pos++; /* starts at -1: LZMA's first byte is always 0 and is not written */
-            t = 0xFF;
-        } while (--e->pending != 0);
-        e->cache = (uint8_t)(e->low >> 24);
-    }
-    e->pending++;
-    e->low = (e->low & 0x00FFFFFFu) << 8;
+/* A buffer for an encoder of `cap` bytes (NULL: out of memory), and its release. */
+static uint8_t *enc_alloc(Py_ssize_t cap) {
+    uint8_t *raw = PyMem_Malloc(cap + 3);
+    if (raw == NULL) return NULL;
+    raw[0] = 0;
+    return raw + 1;
+}
+
+static void enc_free(uint8_t *buf) {
+    if (buf != NULL) PyMem_Free(buf - 1);
+}
+
+static inline void enc_carry(struct rc_enc *e) {
+    const unsigned c = (unsigned)(e->low >> 32);
+    e->low &= 0xFFFFFFFFu;
+    uint8_t *b = e->buf + (e->pos < e->cap ? e->pos : e->cap) - 1;
+    *b = (uint8_t)(*b + c);
+    if (__builtin_expect(c & (*b == 0), 0)) /* it ran through a 0xFF */
+        do --b, *b = (uint8_t)(*b + 1); while (*b == 0);
+}
+
+/* Bytes out until the range is at least 2^24 again, from at least 2^8. */
+static inline void enc_norm(struct rc_enc *e) {
+    if (e->range >= TOP) return;
+    enc_carry(e);
+    const int n = 1 + (e->range < (1u << 16));
+    uint8_t *w = e->buf + (e->pos < e->cap ? e->pos : e->cap);
+    w[0] = (uint8_t)(e->low >> 24), w[1] = (uint8_t)(e->low >> 16);
+    e->pos += n;
+    e->low = (e->low << (8 * n)) & 0xFFFFFFFFu;
+    e->range <<= 8 * n;
 }
 
 static inline void enc_bit(struct rc_enc *e, struct prob *p, unsigned bit) {
@@ -1324,7 +1348,7 @@ static inline void enc_bit(struct rc_enc *e, struct prob *p, unsigned bit) {
     } else {
         adapt(p, bit);
     }
-    while (e->range < TOP) e->range <<= 8, enc_shift(e);
+    enc_norm(e);
 }
 
 /* The end of a stream: of the values in [low, low + range) the one with the most trailing zero
@@ -1338,7 +1362,11 @@ static void enc_finish(struct rc_enc *e) {
             break;
         }
     }
-    for (int b = 0; b < 5; b++) enc_shift(e);
+    enc_carry(e);
+    for (int b = 0; b < 4; b++) {
+        if (e->pos < e->cap) e->buf[e->pos] = (uint8_t)(e->low >> 24);
+        e->pos++, e->low = (e->low << 8) & 0xFFFFFFFFu;
+    }
     for (int b = 0; b < 4 && e->pos > 0 && e->pos <= e->cap && e->buf[e->pos - 1] == 0; b++) e->pos--;
 }
 
@@ -1349,7 +1377,7 @@ static inline void enc_direct(struct rc_enc *e, uint64_t v, int nbits) {
         nbits -= b;
         e->range >>= b;
         e->low += ((v >> nbits) & ((1u << b) - 1)) * (uint64_t)e->range;
-        while (e->range < TOP) e->range <<= 8, enc_shift(e);
+        enc_norm(e);
     }
 }
 
@@ -1543,7 +1571,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     const Py_ssize_t cap = (Py_ssize_t)(worst / 8 + 64);
     struct ctx c;
     if (!ctx_load(&c, &xb)) goto done;
-    buf = PyMem_Malloc(cap);
+    buf = enc_alloc(cap);
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -1551,7 +1579,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     Py_ssize_t used;
     int descending = 0;
     Py_BEGIN_ALLOW_THREADS
-    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, -1, cap};
+    struct rc_enc e = {0, 0xFFFFFFFFu, buf, 0, cap};
     for (Py_ssize_t i = 0; i < h.m; i++) enc_bit(&e, &c.again[h.ctx[i]], again[i] != 0);
     {
         unsigned had = 0;
@@ -1610,7 +1638,7 @@ static PyObject *ulp2_pack(PyObject *self, PyObject *args) {
     }
     result = PyBytes_FromStringAndSize((const char *)buf, used);
 done:
-    PyMem_Free(buf);
+    enc_free(buf);
     PyBuffer_Release(&rb);
     PyBuffer_Release(&tb);
     PyBuffer_Release(&zb);
@@ -1888,13 +1916,13 @@ static PyObject *ulp2_rows_pack(PyObject *self, PyObject *args) {
             goto done;
         }
     const Py_ssize_t cap = n * 11 / 8 + 64;
-    buf = PyMem_Malloc(cap);
+    buf = enc_alloc(cap);
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     struct prob rows[2] = {{PINIT, 0}, {PINIT, 0}};
-    struct rc_enc e = {0, 0xFFFFFFFFu, 0, 1, buf, -1, cap};
+    struct rc_enc e = {0, 0xFFFFFFFFu, buf, 0, cap};
     for (Py_ssize_t i = 0; i < n; i++) enc_bit(&e, &rows[ctx[i]], flags[i]);
     enc_finish(&e);
     if (e.pos > cap) {
@@ -1903,7 +1931,7 @@ static PyObject *ulp2_rows_pack(PyObject *self, PyObject *args) {
     }
     result = PyBytes_FromStringAndSize((const char *)buf, e.pos);
 done:
-    PyMem_Free(buf);
+    enc_free(buf);
     PyBuffer_Release(&fb);
     PyBuffer_Release(&cb);
     return result;
