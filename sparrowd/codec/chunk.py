@@ -95,6 +95,7 @@ __all__ = [
     "Chunk",
     "encode_chunk",
     "encode_segment",
+    "code_segment",
     "EncodedSegment",
     "decode_chunk",
     "encode_file_chunk",
@@ -446,16 +447,26 @@ def encode_segment(seg: Segment) -> EncodedSegment:
     return EncodedSegment(seg, *_encode_segment(seg))
 
 
+def code_segment(e: EncodedSegment, state: bytearray) -> EncodedSegment:
+    """An ulp2 segment with its stream coded, from the chunk's contexts ``state`` as the segments
+    before it in the chunk left them (moved on in place); any other segment as it is. A chunk's
+    ulp2 segments must be coded in order, each exactly once."""
+    if e.coding is None:
+        return e
+    blobs = [*e.blobs, np.frombuffer(ulp2_pack(*e.coding, state=state), np.uint8)]
+    return EncodedSegment(e.segment, {**e.header, "blobs": [int(b.nbytes) for b in blobs]}, blobs)
+
+
 def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdCompressor) -> Chunk:
+    """A chunk of ``segments``, in order; ulp2 streams not yet coded (:func:`code_segment`) are
+    coded here, from fresh contexts (then all of the chunk's must be uncoded)."""
     encoded = [s if isinstance(s, EncodedSegment) else encode_segment(s) for s in segments]
     body, headers, state = [], [], None
     for i, e in enumerate(encoded):
-        seg, header, blobs = e.segment, e.header, e.blobs
         if e.coding is not None:  # the chunk's ulp2 segments in order, each from the contexts the last left
             state = ulp2_context() if state is None else state
-            coded = ulp2_pack(*e.coding, state=state)
-            blobs = [*blobs, np.frombuffer(coded, np.uint8)]
-            header = {**header, "blobs": [int(b.nbytes) for b in blobs]}
+            e = code_segment(e, state)
+        seg, header, blobs = e.segment, e.header, e.blobs
         headers.append(header)
         streams = segment_streams(seg.kind, seg.values, seg.data.dtype.itemsize, "rows" in header)
         body += [(_RANK[st], i, b) for st, b in zip(streams, blobs)]

@@ -16,6 +16,7 @@ ulp), and ``check_result``. :func:`apply_patch` chains them in memory.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +27,7 @@ import numpy as np
 import zstandard
 
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
-from .bits import RawTensor, dtype_info, uint_type, ulp_apply, ulp_encode
+from .bits import RawTensor, dtype_info, uint_type, ulp2_context, ulp_apply, ulp_encode
 from .chunk import (
     ABSOLUTE,
     DENSE,
@@ -36,6 +37,7 @@ from .chunk import (
     Chunk,
     Ranked,
     Segment,
+    code_segment,
     decode_chunk,
     encode_chunk,
     encode_file_chunk,
@@ -116,11 +118,11 @@ class PatchEncoder:
         self._pool = pool
         self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
-        # With a pool, chunks close on it too (their ulp2 streams are coded in order inside each chunk,
-        # so chunks are the grain of parallel coding): up to LAG of them in flight, settled in order.
-        # A chunk's cut depends on the compressed sizes of the chunks before it only up to LAG back,
-        # with a pool or without, so the output depends neither on timing nor on the pool.
+        # With a pool, chunks close on it too: up to LAG of them in flight, settled in order. A chunk's
+        # cut depends on the compressed sizes of the chunks before it only up to LAG back, with a pool
+        # or without, so the output depends neither on timing nor on the pool.
         self._inflight: deque[tuple[Future, float]] = deque()
+        self._coder: _ChunkCoder | None = None  # ulp2 with a pool: codes the current chunk's streams
         if history is not None and values != ULP2:
             raise InputError("a change history is for ulp2 patches only")
         self.history = history if history is not None and history.versions else None
@@ -260,18 +262,24 @@ class PatchEncoder:
             out += self._flush()
 
     def _encode(self, seg: Segment) -> Future:
-        if self._pool is not None:
-            return self._pool.submit(encode_segment, seg)
-        return _done(encode_segment(seg))
+        if self._pool is None:
+            return _done(encode_segment(seg))
+        encoded = self._pool.submit(encode_segment, seg)
+        if seg.values != ULP2:
+            return encoded
+        if self._coder is None:
+            self._coder = _ChunkCoder(self._pool)
+        return self._coder.add(encoded)
 
     def _flush(self) -> list[Chunk]:
         """Close the pending segments into a chunk; returns the chunks settled meanwhile, in order."""
         pending, est = self._pending, self._pending_est
         self._pending, self._pending_est = [], 0.0
+        self._coder = None  # the next chunk's streams start from fresh contexts
         if self._pool is None:
             self._inflight.append((_done(_close_chunk(pending, self._cctx)), est))
         else:
-            self._inflight.append((self._pool.submit(_close_chunk, pending, None, self._level), est))
+            self._inflight.append((_when_done(self._pool, pending, _close_chunk, pending, None, self._level), est))
         return self._settle(LAG)  # with a pool or without, so that both cut the same chunks
 
     def _settle(self, keep: int) -> list[Chunk]:
@@ -321,10 +329,86 @@ class PatchEncoder:
 
 
 LAG = 2  # chunks an encoder with a pool keeps closing at once (PatchEncoder._flush)
+DIFFS_AHEAD = 2  # tensors encode_patch has queued for diffing ahead of the one it cuts, per thread
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+
+
+class _ChunkCoder:
+    """Codes one chunk's ulp2 streams in order, each from the contexts the one before left, as
+    soon as each segment is encoded: on the worker that encoded it, or the one that coded the
+    segment before, going on down the line while the next is ready (never waiting, and never
+    queued behind the diffs). A large chunk's coding is serial; done so, it runs beside the
+    diffs rather than all on one thread when the chunk closes."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool, self._state = pool, ulp2_context()
+        self._line: deque[tuple[Future, Future]] = deque()  # (encoded, coded), in chunk order
+        self._lock, self._running = threading.Lock(), False
+
+    def add(self, encoded: Future) -> Future:
+        coded: Future = Future()
+        with self._lock:
+            self._line.append((encoded, coded))
+        if encoded.done():  # here, on the caller's thread: leave the coding to the pool
+            self._pool.submit(self._drain)
+        else:
+            encoded.add_done_callback(lambda _: self._drain())
+        return coded
+
+    def _drain(self) -> None:
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+        while True:
+            with self._lock:
+                if not self._line or not self._line[0][0].done():
+                    self._running = False
+                    return
+                encoded, coded = self._line.popleft()
+            try:
+                coded.set_result(code_segment(encoded.result(), self._state))
+            except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits for the chunk
+                coded.set_exception(exc)
+
+
+def _when_done(pool: ThreadPoolExecutor, deps: list[Future], fn: Callable, *args) -> Future:
+    """``fn(*args)`` as a job on ``pool`` queued once every future in ``deps`` is done (from their
+    callbacks), so that no worker ever waits on a job queued behind it; it fails at once, with the
+    first failure among ``deps``, if any failed."""
+    out: Future = Future()
+    left, lock = [len(deps)], threading.Lock()
+
+    def run() -> None:
+        try:
+            for d in deps:
+                d.result()
+            out.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits for ``out``
+            out.set_exception(exc)
+
+    def ready(_: Future | None) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+        if any(d.exception() is not None for d in deps):
+            run()
+            return
+        try:
+            pool.submit(run)
+        except RuntimeError:  # the pool is shutting down: run it here
+            run()
+
+    if not deps:
+        left[0] = 1
+        ready(None)
+    for d in deps:
+        d.add_done_callback(ready)
+    return out
 
 
 def _close_chunk(pending: list[Future], cctx: zstandard.ZstdCompressor | None, level: int = DEFAULT_LEVEL) -> Chunk:
@@ -410,19 +494,27 @@ def encode_patch(
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparrowd-diff") as pool:
         enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size,
                            meta=meta, pool=pool, history=history)
-        jobs: list[tuple[str, list[Future] | None]] = []
-        for name in names:
+
+        def submit(name: str) -> tuple[str, list[Future] | None]:
             o, n = old.get(name), new.get(name)
             if not _same_layout(o, n):
-                jobs.append((name, None))
-                continue
+                return name, None
             rank = n.dtype if values == ULP2 and dtype_info(n.dtype).is_float else None
             ranges = split_ranges(n.numel)
             if len(ranges) == 1:  # one job diffs and fingerprints in a single read of both sides
-                jobs.append((name, [pool.submit(_diff_whole, o.bits, n.bits, rank)]))
-            else:
-                jobs.append((name, [pool.submit(_diff_part, o.bits, n.bits, lo, hi, rank) for lo, hi in ranges]))
-        for name, parts in jobs:
+                return name, [pool.submit(_diff_whole, o.bits, n.bits, rank)]
+            return name, [pool.submit(_diff_part, o.bits, n.bits, lo, hi, rank) for lo, hi in ranges]
+
+        # Diffs are queued only a few tensors ahead of the one being cut, so that the pool takes the
+        # segments' encoding and the chunks' closing in between (it runs jobs in order) rather than
+        # after the last diff, when one thread closing the last chunks would leave the other idle.
+        ahead = deque(submit(name) for name in names[:DIFFS_AHEAD * max(1, threads)])
+        later = iter(names[len(ahead):])
+        while ahead:
+            name, parts = ahead.popleft()
+            following = next(later, None)
+            if following is not None:
+                ahead.append(submit(following))
             o, n = old.get(name), new.get(name)
             if parts is None:
                 chunks += enc.add(name, o, n)

@@ -423,6 +423,73 @@ def test_ulp2_contexts_carry_from_one_segment_to_the_next():
         ulp2_pack(*parts[0], state=bytearray(enc[:-2]))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ulp2_chunks_coded_on_a_pool_are_the_bytes_coded_in_line(threads):
+    """With a pool, each chunk's ulp2 streams are coded segment by segment as the segments are
+    encoded (codec.patch._ChunkCoder), not when the chunk closes: the chunks are the bytes of an
+    encoder without a pool, for chunks of many segments (small tensors, row mode among them) and
+    segments split across chunks, on one worker or several."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparrowd.codec.bits import _native
+    from sparrowd.codec.patch import PatchEncoder
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    rng = np.random.default_rng(21)
+    old, new = {}, {}
+    for i in range(40):
+        shape = (int(rng.integers(20, 120)), int(rng.integers(200, 600)))
+        o = (rng.normal(0, 0.02, shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        n = o.copy()
+        if i % 7 == 3:  # a few live rows: row mode
+            n[rng.integers(0, shape[0], 2)] += np.uint16(1)
+        else:
+            n.reshape(-1)[rng.random(o.size) < 0.03] += np.uint16(1)
+        old[f"t{i:02d}"] = RawTensor("BF16", shape, o.reshape(-1))
+        new[f"t{i:02d}"] = RawTensor("BF16", shape, n.reshape(-1))
+
+    def run(pool):
+        enc = PatchEncoder(version=1, base_version=0, values=ULP2, chunk_size=MIN_CHUNK_SIZE, pool=pool)
+        chunks = [c for name in sorted(new) for c in enc.add(name, old[name], new[name])]
+        manifest, rest = enc.finish()
+        return manifest, chunks + rest
+
+    want_manifest, want = run(None)
+    assert len(want) > 3 and max(len(c.segments) for c in want) > 3
+    with ThreadPoolExecutor(threads) as pool:
+        got_manifest, got = run(pool)
+    assert [c.data for c in got] == [c.data for c in want]
+    assert got_manifest.to_bytes() == want_manifest.to_bytes()
+    out = apply_patch(got_manifest, [c.data for c in got], old)
+    assert all(np.array_equal(out[k].bits, new[k].bits) for k in new)
+
+
+def test_ulp2_a_segment_failing_on_a_pool_fails_the_patch_and_nothing_waits(monkeypatch):
+    """A segment whose encoding raises fails the encode with that error: the chunk coder hands the
+    failure on to the segments after it and to the chunk, and no worker is left waiting."""
+    import sparrowd.codec.patch as patch_mod
+    from sparrowd.codec.bits import _native
+
+    if _native is None:
+        pytest.skip("no C extension in this build")
+    real, calls = patch_mod.encode_segment, []
+
+    def flaky(seg):
+        calls.append(seg.name)
+        if len(calls) == 3:
+            raise RuntimeError("disk on fire")
+        return real(seg)
+
+    monkeypatch.setattr(patch_mod, "encode_segment", flaky)
+    rng = np.random.default_rng(22)
+    old = {f"t{i}": RawTensor("BF16", (5000,), (rng.normal(0, 0.02, 5000).astype(np.float32).view(np.uint32)
+                                                  >> 16).astype(np.uint16)) for i in range(6)}
+    new = {k: RawTensor("BF16", (5000,), t.bits + np.uint16(1) * (rng.random(5000) < 0.05)) for k, t in old.items()}
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        encode_patch(old, new, version=1, base_version=0, values=ULP2, threads=2)
+
+
 def test_ulp2_streams_end_without_slack():
     """No stream starts with LZMA's constant zero byte nor ends in the zero bytes a decoder reads past
     the end anyway; bytes beyond what the decoder reads are refused, and a byte lost is refused or
