@@ -40,8 +40,9 @@ def test_tensor_parallel_server_follows_trained_steps(tmp_path):
         seen = json.loads((out / "drive.json").read_text())
         assert [s["weight_version"] for s in seen] == [str(v) for v in range(1, STEPS + 1)]
         # Both workers attached as ranks of one engine; the node reports the version they hold.
-        r1 = node_row(tracker, token, "r1")
-        assert r1["engine_version"] == STEPS
+        wait_for(lambda: node_row(tracker, token, "r1").get("engine_version") == STEPS, 30,
+                 "the tracker's row on the engine's version",
+                 detail=lambda: node_row(tracker, token, "r1").get("engine_version"))
         role("reference", out, *(out / f"step{v}" for v in range(STEPS + 1)))
         for v in range(1, STEPS + 1):
             got = json.loads((out / f"server-step{v}.generate.json").read_text())
