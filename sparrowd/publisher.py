@@ -162,15 +162,16 @@ def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.nda
     return fingerprint(mirror), _ranks(mirror, idx, ov, dtype)
 
 
-def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None):
+def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist_pos: np.ndarray | None = None):
     """The CPU compare (the fused pass, which also brings the kept copy up to date), and for ulp2
     (``dtype`` given, a float) the changes' exponent-class ranks in the same pass, each block of the
     kept copy scanned before its update, while it is in cache: the class scan of the base is the
-    costliest part of an ulp2 patch."""
-    classes = ranking(kept, dtype) if dtype is not None and dtype_info(dtype).is_float else None
+    costliest part of an ulp2 patch. ``hist_pos``: the tensor's change-history positions, classed
+    in the same pass."""
+    classes = ranking(kept, dtype, hist_pos) if dtype is not None and dtype_info(dtype).is_float else None
     idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True, classes=classes)
     part = ranked_part(classes)
-    return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov)
+    return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov, classes.hist_cls)
 
 
 @dataclass
@@ -341,9 +342,14 @@ class Publisher:
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version)
         ulp2 = self.values == ULP2
+        prior = self._history_now() if ulp2 else None  # the change history this patch is coded against
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
-                           chunk_size=self._patch_chunk_size(), history=self._history_now() if ulp2 else None,
-                           pool=self._segments)
+                           chunk_size=self._patch_chunk_size(), history=prior, pool=self._segments)
+
+        def hist_pos(name: str) -> np.ndarray | None:
+            t = prior.get(name) if prior is not None else None
+            return None if t is None else t.positions
+
         stream = _Stream(self, Key(version), stats, t_start)
         sent: list[Future] = []
         mirrors: list[Future] = []  # torch compares: host mirrors moved, fingerprinted (and ranked)
@@ -378,7 +384,7 @@ class Publisher:
         # date in one read; tensors go to two threads (the pass releases the GIL) and come back in
         # name order.
         cpu = {name: self._compare.submit(self._timed, _compare_and_rank, self._host(self._last[name].bits),
-                                          self._host(new.bits), new.dtype if ulp2 else None)
+                                          self._host(new.bits), new.dtype if ulp2 else None, hist_pos(name))
                for name, new in served.items() if not self._by_torch(new.bits)}
         try:
             for name in names:

@@ -90,6 +90,12 @@ struct ranking {
     int seen;
     uint8_t *cls;
     int64_t *rank, *census, counts[NCLASS];
+    /* An ulp2 change history's positions (sorted; hm of them, hj classed so far): each one's class in
+       the base goes to hcls as its block is scanned, rather than by a read of the base per entry later
+       (at a few percent of elements, a read per cache line: a second pass over memory). */
+    const int64_t *hpos;
+    Py_ssize_t hm, hj;
+    uint8_t *hcls;
 };
 
 static void rank_to(struct ranking *r, Py_ssize_t upto, const int64_t *idx, Py_ssize_t c);
@@ -323,10 +329,10 @@ static PyObject *digest(PyObject *self, PyObject *o) {
 }
 
 static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob, int isz, Py_ssize_t start,
-                         Py_ssize_t cap, Py_buffer bufs[4]);
+                         Py_ssize_t cap, Py_buffer bufs[6]);
 
 static PyObject *diff_into(PyObject *self, PyObject *args) {
-    Py_buffer ob = {0}, nb, ib, vb, wb, rbufs[4] = {{0}};
+    Py_buffer ob = {0}, nb, ib, vb, wb, rbufs[6] = {{0}};
     PyObject *old, *ho = Py_None, *hn = Py_None, *spec = Py_None;
     int isz, plain = 0, update = 0;
     Py_ssize_t start, end;
@@ -376,7 +382,7 @@ static PyObject *diff_into(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("nn", count, stop);
 done:
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 6; i++)
         if (rbufs[i].obj != NULL) PyBuffer_Release(&rbufs[i]);
     if (ob.obj != NULL) PyBuffer_Release(&ob);
     PyBuffer_Release(&nb);
@@ -1014,6 +1020,8 @@ static void rank_to(struct ranking *r, Py_ssize_t upto, const int64_t *idx, Py_s
         Py_ssize_t m = r->j;
         while (m < c && idx[m] < end) m++;
         ranks_any(&r->k, r->simd, r->done, end, idx + r->j, m - r->j, r->cls + r->j, r->rank + r->j, r->counts);
+        for (; r->hj < r->hm && r->hpos[r->hj] < end; r->hj++) /* the block is in cache */
+            r->hcls[r->hj] = (uint8_t)klass(load_at(r->k.base, r->k.isz, r->hpos[r->hj]), r->k.shift, r->k.mask, r->k.lo);
         r->j = m, r->done = end;
     }
 }
@@ -1097,14 +1105,17 @@ done:
 }
 
 /*
- * diff_into's `rank` argument: (shift, mask, lo, cls_out, rank_out, census_out, every, state, widest).
- * cls_out and rank_out run beside the call's idx_out (as long); census_out is class_ranks' census for
- * all of the buffers, from element 0 (its last row, the totals, is the caller's: state's counts at
- * the end); state (int64[2 + 16]) is [done, seen, counts], zeros before the first call (which
- * starts at element 0) and carried from call to call, each starting where the last stopped.
+ * diff_into's `rank` argument: (shift, mask, lo, cls_out, rank_out, census_out, every, state, widest
+ * [, hist_pos, hist_cls_out]). cls_out and rank_out run beside the call's idx_out (as long);
+ * census_out is class_ranks' census for all of the buffers, from element 0 (its last row, the
+ * totals, is the caller's: state's counts at the end); state (int64[2 + 16]) is [done, seen,
+ * counts], zeros before the first call (which starts at element 0) and carried from call to call,
+ * each starting where the last stopped. hist_pos (int64, sorted, inside the buffers) and
+ * hist_cls_out (uint8, as long): the class of the old side at each of those positions, filled in
+ * as far as the scan got (all of them once it ends, if anything changed).
  */
 static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob, int isz, Py_ssize_t start,
-                         Py_ssize_t cap, Py_buffer bufs[4]) {
+                         Py_ssize_t cap, Py_buffer bufs[6]) {
     int shift, widest;
     unsigned long long mask;
     long long lo;
@@ -1113,8 +1124,8 @@ static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob,
         PyErr_SetString(PyExc_TypeError, "diff_into: rank must be a tuple (or None)");
         return 0;
     }
-    if (!PyArg_ParseTuple(spec, "iKLw*w*w*nw*i", &shift, &mask, &lo, &bufs[0], &bufs[1], &bufs[2], &every, &bufs[3],
-                          &widest))
+    if (!PyArg_ParseTuple(spec, "iKLw*w*w*nw*i|y*w*", &shift, &mask, &lo, &bufs[0], &bufs[1], &bufs[2], &every,
+                          &bufs[3], &widest, &bufs[4], &bufs[5]))
         return 0;
     Py_buffer bb = *ob;
     if (!parse_classing(&r->k, &bb, isz, shift, mask, lo)) return 0;
@@ -1131,6 +1142,26 @@ static int parse_ranking(struct ranking *r, PyObject *spec, const Py_buffer *ob,
     r->start = 0, r->every = every, r->done = st[0], r->seen = st[1] != 0, r->j = 0;
     r->cls = bufs[0].buf, r->rank = bufs[1].buf, r->census = bufs[2].buf;
     memcpy(r->counts, st + 2, sizeof r->counts);
+    r->hpos = NULL, r->hm = r->hj = 0, r->hcls = NULL;
+    if (bufs[4].obj != NULL) {
+        const int64_t *hp = bufs[4].buf;
+        const Py_ssize_t hm = bufs[4].len / 8;
+        if (bufs[4].len % 8 || (uintptr_t)bufs[4].buf % 8 || bufs[5].obj == NULL || bufs[5].len != hm) {
+            PyErr_SetString(PyExc_ValueError, "diff_into: hist_pos must be int64 and hist_cls_out as long (uint8)");
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < hm; i++)
+            if (hp[i] < 0 || hp[i] >= n || (i && hp[i] <= hp[i - 1])) {
+                PyErr_SetString(PyExc_ValueError, "diff_into: hist_pos must be sorted, unique and inside the buffers");
+                return 0;
+            }
+        Py_ssize_t a = 0, b = hm; /* the entries before where this call's scan starts are classed */
+        while (a < b) {
+            const Py_ssize_t mid = a + (b - a) / 2;
+            if (hp[mid] < r->done) a = mid + 1; else b = mid;
+        }
+        r->hpos = hp, r->hm = hm, r->hj = a, r->hcls = bufs[5].buf;
+    }
     return 1;
 }
 
@@ -1970,62 +2001,74 @@ done:
 }
 
 /*
- * ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out,
- *              is_hist_out, before_out)
+ * ulp2_history(base, itemsize, shift, mask, lo, idx, cls, rank, codes, old, hpos, hstate, hcls,
+ *              hctx_out, hdir_out, again_out, again_codes_out, rank_out, cls_out, codes_out)
+ *   -> (changed again, others)
  * An ulp2 segment's changes against its history, in one merge of the two sorted position lists (the
  * encoder's side of docs/FORMAT.md, "History"). Per history entry (hpos, hstate: positions and state
- * bytes): its context, class * HMASKS + mask - 1, its class from the base's bits there (from `old`, the
- * base's bits at idx, where the entry is a change and `base` already holds the new bits), its
- * direction (1 up, 2 down) and whether it changed again. Per change (idx, sorted; cls, its class):
- * whether it is a history entry, and how many history entries of its class lie before it (what its
- * rank, which counts every element of its class, must lose).
+ * bytes): its context, class * HMASKS + mask - 1, its direction (1 up, 2 down) and whether it changed
+ * again. Its class is hcls's (the diff's scan took it: uint8 per entry), or, hcls None, that of the
+ * base's bits there (from `old`, the base's bits at idx, where the entry is a change and `base`
+ * already holds the new bits). The changes (idx, sorted; cls, rank, codes: their classes, class
+ * ranks and zigzag ulp codes) split in two: the codes of those that are history entries, in
+ * position order, into again_codes_out; the others into rank_out, cls_out and codes_out, each rank
+ * less the history entries of its class before it (a rank that counts no history element).
  */
 static PyObject *ulp2_history(PyObject *self, PyObject *args) {
-    Py_buffer bb, ib, cb, ob = {0}, pb, sb, xb, db, ab, hb, fb;
+    Py_buffer bb, ib, cb, rb, zb, ob = {0}, pb, sb, kb = {0}, xb, db, ab, azb, rob, cob, zob;
     int isz, shift;
     unsigned long long mask;
     long long lo;
-    if (!PyArg_ParseTuple(args, "y*iiKLy*y*z*y*y*w*w*w*w*w*", &bb, &isz, &shift, &mask, &lo, &ib, &cb, &ob, &pb, &sb,
-                          &xb, &db, &ab, &hb, &fb))
+    if (!PyArg_ParseTuple(args, "y*iiKLy*y*y*y*z*y*y*z*w*w*w*w*w*w*w*", &bb, &isz, &shift, &mask, &lo, &ib, &cb, &rb,
+                          &zb, &ob, &pb, &sb, &kb, &xb, &db, &ab, &azb, &rob, &cob, &zob))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
     if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8, m = pb.len / 8;
-    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || (ob.buf != NULL && (ob.len != n * isz ||
-        (uintptr_t)ob.buf % isz)) || pb.len % 8 || (uintptr_t)pb.buf % 8 || sb.len != m || xb.len != m ||
-        db.len != m || ab.len != m || hb.len != n || fb.len != n * 8 || (uintptr_t)fb.buf % 8) {
+    if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 ||
+        zb.len != n * isz || (uintptr_t)zb.buf % isz || (ob.buf != NULL && (ob.len != n * isz ||
+        (uintptr_t)ob.buf % isz)) || pb.len % 8 || (uintptr_t)pb.buf % 8 || sb.len != m ||
+        (kb.buf != NULL && kb.len != m) || xb.len != m || db.len != m || ab.len != m ||
+        azb.len < (m < n ? m : n) * isz || (uintptr_t)azb.buf % isz || rob.len < n * 8 || (uintptr_t)rob.buf % 8 ||
+        cob.len < n || zob.len < n * isz || (uintptr_t)zob.buf % isz) {
         PyErr_SetString(PyExc_ValueError, "ulp2_history: bad buffer sizes or alignment");
         goto done;
     }
-    const int64_t *idx = ib.buf, *hpos = pb.buf;
-    const uint8_t *cls = cb.buf, *hstate = sb.buf;
+    const int64_t *idx = ib.buf, *hpos = pb.buf, *rank = rb.buf;
+    const uint8_t *cls = cb.buf, *hstate = sb.buf, *hcls = kb.buf;
     for (Py_ssize_t j = 0; j < n; j++)
         if (idx[j] < 0 || idx[j] >= nb || (j && idx[j] <= idx[j - 1]) || cls[j] >= NCLASS) goto bad;
     for (Py_ssize_t i = 0; i < m; i++)
         if (hpos[i] < 0 || hpos[i] >= nb || (i && hpos[i] <= hpos[i - 1]) || (hstate[i] >> 1) < 1 ||
-            (hstate[i] >> 1) > HMASKS)
+            (hstate[i] >> 1) > HMASKS || (hcls != NULL && hcls[i] >= NCLASS))
             goto bad;
-    uint8_t *hctx = xb.buf, *hdir = db.buf, *again = ab.buf, *is_hist = hb.buf;
-    int64_t *before = fb.buf;
+    uint8_t *hctx = xb.buf, *hdir = db.buf, *again = ab.buf, *cls_out = cob.buf;
+    int64_t *rank_out = rob.buf;
+    Py_ssize_t na = 0, nk = 0;
     Py_BEGIN_ALLOW_THREADS
     int64_t cnt[NCLASS] = {0};
     Py_ssize_t i = 0, j = 0;
     while (i < m || j < n) {
         if (i < m && (j >= n || hpos[i] <= idx[j])) {
             const int changed = j < n && idx[j] == hpos[i];
-            const uint64_t bits = changed && ob.buf != NULL ? load_at(ob.buf, isz, j) : load_at(k.base, isz, hpos[i]);
-            const unsigned c = klass(bits, k.shift, k.mask, k.lo);
+            unsigned c;
+            if (hcls != NULL)
+                c = hcls[i];
+            else
+                c = klass(changed && ob.buf != NULL ? load_at(ob.buf, isz, j) : load_at(k.base, isz, hpos[i]), k.shift,
+                          k.mask, k.lo);
             hctx[i] = (uint8_t)(c * HMASKS + (hstate[i] >> 1) - 1), hdir[i] = (uint8_t)(1 + (hstate[i] & 1));
             again[i] = (uint8_t)changed;
-            if (changed) is_hist[j] = 1, before[j] = 0, j++;
+            if (changed) store_at(azb.buf, isz, na++, load_at(zb.buf, isz, j)), j++;
             cnt[c]++, i++;
         } else {
-            is_hist[j] = 0, before[j] = cnt[cls[j]], j++;
+            rank_out[nk] = rank[j] - cnt[cls[j]], cls_out[nk] = cls[j];
+            store_at(zob.buf, isz, nk++, load_at(zb.buf, isz, j)), j++;
         }
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = Py_BuildValue("nn", na, nk);
     goto done;
 bad:
     PyErr_SetString(PyExc_ValueError, "ulp2_history: positions must be sorted and inside the base, classes below 16, "
@@ -2034,14 +2077,19 @@ done:
     PyBuffer_Release(&bb);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&cb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&zb);
     if (ob.buf != NULL) PyBuffer_Release(&ob);
     PyBuffer_Release(&pb);
     PyBuffer_Release(&sb);
+    if (kb.buf != NULL) PyBuffer_Release(&kb);
     PyBuffer_Release(&xb);
     PyBuffer_Release(&db);
     PyBuffer_Release(&ab);
-    PyBuffer_Release(&hb);
-    PyBuffer_Release(&fb);
+    PyBuffer_Release(&azb);
+    PyBuffer_Release(&rob);
+    PyBuffer_Release(&cob);
+    PyBuffer_Release(&zob);
     return result;
 }
 
@@ -2114,8 +2162,8 @@ static PyMethodDef methods[] = {
     {"ulp2_rows_pack", ulp2_rows_pack, METH_VARARGS, "ulp2_rows_pack(flags, ctx) -> bytes"},
     {"ulp2_rows_unpack", ulp2_rows_unpack, METH_VARARGS, "ulp2_rows_unpack(data, ctx, flags_out)"},
     {"ulp2_history", ulp2_history, METH_VARARGS,
-     "ulp2_history(base, itemsize, shift, mask, lo, idx, cls, old, hpos, hstate, hctx_out, hdir_out, again_out, "
-     "is_hist_out, before_out)"},
+     "ulp2_history(base, itemsize, shift, mask, lo, idx, cls, rank, codes, old, hpos, hstate, hcls, hctx_out, "
+     "hdir_out, again_out, again_codes_out, rank_out, cls_out, codes_out) -> (changed again, others)"},
     {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
     {"ulp2_pack", ulp2_pack, METH_VARARGS,
      "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},

@@ -504,22 +504,30 @@ class ClassRanks:
     ``mask``, ``lo``, ``every``: as for :func:`class_scan`; ``widest``: its ``widest``. The diff
     fills in ``cls``, ``rank`` and ``census`` as :func:`class_scan` gives them for the diffed range
     and its changed positions (ranked among the old bits, before any ``update_old``), or leaves them
-    None when nothing in the range changed (then nothing was scanned)."""
+    None when nothing in the range changed (then nothing was scanned). ``hist_pos``: an ulp2 change
+    history's positions in the range (sorted, from the range's start), whose classes in the old side
+    the scan takes as it goes, into ``hist_cls`` (an ulp2 segment's history contexts need them: read
+    afterwards, at a few percent of elements, they would cost a second pass over memory)."""
 
     shift: int
     mask: int
     lo: int
     every: int = CENSUS
     widest: int = -1
+    hist_pos: np.ndarray | None = None
     cls: np.ndarray | None = None
     rank: np.ndarray | None = None
     census: np.ndarray | None = None
+    hist_cls: np.ndarray | None = None
 
     def scan(self, base: np.ndarray, start: int, stop: int, indices: np.ndarray, *, native: bool = True) -> None:
         """Fill in the results with :func:`class_scan` (the diff's way without the C extension)."""
         if indices.size:
             self.cls, self.rank, self.census = class_scan(base, start, stop, indices, self.shift, self.mask, self.lo,
                                                           every=self.every, native=native, widest=self.widest)
+            if self.hist_pos is not None:
+                at = base[start + self.hist_pos]
+                self.hist_cls = _classes(at, 0, at.size, self.shift, self.mask, self.lo)
 
 
 def class_ranks(base: np.ndarray, start: int, indices: np.ndarray, shift: int, mask: int, lo: int,
@@ -608,24 +616,30 @@ def _needs_native(what: str) -> None:
                           "reinstall with one, or use --values ulp)")
 
 
-def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np.ndarray, old: np.ndarray | None,
-                 hpos: np.ndarray, hstate: np.ndarray) -> tuple[np.ndarray, ...]:
-    """An ulp2 segment's changes (``idx`` sorted, ``cls`` their classes; ``old``: the base's bits at
-    them where ``base`` holds the new ones) against its history (``hpos``, ``hstate``), in one merge:
-    per history entry its context and direction (as the decoder's) and whether it changed again (uint8
-    each); per change whether it is a history entry (bool) and how many history entries of its class
-    lie before it (int64)."""
+def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np.ndarray, rank: np.ndarray,
+                 codes: np.ndarray, old: np.ndarray | None, hpos: np.ndarray, hstate: np.ndarray,
+                 hcls: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """An ulp2 segment's changes (``idx`` sorted; ``cls``, ``rank``, ``codes``: their classes, class
+    ranks and zigzag ulp codes; ``old``: the base's bits at them where ``base`` holds the new ones)
+    against its history (``hpos``, ``hstate``; ``hcls``: the entries' classes if the diff took them,
+    else they are read from ``base``), in one merge. Returns, per history entry, its context,
+    direction and whether it changed again (as the decoder has them, uint8 each); the codes of the
+    changes that are history entries (position order); and the other changes' ranks (less the history
+    entries of their class before them), classes and codes."""
     _needs_native("encoding")
     shift, mask = exponent_field(dtype)
     m, n = hpos.size, idx.size
     hctx, hdir, again = np.empty(m, np.uint8), np.empty(m, np.uint8), np.empty(m, np.uint8)
-    is_hist, before = np.empty(n, np.uint8), np.empty(n, np.int64)
-    _native.ulp2_history(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo,
-                         np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(cls, np.uint8),
-                         None if old is None else np.ascontiguousarray(old, base.dtype),
-                         np.ascontiguousarray(hpos, np.int64), np.ascontiguousarray(hstate, np.uint8),
-                         hctx, hdir, again, is_hist, before)
-    return hctx, hdir, again, is_hist.view(bool), before
+    codes = np.ascontiguousarray(codes)
+    again_codes, rank_out = np.empty(min(m, n), codes.dtype), np.empty(n, np.int64)
+    cls_out, codes_out = np.empty(n, np.uint8), np.empty(n, codes.dtype)
+    na, nk = _native.ulp2_history(
+        np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, np.ascontiguousarray(idx, np.int64),
+        np.ascontiguousarray(cls, np.uint8), np.ascontiguousarray(rank, np.int64), codes,
+        None if old is None else np.ascontiguousarray(old, base.dtype), np.ascontiguousarray(hpos, np.int64),
+        np.ascontiguousarray(hstate, np.uint8), None if hcls is None else np.ascontiguousarray(hcls, np.uint8),
+        hctx, hdir, again, again_codes, rank_out, cls_out, codes_out)
+    return hctx, hdir, again, again_codes[:na], rank_out[:nk], cls_out[:nk], codes_out[:nk]
 
 
 def ulp2_rows_pack(flags: np.ndarray, ctx: np.ndarray) -> bytes:

@@ -160,7 +160,8 @@ class Ranked:
     changes' class and its rank among its class's elements from element 0 of the tensor; ``census``:
     the class counts every ``CENSUS`` elements from 0 (bits.class_scan); ``indices`` and ``old``: all
     the tensor's changed positions and, where ``base`` already holds the new bits there, the base's
-    bits at them (to count the stretch between a census row and a segment's start)."""
+    bits at them (to count the stretch between a census row and a segment's start); ``hist_cls``:
+    the classes of the tensor's change-history entries in the base, if the diff's scan took them."""
 
     lo: int
     cls: np.ndarray
@@ -168,6 +169,7 @@ class Ranked:
     census: np.ndarray
     indices: np.ndarray
     old: np.ndarray | None = None
+    hist_cls: np.ndarray | None = None
 
     def split(self, k: int) -> tuple[Ranked, Ranked]:
         head = replace(self, cls=self.cls[:k], rank=self.rank[:k])
@@ -196,12 +198,14 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
     return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old))
 
 
-def ranking(base: np.ndarray, dtype: str) -> ClassRanks:
+def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) -> ClassRanks:
     """The class scan of a tensor's base for a diff to do in its own pass (``classes`` of
     :func:`~.extract.diff_fingerprint`); :func:`ranked_part` then gives what :func:`rank_changes`
-    gives."""
+    gives. ``hist_pos``: the positions of the tensor's change history (from the diffed range's
+    start), whose classes the scan takes too."""
     shift, mask = exponent_field(dtype)
-    return ClassRanks(shift, mask, class_lo(base, 0, base.size, shift, mask))  # lo: from the whole tensor
+    return ClassRanks(shift, mask, class_lo(base, 0, base.size, shift, mask),  # lo: from the whole tensor
+                      hist_pos=hist_pos)
 
 
 def ranked_part(classes: ClassRanks | None) -> tuple | None:
@@ -211,11 +215,12 @@ def ranked_part(classes: ClassRanks | None) -> tuple | None:
     return classes.lo, classes.cls, classes.rank, classes.census
 
 
-def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None) -> Ranked:
+def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None,
+               hist_cls: np.ndarray | None = None) -> Ranked:
     """One :class:`Ranked` from the :func:`rank_changes` of a tensor's consecutive parts."""
     if len(parts) == 1:
         lo, cls, rank, census = parts[0]
-        return Ranked(lo, cls, rank, census, indices, old)
+        return Ranked(lo, cls, rank, census, indices, old, hist_cls)
     offset = np.zeros(NCLASS, np.int64)
     ranks, rows = [], []
     for lo, cls, rank, census in parts:
@@ -224,7 +229,7 @@ def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None =
         offset = offset + census[-1]
     rows.append(offset[None])
     return Ranked(parts[0][0], np.concatenate([p[1] for p in parts]), np.concatenate(ranks), np.concatenate(rows),
-                  indices, old)
+                  indices, old, hist_cls)
 
 
 def is_ulp(values: str) -> bool:
@@ -316,7 +321,8 @@ def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts, 
     k = np.minimum(np.searchsorted(rows, hist.positions // length), rows.size - 1)
     keep = rows[k] == hist.positions // length
     pos = hist.positions[keep]
-    return TensorHistory(offs[k[keep]] + (pos - starts[k[keep]]), hist.state[keep])
+    return TensorHistory(offs[k[keep]] + (pos - starts[k[keep]]), hist.state[keep],
+                         None if hist.cls is None else hist.cls[keep])
 
 
 def _segment_old(seg: Segment) -> np.ndarray | None:
@@ -381,12 +387,10 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
     rank, cls, codes = r.rank, r.cls, seg.data
     hist = seg.history.within(seg.start, seg.stop) if seg.history is not None else None
     if hist is not None and hist.positions.size:
-        hctx, hdir, flags, again, in_hist = ulp2_history(seg.base, seg.dtype, r.lo, seg.indices, cls,
-                                                         _segment_old(seg), hist.positions, hist.state)
-        again_codes = codes[again]  # changes of history elements: coded as such
-        # The other changes' ranks count no history element: less those of their class before them.
-        keep = ~again
-        rank, cls, codes = rank[keep] - in_hist[keep], cls[keep], codes[keep]
+        # Changes of history elements are coded as such; the others' ranks count no history element.
+        hctx, hdir, flags, again_codes, rank, cls, codes = ulp2_history(
+            seg.base, seg.dtype, r.lo, seg.indices, cls, rank, codes, _segment_old(seg), hist.positions, hist.state,
+            hist.cls)
     else:
         hctx = hdir = flags = np.empty(0, np.uint8)
         again_codes = codes[:0]

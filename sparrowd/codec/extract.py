@@ -95,12 +95,14 @@ def _diff_native(
         outs += [np.empty(cap, np.uint8), np.empty(cap, np.int64)]  # each change's class and rank
         census = np.zeros(((n + classes.every - 1) // classes.every + 1, NCLASS), np.int64)
         state = np.zeros(2 + NCLASS, np.int64)  # where the class scan got to, whether it began, its counts
+        hist = () if classes.hist_pos is None else (np.ascontiguousarray(classes.hist_pos, np.int64),
+                                                    np.empty(classes.hist_pos.size, np.uint8))
     ho = _native.hasher() if hash_old else None
     hn = _native.hasher() if hash_new else None
     count = pos = 0
     while True:
         rank = None if classes is None else (classes.shift, classes.mask, classes.lo, outs[3][count:],
-                                             outs[4][count:], census, classes.every, state, classes.widest)
+                                             outs[4][count:], census, classes.every, state, classes.widest, *hist)
         got, pos = _native.diff_into(old, new, isz, pos, n, outs[0][count:], outs[1][count:], outs[2][count:], False,
                                      update, ho, hn, rank)
         count += got
@@ -113,6 +115,8 @@ def _diff_native(
     if classes is not None and state[1]:
         census[-1] = state[2:]
         classes.cls, classes.rank, classes.census = outs[3][:count], outs[4][:count], census
+        if hist:
+            classes.hist_cls = hist[1]
     return outs[0][:count], outs[1][:count], outs[2][:count], fo, fn
 
 

@@ -38,10 +38,19 @@ MASKS = (1 << DEPTH) - 1  # nonzero masks a history element may have (the C exte
 class TensorHistory:
     positions: np.ndarray  # int64, ascending
     state: np.ndarray  # uint8: DOWN | MOVED * mask
+    cls: np.ndarray | None = None  # an encoder's: each entry's class in the base, where the diff took them
 
     def within(self, start: int, stop: int) -> TensorHistory:
         lo, hi = np.searchsorted(self.positions, [start, stop])
-        return TensorHistory(self.positions[lo:hi], self.state[lo:hi])
+        return TensorHistory(self.positions[lo:hi], self.state[lo:hi], None if self.cls is None else self.cls[lo:hi])
+
+    def with_classes(self, cls: np.ndarray | None) -> TensorHistory:
+        """The same entries with their classes in the base (as the diff's class scan took them)."""
+        if cls is None:
+            return self
+        if cls.shape != self.positions.shape:
+            raise ValueError(f"history classes: {cls.size} for {self.positions.size} entries")
+        return TensorHistory(self.positions, self.state, cls)
 
 
 _EMPTY = TensorHistory(np.empty(0, np.int64), np.empty(0, np.uint8))

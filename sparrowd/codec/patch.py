@@ -193,6 +193,8 @@ class PatchEncoder:
         if ranked is None:
             ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov)], indices, ov)
         hist = self.history.get(name) if self.history is not None else None
+        if hist is not None:
+            hist = hist.with_classes(ranked.hist_cls)
         row = new.shape[-1] if len(new.shape) >= 2 else 0
         return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices, old.bits, ranked, hist,
                                   row))
@@ -444,19 +446,26 @@ def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
 
 
-def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None):
+def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None, hist_pos: np.ndarray | None = None):
     """A worker's job: diff and fingerprint a whole tensor, and for ulp2 (``rank_dtype``) rank the
-    changes within their classes in the same pass, block by block while each is in cache."""
-    classes = ranking(old, rank_dtype) if rank_dtype else None
+    changes within their classes in the same pass, block by block while each is in cache (and class
+    the change history's entries, ``hist_pos``, there too)."""
+    classes = ranking(old, rank_dtype, hist_pos) if rank_dtype else None
     idx, ov, nv, fo, fn = diff_fingerprint(old, new, classes=classes)
-    return idx, ov, nv, (fo, fn), ranked_part(classes)
+    return idx, ov, nv, (fo, fn), ranked_part(classes), _hist_cls(classes)
 
 
-def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None):
-    """The same for the part ``[lo, hi)`` of a large tensor (no fingerprints: they need the whole)."""
-    classes = ranking(old, rank_dtype) if rank_dtype else None
+def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None,
+               hist_pos: np.ndarray | None = None):
+    """The same for the part ``[lo, hi)`` of a large tensor (no fingerprints: they need the whole;
+    ``hist_pos`` from ``lo``)."""
+    classes = ranking(old, rank_dtype, hist_pos) if rank_dtype else None
     idx, ov, nv = diff_values(old, new, lo, hi, classes=classes)
-    return idx, ov, nv, ranked_part(classes)
+    return idx, ov, nv, ranked_part(classes), _hist_cls(classes)
+
+
+def _hist_cls(classes) -> np.ndarray | None:
+    return None if classes is None or classes.cls is None else classes.hist_cls
 
 
 def _fingerprints(pool: ThreadPoolExecutor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
@@ -500,10 +509,13 @@ def encode_patch(
             if not _same_layout(o, n):
                 return name, None
             rank = n.dtype if values == ULP2 and dtype_info(n.dtype).is_float else None
+            hist = history.get(name) if rank and history is not None else None
             ranges = split_ranges(n.numel)
             if len(ranges) == 1:  # one job diffs and fingerprints in a single read of both sides
-                return name, [pool.submit(_diff_whole, o.bits, n.bits, rank)]
-            return name, [pool.submit(_diff_part, o.bits, n.bits, lo, hi, rank) for lo, hi in ranges]
+                return name, [pool.submit(_diff_whole, o.bits, n.bits, rank, None if hist is None else hist.positions)]
+            return name, [pool.submit(_diff_part, o.bits, n.bits, lo, hi, rank,
+                                      None if hist is None else hist.within(lo, hi).positions - lo)
+                          for lo, hi in ranges]
 
         # Diffs are queued only a few tensors ahead of the one being cut, so that the pool takes the
         # segments' encoding and the chunks' closing in between (it runs jobs in order) rather than
@@ -524,17 +536,20 @@ def encode_patch(
                 continue
             res = [p.result() for p in parts]
             if len(res) == 1:
-                (idx, ov, nv, fps, part), = res
-                ranked = join_ranks([part], idx) if part is not None else None
+                (idx, ov, nv, fps, part, hist_cls), = res
+                ranked = join_ranks([part], idx, hist_cls=hist_cls) if part is not None else None
             else:
                 idx, ov, nv = (np.concatenate([r[i] for r in res]) for i in range(3))
                 fps = _fingerprints(pool, o, n) if idx.size else None
                 ranked = None
                 if any(r[3] is not None for r in res):
-                    # a part without changes was not scanned: its census is needed all the same
+                    # a part without changes was not scanned: its census is needed all the same (and
+                    # its history's classes, which are then read from the base as segments are encoded)
                     ranks = [r[3] if r[3] is not None else rank_changes(o.bits, n.dtype, r[0], start=lo, stop=hi)
                              for r, (lo, hi) in zip(res, split_ranges(n.numel))]
-                    ranked = join_ranks(ranks, idx)
+                    hist_cls = [r[4] for r in res]
+                    ranked = join_ranks(ranks, idx, hist_cls=None if any(h is None for h in hist_cls)
+                                        else np.concatenate(hist_cls))
             changed = int(idx.size)
             if changed:
                 chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv, ranked)

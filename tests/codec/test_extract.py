@@ -213,7 +213,8 @@ def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update,
     """ulp2's class scan done by the diff block by block (ClassRanks) gives what a separate
     class_scan of the old side gives: for whole tensors and for parts, with the kept copy updated
     in the same pass or not, at densities that make the outputs grow (and the scan restart), with
-    every SIMD width this CPU runs, and in the numpy fallback."""
+    every SIMD width this CPU runs, and in the numpy fallback. Positions of a change history, some of
+    them changes, get their classes in the old side (before any update) in the same pass."""
     from sparrowd.codec.bits import ClassRanks, class_lo, class_scan, exponent_field
     from sparrowd.codec.chunk import CENSUS
 
@@ -226,15 +227,18 @@ def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update,
     new = old.copy()
     moved = np.flatnonzero(rng.random(n) < density)
     new[moved] ^= w(1)
+    new[moved[::2]] ^= w(1 << shift)  # some move to another class: classes are the old side's
     lo = class_lo(old, 0, n, shift, mask)
     a = (n // 3 // CENSUS) * CENSUS if part else 0  # a part starts at a multiple of CENSUS
     b = n if part != 1 else max(a, n - 1000)
     want_idx = moved[(moved >= a) & (moved < b)]
     want = class_scan(old, a, b, want_idx, shift, mask, lo) if want_idx.size else None
+    hist = np.union1d(rng.choice(np.arange(a, b), min(b - a, 1 + n // 50), replace=False), want_idx[::3])
+    want_hist = np.clip(((old[hist] >> w(shift)) & w(mask)).astype(np.int64) - lo, 0, 15)
     for native in (True, False):
         for widest in range(extract._native.CLASS_SIMD + 1) if native else [-1]:
             kept = old.copy()
-            classes = ClassRanks(shift, mask, lo, widest=widest)
+            classes = ClassRanks(shift, mask, lo, widest=widest, hist_pos=hist - a)
             if part:
                 idx = diff_values(kept, new, a, b, native=native, classes=classes)[0]
             elif native:
@@ -247,3 +251,4 @@ def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update,
                 continue
             for got, exp in zip((classes.cls, classes.rank, classes.census), want):
                 assert np.array_equal(got, exp), (native, widest)
+            assert np.array_equal(classes.hist_cls, want_hist), (native, widest)
