@@ -2001,88 +2001,86 @@ done:
 }
 
 /*
- * ulp2_history(base, itemsize, shift, mask, lo, idx, cls, rank, codes, old, hpos, hstate, hcls,
+ * ulp2_history(idx, cls, rank, codes, itemsize, hpos, hstate, hcls,
  *              hctx_out, hdir_out, again_out, again_codes_out, rank_out, cls_out, codes_out)
  *   -> (changed again, others)
  * An ulp2 segment's changes against its history, in one merge of the two sorted position lists (the
- * encoder's side of docs/FORMAT.md, "History"). Per history entry (hpos, hstate: positions and state
- * bytes): its context, class * HMASKS + mask - 1, its direction (1 up, 2 down) and whether it changed
- * again. Its class is hcls's (the diff's scan took it: uint8 per entry), or, hcls None, that of the
- * base's bits there (from `old`, the base's bits at idx, where the entry is a change and `base`
- * already holds the new bits). The changes (idx, sorted; cls, rank, codes: their classes, class
- * ranks and zigzag ulp codes) split in two: the codes of those that are history entries, in
+ * encoder's side of docs/FORMAT.md, "History"). Per history entry (hpos, hstate, hcls: positions,
+ * state bytes and classes in the base): its context, class * HMASKS + mask - 1, its direction (1 up,
+ * 2 down) and whether it changed again. The changes (idx, sorted; cls, rank, codes: their classes,
+ * class ranks and zigzag ulp codes) split in two: the codes of those that are history entries, in
  * position order, into again_codes_out; the others into rank_out, cls_out and codes_out, each rank
  * less the history entries of its class before it (a rank that counts no history element).
  */
 static PyObject *ulp2_history(PyObject *self, PyObject *args) {
-    Py_buffer bb, ib, cb, rb, zb, ob = {0}, pb, sb, kb = {0}, xb, db, ab, azb, rob, cob, zob;
-    int isz, shift;
-    unsigned long long mask;
-    long long lo;
-    if (!PyArg_ParseTuple(args, "y*iiKLy*y*y*y*z*y*y*z*w*w*w*w*w*w*w*", &bb, &isz, &shift, &mask, &lo, &ib, &cb, &rb,
-                          &zb, &ob, &pb, &sb, &kb, &xb, &db, &ab, &azb, &rob, &cob, &zob))
+    Py_buffer ib, cb, rb, zb, pb, sb, kb, xb, db, ab, azb, rob, cob, zob;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*iy*y*y*w*w*w*w*w*w*w*", &ib, &cb, &rb, &zb, &isz, &pb, &sb, &kb, &xb, &db,
+                          &ab, &azb, &rob, &cob, &zob))
         return NULL;
     PyObject *result = NULL;
-    struct classing k;
-    if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
-    const Py_ssize_t nb = bb.len / isz, n = ib.len / 8, m = pb.len / 8;
+    if (!check_width(isz)) goto done;
+    const Py_ssize_t n = ib.len / 8, m = pb.len / 8;
     if (ib.len % 8 || (uintptr_t)ib.buf % 8 || cb.len != n || rb.len != n * 8 || (uintptr_t)rb.buf % 8 ||
-        zb.len != n * isz || (uintptr_t)zb.buf % isz || (ob.buf != NULL && (ob.len != n * isz ||
-        (uintptr_t)ob.buf % isz)) || pb.len % 8 || (uintptr_t)pb.buf % 8 || sb.len != m ||
-        (kb.buf != NULL && kb.len != m) || xb.len != m || db.len != m || ab.len != m ||
-        azb.len < (m < n ? m : n) * isz || (uintptr_t)azb.buf % isz || rob.len < n * 8 || (uintptr_t)rob.buf % 8 ||
-        cob.len < n || zob.len < n * isz || (uintptr_t)zob.buf % isz) {
+        zb.len != n * isz || (uintptr_t)zb.buf % isz || pb.len % 8 || (uintptr_t)pb.buf % 8 || sb.len != m ||
+        kb.len != m || xb.len != m || db.len != m || ab.len != m || azb.len < (m < n ? m : n) * isz ||
+        (uintptr_t)azb.buf % isz || rob.len < n * 8 || (uintptr_t)rob.buf % 8 || cob.len < n || zob.len < n * isz ||
+        (uintptr_t)zob.buf % isz) {
         PyErr_SetString(PyExc_ValueError, "ulp2_history: bad buffer sizes or alignment");
         goto done;
     }
     const int64_t *idx = ib.buf, *hpos = pb.buf, *rank = rb.buf;
     const uint8_t *cls = cb.buf, *hstate = sb.buf, *hcls = kb.buf;
-    for (Py_ssize_t j = 0; j < n; j++)
-        if (idx[j] < 0 || idx[j] >= nb || (j && idx[j] <= idx[j - 1]) || cls[j] >= NCLASS) goto bad;
+    int ok = 1;
+    for (Py_ssize_t j = 0; j < n; j++) ok &= (idx[j] >= 0) & (j == 0 || idx[j] > idx[j - 1]) & (cls[j] < NCLASS);
     for (Py_ssize_t i = 0; i < m; i++)
-        if (hpos[i] < 0 || hpos[i] >= nb || (i && hpos[i] <= hpos[i - 1]) || (hstate[i] >> 1) < 1 ||
-            (hstate[i] >> 1) > HMASKS || (hcls != NULL && hcls[i] >= NCLASS))
-            goto bad;
+        ok &= (hpos[i] >= 0) & (i == 0 || hpos[i] > hpos[i - 1]) & ((hstate[i] >> 1) >= 1) &
+              ((hstate[i] >> 1) <= HMASKS) & (hcls[i] < NCLASS);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "ulp2_history: positions must be sorted, classes below 16, history masks "
+                                          "1 to 7");
+        goto done;
+    }
     uint8_t *hctx = xb.buf, *hdir = db.buf, *again = ab.buf, *cls_out = cob.buf;
     int64_t *rank_out = rob.buf;
     Py_ssize_t na = 0, nk = 0;
     Py_BEGIN_ALLOW_THREADS
     int64_t cnt[NCLASS] = {0};
     Py_ssize_t i = 0, j = 0;
-    while (i < m || j < n) {
-        if (i < m && (j >= n || hpos[i] <= idx[j])) {
-            const int changed = j < n && idx[j] == hpos[i];
-            unsigned c;
-            if (hcls != NULL)
-                c = hcls[i];
-            else
-                c = klass(changed && ob.buf != NULL ? load_at(ob.buf, isz, j) : load_at(k.base, isz, hpos[i]), k.shift,
-                          k.mask, k.lo);
-            hctx[i] = (uint8_t)(c * HMASKS + (hstate[i] >> 1) - 1), hdir[i] = (uint8_t)(1 + (hstate[i] & 1));
-            again[i] = (uint8_t)changed;
-            if (changed) store_at(azb.buf, isz, na++, load_at(zb.buf, isz, j)), j++;
-            cnt[c]++, i++;
-        } else {
-            rank_out[nk] = rank[j] - cnt[cls[j]], cls_out[nk] = cls[j];
-            store_at(zob.buf, isz, nk++, load_at(zb.buf, isz, j)), j++;
-        }
+    /* Without a branch on which list is next (which is data, and would be mispredicted about one
+       step in four): each step writes both sides' outputs at their current places, and moves on
+       the side it took (a side that did not move writes its place again at its own step). */
+    while (i < m && j < n) {
+        const int64_t p = hpos[i], q = idx[j];
+        const Py_ssize_t h = p <= q, changed = p == q; /* h: a history entry's step */
+        const unsigned c = hcls[i], s = hstate[i], cj = cls[j];
+        const uint64_t z = load_at(zb.buf, isz, j);
+        hctx[i] = (uint8_t)(c * HMASKS + (s >> 1) - 1), hdir[i] = (uint8_t)(1 + (s & 1)), again[i] = (uint8_t)changed;
+        store_at(azb.buf, isz, na, z);
+        rank_out[nk] = rank[j] - cnt[cj], cls_out[nk] = (uint8_t)cj;
+        store_at(zob.buf, isz, nk, z);
+        cnt[c] += h;
+        na += changed, nk += 1 - h;
+        i += h, j += (1 - h) | changed;
+    }
+    for (; i < m; i++) { /* history entries after the last change */
+        const unsigned s = hstate[i];
+        hctx[i] = (uint8_t)(hcls[i] * HMASKS + (s >> 1) - 1), hdir[i] = (uint8_t)(1 + (s & 1)), again[i] = 0;
+    }
+    for (; j < n; j++) { /* changes after the last history entry */
+        rank_out[nk] = rank[j] - cnt[cls[j]], cls_out[nk] = cls[j];
+        store_at(zob.buf, isz, nk++, load_at(zb.buf, isz, j));
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nn", na, nk);
-    goto done;
-bad:
-    PyErr_SetString(PyExc_ValueError, "ulp2_history: positions must be sorted and inside the base, classes below 16, "
-                                      "history masks 1 to 7");
 done:
-    PyBuffer_Release(&bb);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&cb);
     PyBuffer_Release(&rb);
     PyBuffer_Release(&zb);
-    if (ob.buf != NULL) PyBuffer_Release(&ob);
     PyBuffer_Release(&pb);
     PyBuffer_Release(&sb);
-    if (kb.buf != NULL) PyBuffer_Release(&kb);
+    PyBuffer_Release(&kb);
     PyBuffer_Release(&xb);
     PyBuffer_Release(&db);
     PyBuffer_Release(&ab);
@@ -2162,8 +2160,8 @@ static PyMethodDef methods[] = {
     {"ulp2_rows_pack", ulp2_rows_pack, METH_VARARGS, "ulp2_rows_pack(flags, ctx) -> bytes"},
     {"ulp2_rows_unpack", ulp2_rows_unpack, METH_VARARGS, "ulp2_rows_unpack(data, ctx, flags_out)"},
     {"ulp2_history", ulp2_history, METH_VARARGS,
-     "ulp2_history(base, itemsize, shift, mask, lo, idx, cls, rank, codes, old, hpos, hstate, hcls, hctx_out, "
-     "hdir_out, again_out, again_codes_out, rank_out, cls_out, codes_out) -> (changed again, others)"},
+     "ulp2_history(idx, cls, rank, codes, itemsize, hpos, hstate, hcls, hctx_out, hdir_out, again_out, "
+     "again_codes_out, rank_out, cls_out, codes_out) -> (changed again, others)"},
     {"ulp2_context", ulp2_context, METH_NOARGS, "ulp2_context() -> the fresh contexts a chunk's first ulp2 segment starts from"},
     {"ulp2_pack", ulp2_pack, METH_VARARGS,
      "ulp2_pack(ranks, table, codes, itemsize, hctx, hdir, again, again_codes, state=None) -> bytes"},

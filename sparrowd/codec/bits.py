@@ -622,24 +622,39 @@ def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np
     """An ulp2 segment's changes (``idx`` sorted; ``cls``, ``rank``, ``codes``: their classes, class
     ranks and zigzag ulp codes; ``old``: the base's bits at them where ``base`` holds the new ones)
     against its history (``hpos``, ``hstate``; ``hcls``: the entries' classes if the diff took them,
-    else they are read from ``base``), in one merge. Returns, per history entry, its context,
+    else they are read from ``base`` here), in one merge. Returns, per history entry, its context,
     direction and whether it changed again (as the decoder has them, uint8 each); the codes of the
     changes that are history entries (position order); and the other changes' ranks (less the history
     entries of their class before them), classes and codes."""
     _needs_native("encoding")
-    shift, mask = exponent_field(dtype)
+    if hcls is None:
+        hcls = history_classes(base, dtype, lo, hpos, idx, old)
     m, n = hpos.size, idx.size
     hctx, hdir, again = np.empty(m, np.uint8), np.empty(m, np.uint8), np.empty(m, np.uint8)
     codes = np.ascontiguousarray(codes)
     again_codes, rank_out = np.empty(min(m, n), codes.dtype), np.empty(n, np.int64)
     cls_out, codes_out = np.empty(n, np.uint8), np.empty(n, codes.dtype)
     na, nk = _native.ulp2_history(
-        np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, np.ascontiguousarray(idx, np.int64),
-        np.ascontiguousarray(cls, np.uint8), np.ascontiguousarray(rank, np.int64), codes,
-        None if old is None else np.ascontiguousarray(old, base.dtype), np.ascontiguousarray(hpos, np.int64),
-        np.ascontiguousarray(hstate, np.uint8), None if hcls is None else np.ascontiguousarray(hcls, np.uint8),
-        hctx, hdir, again, again_codes, rank_out, cls_out, codes_out)
+        np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(cls, np.uint8), np.ascontiguousarray(rank, np.int64),
+        codes, codes.dtype.itemsize, np.ascontiguousarray(hpos, np.int64), np.ascontiguousarray(hstate, np.uint8),
+        np.ascontiguousarray(hcls, np.uint8), hctx, hdir, again, again_codes, rank_out, cls_out, codes_out)
     return hctx, hdir, again, again_codes[:na], rank_out[:nk], cls_out[:nk], codes_out[:nk]
+
+
+def history_classes(base: np.ndarray, dtype: str, lo: int, hpos: np.ndarray, idx: np.ndarray,
+                    old: np.ndarray | None) -> np.ndarray:
+    """The classes of a change history's entries ``hpos`` in the base (uint8): read from ``base``, or,
+    where ``base`` already holds the new bits at the changes ``idx`` (``old``: the old bits there),
+    from ``old`` at the entries that changed."""
+    if hpos.size and (hpos[0] < 0 or hpos[-1] >= base.size):
+        raise ValueError("ulp2 history: positions outside the base")
+    shift, mask = exponent_field(dtype)
+    bits = base[hpos]
+    if old is not None and idx.size:
+        at = np.minimum(np.searchsorted(idx, hpos), idx.size - 1)
+        moved = idx[at] == hpos
+        bits[moved] = old[at[moved]]
+    return _classes(bits, 0, bits.size, shift, mask, lo)
 
 
 def ulp2_rows_pack(flags: np.ndarray, ctx: np.ndarray) -> bytes:

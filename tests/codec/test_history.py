@@ -157,3 +157,24 @@ def test_history_classes_taken_by_the_diff_give_the_same_bytes(parts, monkeypatc
         got = apply_patch(m, [c.data for c in chunks], old, h)
         assert np.array_equal(got["w"].bits, new["w"].bits)
         h = h.after(v, changes_between(old, new))
+
+
+def test_history_classes_read_from_a_kept_copy_are_the_base_s():
+    """Without the diff's classes the encoder reads them from the base; where the base is a kept copy
+    already holding the new bits, the entries that changed take theirs from the old bits."""
+    from sparrowd.codec.bits import _classes, class_lo, exponent_field, history_classes
+
+    rng = np.random.default_rng(10)
+    base = rng.integers(0, 1 << 16, 100_000).astype(np.uint16)
+    idx = np.unique(rng.integers(0, base.size, 3_000))
+    kept = base.copy()
+    kept[idx] ^= np.uint16(0x3F80)  # other exponents: other classes
+    hpos = np.union1d(np.unique(rng.integers(0, base.size, 5_000)), idx[::2])
+    shift, mask = exponent_field("BF16")
+    lo = class_lo(base, 0, base.size, shift, mask)
+    want = _classes(base[hpos], 0, hpos.size, shift, mask, lo)
+    assert np.array_equal(history_classes(kept, "BF16", lo, hpos, idx, base[idx]), want)
+    assert np.array_equal(history_classes(base, "BF16", lo, hpos, idx, None), want)
+    assert not np.array_equal(history_classes(kept, "BF16", lo, hpos, idx, None), want)
+    with pytest.raises(ValueError, match="outside the base"):
+        history_classes(base, "BF16", lo, np.array([base.size]), idx, None)
