@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 
 import blake3
@@ -51,6 +51,7 @@ from .chunk import (
 from .extract import SHORT_FP, diff_bits, diff_fingerprint, diff_values, fingerprint, fp_equal, split_ranges
 from .history import History
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
+from .workers import Workers, urgent
 
 __all__ = [
     "PatchEncoder",
@@ -95,7 +96,7 @@ class PatchEncoder:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         level: int = DEFAULT_LEVEL,
         meta: Mapping[str, str] | None = None,
-        pool: ThreadPoolExecutor | None = None,
+        pool: Executor | None = None,
         history: History | None = None,
     ):
         """``pool``: threads to encode segments on while the caller goes on (the order of the
@@ -266,7 +267,7 @@ class PatchEncoder:
     def _encode(self, seg: Segment) -> Future:
         if self._pool is None:
             return _done(encode_segment(seg))
-        encoded = self._pool.submit(encode_segment, seg)
+        encoded = urgent(self._pool, encode_segment, seg)
         if seg.values != ULP2:
             return encoded
         if self._coder is None:
@@ -345,7 +346,7 @@ class _ChunkCoder:
     queued behind the diffs). A large chunk's coding is serial; done so, it runs beside the
     diffs rather than all on one thread when the chunk closes."""
 
-    def __init__(self, pool: ThreadPoolExecutor):
+    def __init__(self, pool: Executor):
         self._pool, self._state = pool, ulp2_context()
         self._line: deque[tuple[Future, Future]] = deque()  # (encoded, coded), in chunk order
         self._lock, self._running = threading.Lock(), False
@@ -355,7 +356,7 @@ class _ChunkCoder:
         with self._lock:
             self._line.append((encoded, coded))
         if encoded.done():  # here, on the caller's thread: leave the coding to the pool
-            self._pool.submit(self._drain)
+            urgent(self._pool, self._drain)
         else:
             encoded.add_done_callback(lambda _: self._drain())
         return coded
@@ -377,7 +378,7 @@ class _ChunkCoder:
                 coded.set_exception(exc)
 
 
-def _when_done(pool: ThreadPoolExecutor, deps: list[Future], fn: Callable, *args) -> Future:
+def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Future:
     """``fn(*args)`` as a job on ``pool`` queued once every future in ``deps`` is done (from their
     callbacks), so that no worker ever waits on a job queued behind it; it fails at once, with the
     first failure among ``deps``, if any failed."""
@@ -401,7 +402,7 @@ def _when_done(pool: ThreadPoolExecutor, deps: list[Future], fn: Callable, *args
             run()
             return
         try:
-            pool.submit(run)
+            urgent(pool, run)
         except RuntimeError:  # the pool is shutting down: run it here
             run()
 
@@ -468,7 +469,7 @@ def _hist_cls(classes) -> np.ndarray | None:
     return None if classes is None or classes.cls is None else classes.hist_cls
 
 
-def _fingerprints(pool: ThreadPoolExecutor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
+def _fingerprints(pool: Executor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
     fo, fn = pool.submit(fingerprint, old.bits), pool.submit(fingerprint, new.bits)
     return fo.result(), fn.result()
 
@@ -500,7 +501,7 @@ def encode_patch(
     meta = {**(meta or {}), "elements_total": str(sum(t.numel for t in new.values()))}
     names = sorted(set(old) | set(new))
     chunks: list[Chunk] = []
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparrowd-diff") as pool:
+    with Workers(max(1, threads), "sparrowd-diff") as pool:
         enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size,
                            meta=meta, pool=pool, history=history)
 
