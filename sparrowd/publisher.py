@@ -59,7 +59,7 @@ import blake3
 import numpy as np
 
 from .codec.bits import RawTensor, dtype_info
-from .codec.chunk import ULP, ULP2, join_ranks, rank_changes, ranked_part, ranking
+from .codec.chunk import ULP, ULP2, join_ranks, rank_and_fingerprint, ranked_part, ranking
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
@@ -148,18 +148,14 @@ class _Stream:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
 
 
-def _ranks(base: np.ndarray, idx: np.ndarray, ov: np.ndarray, dtype: str | None):
-    """For ulp2 (``dtype`` given, a float), the changes' exponent-class ranks in ``base``, which
-    already holds the new bits at ``idx`` (``ov``: the old ones)."""
-    if dtype is None or not idx.size or not dtype_info(dtype).is_float:
-        return None
-    return join_ranks([rank_changes(base, dtype, idx, ov)], idx, ov)
-
-
 def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None):
-    """A torch compare's host mirror brought to the new version: its fingerprint, and its ranks."""
+    """A torch compare's host mirror brought to the new version: its fingerprint, and for ulp2
+    (``dtype`` given, a float) its ranks, both in one read of the mirror."""
     mirror[idx] = nv
-    return fingerprint(mirror), _ranks(mirror, idx, ov, dtype)
+    if dtype is None or not idx.size or not dtype_info(dtype).is_float:
+        return fingerprint(mirror), None
+    part, fp = rank_and_fingerprint(mirror, dtype, idx, ov)
+    return fp, join_ranks([part], idx, ov)
 
 
 def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist_pos: np.ndarray | None = None):

@@ -1064,6 +1064,8 @@ static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift,
  * (`every`: a positive multiple of 256). `old`, when given, holds the base's bits at the indices,
  * for a `base` that already holds the new bits there (a kept copy the diff brought up to date).
  * `widest` caps the scan (2: AVX-512, 1: AVX2, 0: portable; -1: the widest this CPU runs, CLASS_SIMD).
+ * `hasher` (from hasher()), when given, is fed base[start:stop) as the scan goes, each 64 Ki elements
+ * just after they are scanned: a fingerprint of the range in the same read of memory.
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
     Py_buffer bb, ib, cb, rb, sb, ob = {0};
@@ -1071,11 +1073,14 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
     unsigned long long mask;
     long long lo;
     Py_ssize_t start, stop, every;
-    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*i", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
-                          &sb, &every, &ob, &widest))
+    PyObject *hasher_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*iO", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
+                          &sb, &every, &ob, &widest, &hasher_obj))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
+    XXH3_state_t *hs = NULL;
+    if (hasher_obj != Py_None && (hs = hasher_state(hasher_obj)) == NULL) goto done;
     if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
     const Py_ssize_t rows = start < stop && every > 0 ? (stop - start + every - 1) / every + 1 : 1;
@@ -1106,6 +1111,7 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
         kk.old = ob.buf != NULL ? (const char *)ob.buf + j * isz : NULL;
         memcpy(census + NCLASS * r++, counts, sizeof counts);
         ranks_any(&kk, simd, p, end, idx + j, m - j, cls + j, rank + j, counts);
+        if (hs) HASH_UPDATE(hs, (const char *)bb.buf + p * isz, (size_t)(end - p) * isz); /* while in cache */
         j = m;
     }
     memcpy(census + NCLASS * r, counts, sizeof counts);
@@ -2173,7 +2179,7 @@ static PyMethodDef methods[] = {
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
-     "old=None, widest=-1)"},
+     "old=None, widest=-1, hasher=None)"},
     {"ulp2_rows_pack", ulp2_rows_pack, METH_VARARGS, "ulp2_rows_pack(flags, ctx) -> bytes"},
     {"ulp2_rows_unpack", ulp2_rows_unpack, METH_VARARGS, "ulp2_rows_unpack(data, ctx, flags_out)"},
     {"ulp2_history", ulp2_history, METH_VARARGS,

@@ -463,15 +463,16 @@ CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of t
 
 
 def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shift: int, mask: int, lo: int,
-               old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True, widest: int = -1
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True, widest: int = -1,
+               hasher=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass over ``base[start:stop)`` (flat bits). For sorted positions ``indices`` (all in the
     range): each one's class and its rank among the elements of that class in ``[start, p)``; and the
     class *census*, ``(rows, 16)`` int64 counts over ``[start, start + r * every)`` in row ``r`` for
     every ``r * every < stop - start``, over all of ``[start, stop)`` in the last row. ``old``: the
     base's bits at ``indices``, for a ``base`` that already holds the new bits there (the Publisher's
     kept copies, which its diff brings up to date as it compares). ``widest`` caps the C scan's
-    vectors (2: AVX-512, 1: AVX2, 0: none; -1: the widest the CPU runs, ``_native.CLASS_SIMD``)."""
+    vectors (2: AVX-512, 1: AVX2, 0: none; -1: the widest the CPU runs, ``_native.CLASS_SIMD``).
+    ``hasher`` (``_native.hasher()``; the C scan only) is fed ``base[start:stop)`` in the same pass."""
     n = int(indices.size)
     rows = (stop - start + every - 1) // every + 1 if stop > start else 1
     cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
@@ -479,8 +480,10 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
     if native and _native is not None:
         _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
                             np.ascontiguousarray(indices, np.int64), cls, rank, census, every,
-                            None if old is None else np.ascontiguousarray(old, base.dtype), widest)
+                            None if old is None else np.ascontiguousarray(old, base.dtype), widest, hasher)
         return cls, rank, census
+    if hasher is not None:
+        raise ValueError("class_scan: a hasher needs the C scan")
     c = _classes(base, start, stop, shift, mask, lo)
     local = np.asarray(indices, np.int64) - start
     if old is not None:

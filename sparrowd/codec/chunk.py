@@ -89,6 +89,7 @@ __all__ = [
     "Segment",
     "Ranked",
     "rank_changes",
+    "rank_and_fingerprint",
     "ranking",
     "ranked_part",
     "join_ranks",
@@ -196,6 +197,23 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
         raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
     c = ranking(base, dtype)  # its lo is the same for every part of the tensor
     return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old))
+
+
+def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None
+                         ) -> tuple[tuple, bytes]:
+    """:func:`rank_changes` of a whole tensor and its fingerprint (``extract.fingerprint``), in one
+    read of ``base`` where the C extension is there (each stretch hashed just after its class scan,
+    from cache), else in two."""
+    from . import bits
+    from .extract import fingerprint
+
+    native = bits._native
+    if native is None or not base.size:
+        return rank_changes(base, dtype, indices, old), fingerprint(base)
+    c = ranking(base, dtype)
+    h = native.hasher()
+    part = (c.lo, *class_scan(base, 0, base.size, indices, c.shift, c.mask, c.lo, old, hasher=h))
+    return part, native.digest(h)
 
 
 def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) -> ClassRanks:

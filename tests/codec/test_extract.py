@@ -252,3 +252,22 @@ def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update,
             for got, exp in zip((classes.cls, classes.rank, classes.census), want):
                 assert np.array_equal(got, exp), (native, widest)
             assert np.array_equal(classes.hist_cls, want_hist), (native, widest)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_ranks_and_fingerprint_in_one_read_are_those_of_two(native, monkeypatch):
+    """A torch compare's host mirror is ranked and fingerprinted in one pass (the hash fed as the
+    class scan goes): the same ranks, census and fingerprint as rank_changes and fingerprint, for a
+    mirror already holding the new bits at the changes (their old bits given) and one that does not."""
+    import sparrowd.codec.bits as bits
+    from sparrowd.codec.chunk import rank_and_fingerprint, rank_changes
+
+    if not native:
+        monkeypatch.setattr(bits, "_native", None)
+    old, new = _pair(np.uint16, (1 << 18) + 333, 0.01, 11)
+    idx = np.flatnonzero(old != new)
+    for base, ov in ((new.copy(), old[idx]), (old.copy(), None)):
+        part, fp = rank_and_fingerprint(base, "BF16", idx, ov)
+        want = rank_changes(base, "BF16", idx, ov)
+        assert part[0] == want[0] and all(np.array_equal(a, b) for a, b in zip(part[1:], want[1:]))
+        assert fp == fingerprint(base)

@@ -143,9 +143,12 @@ def test_a_daemon_killed_while_versions_arrive_restarts_on_a_whole_version(clust
     pub.close()
 
 
-def test_an_ulp2_chain_reaches_the_folder_and_an_engine_bit_for_bit(cluster, tmp_path):
+@pytest.mark.parametrize("compare", ["auto", "torch"])
+def test_an_ulp2_chain_reaches_the_folder_and_an_engine_bit_for_bit(cluster, tmp_path, compare):
     """ulp2 patches are coded against the base: the rollout node decodes them in its current folder
-    (which holds that base) and hands its engine the decoded versions through the socket."""
+    (which holds that base) and hands its engine the decoded versions through the socket. Both of
+    the Publisher's compares: the fused C pass, and the torch path a GPU takes (which ranks, and
+    fingerprints, the host mirror in one read, and reads its history's classes from the mirror)."""
     from sparrowd.integrations.engine import EngineClient, sync
     from sparrowd.integrations.torch import PatchApplier
     from tests.models import assert_serves, bf16_model
@@ -156,7 +159,8 @@ def test_an_ulp2_chain_reaches_the_folder_and_an_engine_bit_for_bit(cluster, tmp
     plain = cluster.rollout("r2", "us")  # no current folder: it relays ulp2, its engine cannot take it
     wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
     model, opt = trained_setup(4)
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, values="ulp2", model_files=src)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, values="ulp2", model_files=src,
+                    compare=compare)
     pub.start(model, version=0)
     engine = bf16_model(served_bits(model))
     client = EngineClient(node.data_dir / "engine.sock", token_file=cluster.token_file, engine="e", version=0)
