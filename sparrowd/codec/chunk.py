@@ -189,14 +189,15 @@ class Ranked:
 
 
 def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
-                 start: int = 0, stop: int | None = None) -> tuple:
+                 start: int = 0, stop: int | None = None, *, hasher=None) -> tuple:
     """Scan ``base[start:stop)`` (a whole tensor, or a part starting at a multiple of ``CENSUS``) for
     the classes and ranks of its changed ``indices`` (all inside the part); :func:`join_ranks` puts
-    a tensor's parts together. ``old``: as for :class:`Ranked`."""
+    a tensor's parts together. ``old``: as for :class:`Ranked`; ``hasher``: as for ``class_scan``."""
     if start % CENSUS:
         raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
     c = ranking(base, dtype)  # its lo is the same for every part of the tensor
-    return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old))
+    return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old,
+                              hasher=hasher))
 
 
 def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None
@@ -210,10 +211,8 @@ def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old:
     native = bits._native
     if native is None or not base.size:
         return rank_changes(base, dtype, indices, old), fingerprint(base)
-    c = ranking(base, dtype)
     h = native.hasher()
-    part = (c.lo, *class_scan(base, 0, base.size, indices, c.shift, c.mask, c.lo, old, hasher=h))
-    return part, native.digest(h)
+    return rank_changes(base, dtype, indices, old, hasher=h), native.digest(h)
 
 
 def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) -> ClassRanks:

@@ -453,7 +453,7 @@ def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None, hist_p
     the change history's entries, ``hist_pos``, there too)."""
     classes = ranking(old, rank_dtype, hist_pos) if rank_dtype else None
     idx, ov, nv, fo, fn = diff_fingerprint(old, new, classes=classes)
-    return idx, ov, nv, (fo, fn), ranked_part(classes), _hist_cls(classes)
+    return idx, ov, nv, (fo, fn), ranked_part(classes), None if classes is None else classes.hist_cls
 
 
 def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None,
@@ -462,11 +462,7 @@ def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: s
     ``hist_pos`` from ``lo``)."""
     classes = ranking(old, rank_dtype, hist_pos) if rank_dtype else None
     idx, ov, nv = diff_values(old, new, lo, hi, classes=classes)
-    return idx, ov, nv, ranked_part(classes), _hist_cls(classes)
-
-
-def _hist_cls(classes) -> np.ndarray | None:
-    return None if classes is None or classes.cls is None else classes.hist_cls
+    return idx, ov, nv, ranked_part(classes), None if classes is None else classes.hist_cls
 
 
 def _fingerprints(pool: Executor, old: RawTensor, new: RawTensor) -> tuple[bytes, bytes]:
@@ -518,9 +514,9 @@ def encode_patch(
                                       None if hist is None else hist.within(lo, hi).positions - lo)
                           for lo, hi in ranges]
 
-        # Diffs are queued only a few tensors ahead of the one being cut, so that the pool takes the
-        # segments' encoding and the chunks' closing in between (it runs jobs in order) rather than
-        # after the last diff, when one thread closing the last chunks would leave the other idle.
+        # Diffs are queued only a few tensors ahead of the one being cut: enough that no worker idles,
+        # few enough that the diffs' outputs waiting to be cut stay few. The segments' encoding and the
+        # chunks' closing go ahead of them (urgent), so a chunk's chain keeps up with the diffs.
         ahead = deque(submit(name) for name in names[:DIFFS_AHEAD * max(1, threads)])
         later = iter(names[len(ahead):])
         while ahead:
