@@ -186,11 +186,17 @@ def register_publish(bs) -> None:
 
 
 def register_apply(bs) -> None:
-    _register_sized(bs, "apply", "a vLLM engine's update pause against vLLM reloading the checkpoint",
-                    "Start a trainer daemon on loopback and a vLLM engine (CPU) on a random Qwen3; publish steps "
-                    "that move about 1% of elements and report the pause of each update through the engine "
-                    "socket against vLLM's load_weights of the whole checkpoint, in the same engine. Needs vLLM: "
-                    "run it from the engine environment.", 512)
+    s = _register_sized(
+        bs, "apply", "an engine's update pause against reloading the checkpoint",
+        "Start a trainer daemon on loopback and an engine on a random Qwen3; publish steps that move about 1% of "
+        "elements and report the pause of each update through the engine socket against reloading the whole "
+        "checkpoint in the same engine. --engine vllm (default) runs a vLLM engine (CPU) and needs vLLM: run it "
+        "from the engine environment. --engine torch needs only torch: a state dict on --device (cuda on a GPU box) "
+        "updated by PatchApplier, the code the vLLM extension runs on each worker.", 512, extra=("engine", "device"))
+    s.add_argument("--engine", choices=("vllm", "torch"), default="vllm",
+                   help="vllm: a vLLM engine (default); torch: a PatchApplier over a state dict on --device")
+    s.add_argument("--device", default="cpu", help="with --engine torch, where the weights live: cpu (default), "
+                                                   "cuda, cuda:1, ...")
 
 
 def register_serve(bs) -> None:

@@ -1,6 +1,17 @@
-"""``sparrowd bench apply``: the pause of a vLLM engine's update against vLLM reloading the model.
+"""``sparrowd bench apply``: the pause of an engine's update against reloading the model.
 
-Runs where vLLM is installed (the engine environment). A Qwen3 of about
+Two engines:
+
+* ``engine="vllm"`` (the default) runs where vLLM is installed (the engine
+  environment) and measures vLLM itself, on the CPU;
+* ``engine="torch"`` needs only torch: a Qwen3-shaped state dict on
+  ``device`` (``cuda`` on a GPU box) takes the updates through the engine
+  socket with a ``PatchApplier``, the path the vLLM extension and backend run
+  on each worker, against reloading every tensor (``copy_`` from the host
+  tensors of a safetensors file, as vLLM's default weight loader does, and
+  a bare ``copy_`` from host memory: any reload's floor).
+
+With vLLM: a Qwen3 of about
 ``size_mib`` MiB of bf16 (random init, ``save_pretrained``) is checkpoint 0;
 each step moves ``density`` of its elements by one ulp and is published
 through a trainer daemon on loopback, whose engine socket the engine attaches
@@ -18,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import InputError
 from . import write_json
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -83,7 +95,12 @@ def _wait_ready(worker, version: int) -> None:
     time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone
 
 
-def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path: str | None = None) -> int:
+def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path: str | None = None,
+        engine: str = "vllm", device: str = "cpu") -> int:
+    if engine == "torch":
+        return _run_torch(size_mib=size_mib, steps=steps, density=density, device=device, json_path=json_path)
+    if device != "cpu":
+        raise InputError("--device is for --engine torch; the vLLM engine here is vLLM's CPU build")
     try:
         import torch
         from transformers import Qwen3ForCausalLM
@@ -164,3 +181,150 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
     if json_path:
         write_json(json_path, rows)
     return 0
+
+
+# ----------------------------------------------------------------- engine="torch"
+
+QWEN3_8B = {"hidden": 4096, "intermediate": 12288, "layers": 36, "heads": 32, "kv_heads": 8, "head_dim": 128,
+            "vocab": 151936}
+
+
+def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
+    """A Qwen3 checkpoint's tensor names and shapes, of about ``size_mib`` MiB of bf16: Qwen3-8B's
+    widths (a 151936-token vocabulary, untied head) with as many layers as fit, at least one;
+    models under 4 GiB get narrower widths and a 32000-token vocabulary so that several layers fit."""
+    c = dict(QWEN3_8B)
+    if size_mib < 4096:
+        c.update(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, vocab=32000)
+    h, i, hd = c["hidden"], c["intermediate"], c["head_dim"]
+    q, kv = c["heads"] * hd, c["kv_heads"] * hd
+    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    per_layer = sum(_numel(s) for s in layer.values())
+    outer = 2 * c["vocab"] * h + h
+    layers = max(1, round((size_mib * (1 << 20) / 2 - outer) / per_layer))
+    shapes = {"model.embed_tokens.weight": (c["vocab"], h)}
+    for n in range(layers):
+        shapes.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (c["vocab"], h)})
+    return shapes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _sync_device(torch, dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_path: str | None) -> int:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..integrations.engine import EngineClient, sync
+    from ..integrations.torch import PatchApplier
+    from ..publisher import Publisher
+    from .trainer import trainer_daemon
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InputError(f"device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: this torch sees no CUDA device")
+    rows = []
+    with trainer_daemon("sparrowd-bench-apply-") as trainer:
+        # The trainer's copy lives on the host (the Publisher's fused compare); the engine's on the
+        # device. Random bf16 weights of a Qwen3's shapes, drawn on the device (fast on a GPU).
+        g = torch.Generator(device=dev).manual_seed(0)
+        engine_state = {name: (torch.randn(shape, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+                        for name, shape in qwen3_shapes(size_mib).items()}
+        state = {name: t.to("cpu", copy=True) for name, t in engine_state.items()}
+        total = sum(t.numel() for t in state.values())
+        where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{os.cpu_count()} CPUs"
+        print(f"sparrowd bench apply: Qwen3-shaped state dict of {total * 2 / (1 << 30):.2f} GiB bf16 "
+              f"({total / 1e9:.2f}B parameters, {len(state)} tensors) on {dev} ({where}), torch "
+              f"{torch.__version__}, {100 * density:.1f}% of elements moved per step, PatchApplier through the "
+              f"engine socket (verify=False, as the vLLM extension runs)", flush=True)
+        pub = Publisher(daemon=trainer.url, token_file=trainer.token_file, anchor_every=0)
+        pub.start(state, version=0, anchor=False)
+        client = EngineClient(trainer.data_dir / "engine.sock", token_file=trainer.token_file, engine="bench",
+                              version=0)
+        applier = PatchApplier(engine_state, version=0, verify=False)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(1, steps + 1):
+            changed = 0
+            for t in state.values():
+                bits = t.view(torch.int16).view(-1)
+                idx = torch.randint(0, bits.numel(), (max(1, int(bits.numel() * density)),), generator=gen)
+                bits[idx] += 1
+                changed += idx.numel()
+            t0 = time.perf_counter()
+            pub.publish(state, version=step)
+            t_publish = time.perf_counter() - t0
+            if step not in client.ready(60, until=step)[1]:
+                raise RuntimeError(f"version {step} never became ready at the daemon")
+            time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone
+            _sync_device(torch, dev)
+            t0 = time.perf_counter()
+            got = sync(client, applier, step, exact=True)
+            _sync_device(torch, dev)
+            pause = time.perf_counter() - t0
+            if got != step:
+                raise RuntimeError(f"step {step}: the engine holds version {got}")
+            same = all(torch.equal(engine_state[k].view(torch.int16).cpu(), state[k].view(torch.int16))
+                       for k in state)
+            if not same:
+                raise RuntimeError(f"step {step}: the engine's weights differ from the trainer's")
+            s = applier.last
+            rows.append({"step": step, "elements_changed": changed, "publish_seconds": t_publish,
+                         "update_seconds": pause, "scatter_seconds": s.scatter_seconds, "elements": s.elements})
+            print(f"   step {step}: update pause {pause:.3f} s (scatter {s.scatter_seconds:.3f} s of {s.elements} "
+                  f"elements in {s.tensors} tensors); publish {t_publish:.2f} s; weights identical to the "
+                  f"trainer's", flush=True)
+        client.close()
+        pub.close()
+        # The reloads, in the same process: every tensor copied in from the host, bare and from the
+        # checkpoint file (mapped, in the page cache), as a full broadcast's receiver must.
+        floor = _reload_seconds(torch, dev, engine_state, lambda: state.items())
+        ckpt = trainer.root / "model.safetensors"
+        save_file(state, str(ckpt))
+
+        def from_file():
+            with safe_open(str(ckpt), "pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+        reload = _reload_seconds(torch, dev, engine_state, from_file)
+    pause = max(r["update_seconds"] for r in rows)
+    print(f"\n   reload of every tensor: {reload:.3f} s from the safetensors file (page cache), {floor:.3f} s "
+          f"copying from host memory (a reload's floor)")
+    print(f"   update pause (worst step) {pause:.3f} s; the reload takes {reload / pause:.1f}x that, the floor "
+          f"{floor / pause:.1f}x")
+    if json_path:
+        write_json(json_path, {"engine": "torch", "device": str(dev), "model_bytes": 2 * total, "steps": rows,
+                               "reload_seconds": reload, "reload_floor_seconds": floor})
+    return 0
+
+
+def _reload_seconds(torch, dev, params: dict, tensors) -> float:
+    """Best of two loads of every tensor into ``params`` (``copy_``, vLLM's default weight loader)."""
+    best = float("inf")
+    for _ in range(2):
+        _sync_device(torch, dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, t in tensors():
+                params[name].copy_(t)
+        _sync_device(torch, dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
