@@ -13,8 +13,9 @@ fingerprints the new tensor and brings the kept copy up to date while each
 block is in cache), moves only the changed indices and values to the host (fingerprints
 of device tensors come from a host mirror kept up to date O(changed); with
 ``compare="torch"`` CPU tensors take that path too), and encodes
-tensor by tensor in a worker thread while the next tensor is compared; each
-chunk goes to the local daemon as soon as it is encoded, so the swarm starts
+tensor by tensor in a worker thread while the next tensor is compared
+(``threads`` compare threads and as many segment-encoding threads; by default
+the CPU count, at most 8); each chunk goes to the local daemon as soon as it is encoded, so the swarm starts
 moving while extraction is still running. Nothing of a version counts as
 published until the daemon has taken its manifest: if the daemon is down or
 refuses, ``publish`` raises, puts every kept copy back, and the next call diffs
@@ -50,6 +51,7 @@ Needs torch; the rest of sparrowd does not.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -68,6 +70,8 @@ from .daemon.calls import check_start, http_call, published_state, tracker_statu
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError
 from .swarm.chain import Key
+
+DEFAULT_THREADS = 8  # compare and segment threads at most, by default (the CPU count where fewer)
 
 __all__ = ["Publisher", "PublishStats"]
 
@@ -148,14 +152,16 @@ class _Stream:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
 
 
-def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None):
+def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None,
+                 hist_pos: np.ndarray | None = None):
     """A torch compare's host mirror brought to the new version: its fingerprint, and for ulp2
-    (``dtype`` given, a float) its ranks, both in one read of the mirror."""
+    (``dtype`` given, a float) its ranks and its change history's classes (``hist_pos``), all in one
+    read of the mirror."""
     mirror[idx] = nv
     if dtype is None or not idx.size or not dtype_info(dtype).is_float:
         return fingerprint(mirror), None
-    part, fp = rank_and_fingerprint(mirror, dtype, idx, ov)
-    return fp, join_ranks([part], idx, ov)
+    ranked, fp = rank_and_fingerprint(mirror, dtype, idx, ov, hist_pos)
+    return fp, ranked
 
 
 def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist_pos: np.ndarray | None = None):
@@ -185,8 +191,12 @@ class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int | None = None,
                  anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0,
-                 model_files: str | Path | None = None):
+                 model_files: str | Path | None = None, threads: int | None = None):
         torch = _torch()
+        if threads is None:  # the compares are memory-bound: a few threads reach a socket's bandwidth
+            threads = max(2, min(DEFAULT_THREADS, os.cpu_count() or 2))
+        if threads < 1:
+            raise InputError("threads must be at least 1")
         if token_file is None:
             raise InputError("Publisher needs token_file, the swarm token's file")
         if anchor_every < 0:
@@ -214,10 +224,11 @@ class Publisher:
         self._history = History()
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
-        self._compare = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-compare")
+        self.threads = threads
+        self._compare = ThreadPoolExecutor(threads, thread_name_prefix="sparrowd-compare")
         # Segments are encoded (for ulp2: ranks offset, history merged) and chunks closed on threads of
         # their own, so that the encoder's thread only cuts; compares queued ahead do not hold them up
-        self._segments = ThreadPoolExecutor(2, thread_name_prefix="sparrowd-segments")
+        self._segments = ThreadPoolExecutor(threads, thread_name_prefix="sparrowd-segments")
 
     # ------------------------------------------------------------ inputs
 
@@ -377,7 +388,7 @@ class Publisher:
                 raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor: publish_anchor)")
             served[name] = new
         # On the CPU the fused C pass compares, gathers, fingerprints and brings the kept copy up to
-        # date in one read; tensors go to two threads (the pass releases the GIL) and come back in
+        # date in one read; tensors go to the compare threads (the pass releases the GIL) and come back in
         # name order.
         cpu = {name: self._compare.submit(self._timed, _compare_and_rank, self._host(self._last[name].bits),
                                           self._host(new.bits), new.dtype if ulp2 else None, hist_pos(name))
@@ -417,7 +428,7 @@ class Publisher:
                     # class ranks) there, beside the other tensors'; recorded first, so it can be put back.
                     moved.append((old.mirror, idx_h, ov))
                     mirrored = self._compare.submit(_move_mirror, old.mirror, idx_h, nv, ov,
-                                                    new.dtype if ulp2 else None)
+                                                    new.dtype if ulp2 else None, hist_pos(name))
                     mirrors.append(mirrored)
                 updates.append(update)
                 stats.tensors_changed += 1

@@ -7,13 +7,16 @@ import copy
 import dataclasses
 import mmap
 
+import numpy as np
 import pytest
 import torch
 
+import sparrowd.integrations.torch
+from sparrowd.codec.bits import ulp_add
 from sparrowd.codec.chunk import ABSOLUTE, ULP
 from sparrowd.codec.patch import encode_patch
 from sparrowd.errors import BaseMismatchError, FormatError, IntegrityError
-from sparrowd.integrations.torch import PatchApplier
+from sparrowd.integrations.torch import PatchApplier, ulp_add_device
 from tests.models import TinyLM, assert_serves, bf16_model, served_bits, train
 
 
@@ -33,8 +36,11 @@ def patch(states, v, values=ULP):
     return encode_patch(states[v - 1], states[v], version=v, base_version=v - 1, values=values, chunk_size=4096)
 
 
+@pytest.mark.parametrize("device_ulp", [False, True], ids=["host-ulp", "device-ulp"])
 @pytest.mark.parametrize("values", [ULP, ABSOLUTE])
-def test_each_trained_step_applies_in_place_bit_for_bit(values):
+def test_each_trained_step_applies_in_place_bit_for_bit(values, device_ulp, monkeypatch):
+    """device-ulp: ulp distances become bit patterns in torch, as on a GPU (here on the CPU)."""
+    monkeypatch.setattr(sparrowd.integrations.torch, "_ulp_on_device", lambda bits: device_ulp)
     states = steps(3)
     model = bf16_model(states[0])
     storage = {k: t.data_ptr() for k, t in model.state_dict().items()}
@@ -141,3 +147,22 @@ def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
         assert isinstance(d.keep, mmap.mmap) and d.elements == m.elements_changed
         applier.apply_decoded(d)
         assert_serves(model, states[v])
+
+
+@pytest.mark.parametrize("width", [16, 32])
+def test_ulp_distances_become_the_same_bits_in_torch_as_in_numpy(width):
+    """ulp_add_device (a GPU's way) against codec.bits.ulp_add, bit for bit: random patterns and
+    distances, and the edges: both zeros, the largest magnitudes, NaN patterns, steps across zero
+    and keys that wrap around."""
+    u, s = (np.uint16, np.int16) if width == 16 else (np.uint32, np.int32)
+    top = 1 << (width - 1)
+    rng = np.random.default_rng(width)
+    edges = np.array([0, 1, top - 1, top, top + 1, (1 << width) - 1, (0x7F80 if width == 16 else 0x7F800000) + 1],
+                     dtype=u)
+    old = np.concatenate([rng.integers(0, 1 << width, 200_000, dtype=np.uint64).astype(u), np.repeat(edges, 7)])
+    d = np.concatenate([rng.integers(-40, 41, 200_000).astype(s),
+                        np.tile(np.array([0, 1, -1, 2, -2, top - 1, -top], s), edges.size)])
+    want = ulp_add(old, d)
+    got = ulp_add_device(torch.from_numpy(old.view(s)), torch.from_numpy(d))
+    assert got.dtype == (torch.int16 if width == 16 else torch.int32)
+    assert np.array_equal(got.numpy().view(u), want)

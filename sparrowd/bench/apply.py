@@ -271,9 +271,13 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
             t0 = time.perf_counter()
             pub.publish(state, version=step)
             t_publish = time.perf_counter() - t0
+            t0 = time.perf_counter()
             if step not in client.ready(60, until=step)[1]:
                 raise RuntimeError(f"version {step} never became ready at the daemon")
-            time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone
+            # The daemon decodes each version for its engines as soon as it holds it; a fetch waits
+            # for that decode. Fetched once here, unapplied, so that the pause is the engine's alone.
+            client.fetch(step)
+            t_ready = time.perf_counter() - t0
             _sync_device(torch, dev)
             t0 = time.perf_counter()
             got = sync(client, applier, step, exact=True)
@@ -287,10 +291,11 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
                 raise RuntimeError(f"step {step}: the engine's weights differ from the trainer's")
             s = applier.last
             rows.append({"step": step, "elements_changed": changed, "publish_seconds": t_publish,
-                         "update_seconds": pause, "scatter_seconds": s.scatter_seconds, "elements": s.elements})
+                         "decoded_seconds": t_ready, "update_seconds": pause, "scatter_seconds": s.scatter_seconds,
+                         "elements": s.elements})
             print(f"   step {step}: update pause {pause:.3f} s (scatter {s.scatter_seconds:.3f} s of {s.elements} "
-                  f"elements in {s.tensors} tensors); publish {t_publish:.2f} s; weights identical to the "
-                  f"trainer's", flush=True)
+                  f"elements in {s.tensors} tensors); publish {t_publish:.2f} s, then decoded for the engine "
+                  f"{t_ready:.2f} s later; weights identical to the trainer's", flush=True)
         client.close()
         pub.close()
         # The reloads, in the same process: every tensor copied in from the host, bare and from the

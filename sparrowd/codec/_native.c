@@ -1067,21 +1067,29 @@ static int parse_classing(struct classing *k, Py_buffer *bb, int isz, int shift,
  * `widest` caps the scan (2: AVX-512, 1: AVX2, 0: portable; -1: the widest this CPU runs, CLASS_SIMD).
  * `hasher` (from hasher()), when given, is fed base[start:stop) as the scan goes, each 64 Ki elements
  * just after they are scanned: a fingerprint of the range in the same read of memory.
+ * `hist_pos` (int64, sorted, unique, in [start, stop)) and `hist_cls_out` (uint8, as long), when
+ * given: the class of the base at each of those positions (from `old` where one is a changed
+ * position), taken as each block is scanned (an ulp2 change history's classes; diff_into's way).
  */
 static PyObject *class_ranks(PyObject *self, PyObject *args) {
-    Py_buffer bb, ib, cb, rb, sb, ob = {0};
+    Py_buffer bb, ib, cb, rb, sb, ob = {0}, hb = {0}, kb = {0};
     int isz, shift, widest = -1;
     unsigned long long mask;
     long long lo;
     Py_ssize_t start, stop, every;
-    PyObject *hasher_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*iO", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb, &rb,
-                          &sb, &every, &ob, &widest, &hasher_obj))
+    PyObject *hasher_obj = Py_None, *hcls_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*iiKLnny*w*w*w*n|z*iOz*O", &bb, &isz, &shift, &mask, &lo, &start, &stop, &ib, &cb,
+                          &rb, &sb, &every, &ob, &widest, &hasher_obj, &hb, &hcls_obj))
         return NULL;
     PyObject *result = NULL;
     struct classing k;
     XXH3_state_t *hs = NULL;
     if (hasher_obj != Py_None && (hs = hasher_state(hasher_obj)) == NULL) goto done;
+    if ((hb.buf != NULL) != (hcls_obj != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: hist_pos and hist_cls_out go together");
+        goto done;
+    }
+    if (hcls_obj != Py_None && PyObject_GetBuffer(hcls_obj, &kb, PyBUF_WRITABLE) < 0) goto done;
     if (!parse_classing(&k, &bb, isz, shift, mask, lo)) goto done;
     const Py_ssize_t nb = bb.len / isz, n = ib.len / 8;
     const Py_ssize_t rows = start < stop && every > 0 ? (stop - start + every - 1) / every + 1 : 1;
@@ -1098,12 +1106,26 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    const int64_t *hpos = hb.buf;
+    const Py_ssize_t hm = hb.len / 8;
+    uint8_t *hcls = kb.buf;
+    if (hpos != NULL) {
+        if (hb.len % 8 || (uintptr_t)hb.buf % 8 || kb.len != hm) {
+            PyErr_SetString(PyExc_ValueError, "class_ranks: hist_pos must be int64 and hist_cls_out as long (uint8)");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < hm; i++)
+            if (hpos[i] < start || hpos[i] >= stop || (i && hpos[i] <= hpos[i - 1])) {
+                PyErr_SetString(PyExc_ValueError, "class_ranks: hist_pos must be sorted, unique and inside the range");
+                goto done;
+            }
+    }
     int64_t counts[NCLASS] = {0}, *census = sb.buf;
     uint8_t *cls = cb.buf;
     const int best = class_simd(), simd = widest < 0 || widest > best ? best : widest;
     int64_t *rank = rb.buf;
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t j = 0, r = 0;
+    Py_ssize_t j = 0, r = 0, hj = 0;
     for (Py_ssize_t p = start; p < stop; p += every) { /* one census interval at a time */
         const Py_ssize_t end = p + every < stop ? p + every : stop;
         Py_ssize_t m = j;
@@ -1112,6 +1134,12 @@ static PyObject *class_ranks(PyObject *self, PyObject *args) {
         kk.old = ob.buf != NULL ? (const char *)ob.buf + j * isz : NULL;
         memcpy(census + NCLASS * r++, counts, sizeof counts);
         ranks_any(&kk, simd, p, end, idx + j, m - j, cls + j, rank + j, counts);
+        for (Py_ssize_t q = j; hj < hm && hpos[hj] < end; hj++) { /* the block is in cache */
+            while (q < m && idx[q] < hpos[hj]) q++;
+            const int changed = ob.buf != NULL && q < m && idx[q] == hpos[hj];
+            hcls[hj] = (uint8_t)klass(changed ? load_at(ob.buf, isz, q) : load_at(bb.buf, isz, hpos[hj]), shift, mask,
+                                      lo);
+        }
         if (hs) HASH_UPDATE(hs, (const char *)bb.buf + p * isz, (size_t)(end - p) * isz); /* while in cache */
         j = m;
     }
@@ -1125,6 +1153,8 @@ done:
     PyBuffer_Release(&rb);
     PyBuffer_Release(&sb);
     if (ob.buf != NULL) PyBuffer_Release(&ob);
+    if (hb.buf != NULL) PyBuffer_Release(&hb);
+    if (kb.buf != NULL) PyBuffer_Release(&kb);
     return result;
 }
 

@@ -464,7 +464,8 @@ CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of t
 
 def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shift: int, mask: int, lo: int,
                old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True, widest: int = -1,
-               hasher=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               hasher=None, hist_pos: np.ndarray | None = None, hist_cls: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass over ``base[start:stop)`` (flat bits). For sorted positions ``indices`` (all in the
     range): each one's class and its rank among the elements of that class in ``[start, p)``; and the
     class *census*, ``(rows, 16)`` int64 counts over ``[start, start + r * every)`` in row ``r`` for
@@ -472,18 +473,27 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
     base's bits at ``indices``, for a ``base`` that already holds the new bits there (the Publisher's
     kept copies, which its diff brings up to date as it compares). ``widest`` caps the C scan's
     vectors (2: AVX-512, 1: AVX2, 0: none; -1: the widest the CPU runs, ``_native.CLASS_SIMD``).
-    ``hasher`` (``_native.hasher()``; the C scan only) is fed ``base[start:stop)`` in the same pass."""
+    ``hasher`` (``_native.hasher()``; the C scan only) is fed ``base[start:stop)`` in the same pass.
+    ``hist_pos`` (sorted positions in the range) and ``hist_cls`` (uint8, as long): each position's
+    class in the base (``old`` at a changed one), filled in as the scan passes it (an ulp2 change
+    history's classes, :func:`ulp2_history`'s ``hcls``)."""
     n = int(indices.size)
+    if (hist_pos is None) != (hist_cls is None):
+        raise ValueError("class_scan: hist_pos and hist_cls go together")
     rows = (stop - start + every - 1) // every + 1 if stop > start else 1
     cls, rank = np.empty(n, np.uint8), np.empty(n, np.int64)
     census = np.zeros((rows, NCLASS), np.int64)
     if native and _native is not None:
         _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, shift, mask, lo, start, stop,
                             np.ascontiguousarray(indices, np.int64), cls, rank, census, every,
-                            None if old is None else np.ascontiguousarray(old, base.dtype), widest, hasher)
+                            None if old is None else np.ascontiguousarray(old, base.dtype), widest, hasher,
+                            None if hist_pos is None else np.ascontiguousarray(hist_pos, np.int64), hist_cls)
         return cls, rank, census
     if hasher is not None:
         raise ValueError("class_scan: a hasher needs the C scan")
+    if hist_pos is not None:
+        hist_cls[:] = history_classes(base, None, lo, np.asarray(hist_pos, np.int64), np.asarray(indices, np.int64),
+                                      old, shift=shift, mask=mask)
     c = _classes(base, start, stop, shift, mask, lo)
     local = np.asarray(indices, np.int64) - start
     if old is not None:
@@ -644,14 +654,16 @@ def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np
     return hctx, hdir, again, again_codes[:na], rank_out[:nk], cls_out[:nk], codes_out[:nk]
 
 
-def history_classes(base: np.ndarray, dtype: str, lo: int, hpos: np.ndarray, idx: np.ndarray,
-                    old: np.ndarray | None) -> np.ndarray:
+def history_classes(base: np.ndarray, dtype: str | None, lo: int, hpos: np.ndarray, idx: np.ndarray,
+                    old: np.ndarray | None, *, shift: int = 0, mask: int = 0) -> np.ndarray:
     """The classes of a change history's entries ``hpos`` in the base (uint8): read from ``base``, or,
     where ``base`` already holds the new bits at the changes ``idx`` (``old``: the old bits there),
-    from ``old`` at the entries that changed."""
+    from ``old`` at the entries that changed. The exponent field is ``dtype``'s, or ``shift`` and
+    ``mask`` without one."""
     if hpos.size and (hpos[0] < 0 or hpos[-1] >= base.size):
         raise ValueError("ulp2 history: positions outside the base")
-    shift, mask = exponent_field(dtype)
+    if dtype is not None:
+        shift, mask = exponent_field(dtype)
     bits = base[hpos]
     if old is not None and idx.size:
         at = np.minimum(np.searchsorted(idx, hpos), idx.size - 1)

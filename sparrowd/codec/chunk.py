@@ -189,30 +189,33 @@ class Ranked:
 
 
 def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
-                 start: int = 0, stop: int | None = None, *, hasher=None) -> tuple:
+                 start: int = 0, stop: int | None = None, *, hasher=None, hist_pos: np.ndarray | None = None,
+                 hist_cls: np.ndarray | None = None) -> tuple:
     """Scan ``base[start:stop)`` (a whole tensor, or a part starting at a multiple of ``CENSUS``) for
     the classes and ranks of its changed ``indices`` (all inside the part); :func:`join_ranks` puts
-    a tensor's parts together. ``old``: as for :class:`Ranked`; ``hasher``: as for ``class_scan``."""
+    a tensor's parts together. ``old``: as for :class:`Ranked`; ``hasher``, ``hist_pos`` and
+    ``hist_cls``: as for ``class_scan``."""
     if start % CENSUS:
         raise ValueError("rank_changes: a part must start at a multiple of CENSUS")
     c = ranking(base, dtype)  # its lo is the same for every part of the tensor
     return (c.lo, *class_scan(base, start, base.size if stop is None else stop, indices, c.shift, c.mask, c.lo, old,
-                              hasher=hasher))
+                              hasher=hasher, hist_pos=hist_pos, hist_cls=hist_cls))
 
 
-def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None
-                         ) -> tuple[tuple, bytes]:
-    """:func:`rank_changes` of a whole tensor and its fingerprint (``extract.fingerprint``), in one
-    read of ``base`` where the C extension is there (each stretch hashed just after its class scan,
-    from cache), else in two."""
+def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
+                         hist_pos: np.ndarray | None = None) -> tuple[Ranked, bytes]:
+    """The :class:`Ranked` of a whole tensor's changes (:func:`rank_changes`) and its fingerprint
+    (``extract.fingerprint``), in one read of ``base`` where the C extension is there (each stretch
+    hashed just after its class scan, from cache), else in two. ``hist_pos``: the tensor's change
+    history, whose classes the scan takes as it goes (``Ranked.hist_cls``)."""
     from . import bits
     from .extract import fingerprint
 
+    hist_cls = None if hist_pos is None else np.empty(hist_pos.size, np.uint8)
     native = bits._native
-    if native is None or not base.size:
-        return rank_changes(base, dtype, indices, old), fingerprint(base)
-    h = native.hasher()
-    return rank_changes(base, dtype, indices, old, hasher=h), native.digest(h)
+    h = native.hasher() if native is not None and base.size else None
+    part = rank_changes(base, dtype, indices, old, hasher=h, hist_pos=hist_pos, hist_cls=hist_cls)
+    return join_ranks([part], indices, old, hist_cls), (fingerprint(base) if h is None else native.digest(h))
 
 
 def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) -> ClassRanks:

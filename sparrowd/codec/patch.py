@@ -191,9 +191,12 @@ class PatchEncoder:
         self._moved[name] = (indices, data)
         # ulp2 codes positions by the base's exponent classes: the base's bits, and its bits at the changed
         # positions as given (a kept copy may already hold the new ones there).
-        if ranked is None:
-            ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov)], indices, ov)
         hist = self.history.get(name) if self.history is not None else None
+        if ranked is None:  # the history's classes are taken in the same scan of the base
+            hpos = None if hist is None else hist.positions
+            hcls = None if hpos is None else np.empty(hpos.size, np.uint8)
+            ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov, hist_pos=hpos, hist_cls=hcls)],
+                                indices, ov, hcls)
         if hist is not None:
             hist = hist.with_classes(ranked.hist_cls)
         row = new.shape[-1] if len(new.shape) >= 2 else 0

@@ -24,8 +24,10 @@ changed positions, never a full-shape temporary. ``verify`` reads each
 touched tensor once more to fingerprint it (XXH3 over its bytes: a
 zero-copy view on the CPU; on a GPU a copy to the host, so engines on GPUs
 may rely on the daemon's chunk hashes and signature instead and pass
-``verify=False``). Sparse ULP values are turned into bit patterns on the
-host from the gathered old values: two transfers of the changed elements.
+``verify=False``). Sparse ULP values are turned into bit patterns where the
+tensor lives (``ulp_add_device``, for 16- and 32-bit floats on a device; on the
+host otherwise, from the gathered old values: two more transfers of the
+changed elements).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..codec.manifest import FULL, PATCH, Manifest
 from ..decoded import Decoded, Write, decode_patch
 from ..errors import BaseMismatchError, FormatError, InputError, IntegrityError
 
-__all__ = ["PatchApplier", "ApplyStats", "Placement", "TORCH_DTYPES", "flat_bits"]
+__all__ = ["PatchApplier", "ApplyStats", "Placement", "TORCH_DTYPES", "flat_bits", "ulp_add_device"]
 
 # safetensors dtype name -> torch dtype, and the same-width integer dtype its bits are read as
 TORCH_DTYPES = {
@@ -85,6 +87,28 @@ def flat_bits(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise InputError(f"tensor {name!r}: PatchApplier writes in place and needs contiguous tensors")
     return t.view(_as_int(name, t)).view(-1)
+
+
+def ulp_add_device(old: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``codec.bits.ulp_add`` in torch, on the tensors' device: new bit patterns (``old``'s integer
+    dtype, 16 or 32 bits wide) from ``old`` and signed ulp distances ``d`` of the same width. The
+    sign-magnitude patterns are taken to a monotone key, moved, and taken back, in a wider signed
+    type so that nothing overflows (the key wraps modulo 2**width, as numpy's does)."""
+    w = old.element_size() * 8
+    if w not in (16, 32) or old.dtype.is_floating_point or d.element_size() * 8 != w:
+        raise InputError(f"ulp_add_device: {old.dtype} bits with {d.dtype} distances")
+    m, h = (1 << w) - 1, 1 << (w - 1)
+    u = old.to(torch.int32 if w == 16 else torch.int64) & m  # the unsigned pattern
+    key = torch.where(u >= h, m - u, u + h)
+    key = (key + d.to(key.dtype)) & m
+    u = torch.where(key >= h, key - h, m - key)
+    return torch.where(u >= h, u - (m + 1), u).to(old.dtype)
+
+
+def _ulp_on_device(bits: torch.Tensor) -> bool:
+    """Whether a write's ulp distances become bit patterns on the tensor's device (a GPU's) rather
+    than on the host, where numpy does it from the gathered old values."""
+    return bits.device.type != "cpu" and bits.element_size() in (2, 4)
 
 
 def _host_view(bits: torch.Tensor) -> np.ndarray:
@@ -261,5 +285,10 @@ class PatchApplier:
             idx = _to_device(where, bits)
             old = bits.index_select(0, idx)  # several times faster than bits[idx] on the CPU
             undo.append((bits, idx, old))
-            new = ulp_add(_host_view(old), values) if w.ulp else values
-            bits.index_put_((idx,), _to_device(new, bits))
+            if not w.ulp:
+                new = _to_device(values, bits)
+            elif _ulp_on_device(bits):  # no round trip of the old values through the host
+                new = ulp_add_device(old, _to_device(values, bits))
+            else:
+                new = _to_device(ulp_add(_host_view(old), values), bits)
+            bits.index_put_((idx,), new)

@@ -257,8 +257,10 @@ def test_the_diff_ranks_classes_in_its_own_pass(dtype, n, density, part, update,
 @pytest.mark.parametrize("native", PATHS)
 def test_ranks_and_fingerprint_in_one_read_are_those_of_two(native, monkeypatch):
     """A torch compare's host mirror is ranked and fingerprinted in one pass (the hash fed as the
-    class scan goes): the same ranks, census and fingerprint as rank_changes and fingerprint, for a
-    mirror already holding the new bits at the changes (their old bits given) and one that does not."""
+    class scan goes), its change history classed in it too: the same ranks, census, fingerprint and
+    history classes as rank_changes, fingerprint and history_classes, for a mirror already holding
+    the new bits at the changes (their old bits given) and one that does not. The history holds
+    entries that changed again (whose class is the old bits'), and entries in the last stretch."""
     import sparrowd.codec.bits as bits
     from sparrowd.codec.chunk import rank_and_fingerprint, rank_changes
 
@@ -266,8 +268,20 @@ def test_ranks_and_fingerprint_in_one_read_are_those_of_two(native, monkeypatch)
         monkeypatch.setattr(bits, "_native", None)
     old, new = _pair(np.uint16, (1 << 18) + 333, 0.01, 11)
     idx = np.flatnonzero(old != new)
+    # history entries that change again, into another exponent class
+    lo = bits.class_lo(old, 0, old.size, *bits.exponent_field("BF16"))
+    again = idx[[0, 7, -1]]
+    old[again], new[again] = (lo + 3) << 7, (lo + 9) << 7
+    rng = np.random.default_rng(5)
+    hpos = np.union1d(rng.choice(old.size, 4000, replace=False), [*again, old.size - 1])
     for base, ov in ((new.copy(), old[idx]), (old.copy(), None)):
-        part, fp = rank_and_fingerprint(base, "BF16", idx, ov)
+        ranked, fp = rank_and_fingerprint(base, "BF16", idx, ov)
         want = rank_changes(base, "BF16", idx, ov)
-        assert part[0] == want[0] and all(np.array_equal(a, b) for a, b in zip(part[1:], want[1:]))
+        assert ranked.lo == want[0] and ranked.hist_cls is None
+        assert all(np.array_equal(a, b) for a, b in zip((ranked.cls, ranked.rank, ranked.census), want[1:]))
         assert fp == fingerprint(base)
+        with_hist, fp2 = rank_and_fingerprint(base, "BF16", idx, ov, hpos)
+        assert fp2 == fp and np.array_equal(with_hist.rank, ranked.rank)
+        assert np.array_equal(with_hist.hist_cls, bits.history_classes(base, "BF16", ranked.lo, hpos, idx, ov))
+        # the classes are the old side's: where the mirror holds new bits, from the old bits given
+        assert np.array_equal(with_hist.hist_cls, bits.history_classes(old, "BF16", ranked.lo, hpos, idx, None))
