@@ -567,11 +567,12 @@ class Publisher:
         tensors = self._last if tensors is None else tensors
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=None)
+        # Whole tensors: compressing is the work, so as many chunks close at once as there are threads.
         enc = PatchEncoder(version=version, base_version=None, values=self.values,
-                           chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE)
+                           chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE, pool=self._segments, lag=self.threads)
         stream = _Stream(self, Key(version, True), stats, t_start)
-        # Two stages: this thread encodes, the worker hands chunks off in order; a few tensors'
-        # chunks at most wait between them.
+        # Two stages: this thread cuts (the pool encodes), the worker hands chunks off in order; a
+        # few tensors' chunks at most wait between them.
         sending: list[Future] = []
         for name in sorted(tensors):
             t = tensors[name]

@@ -192,9 +192,11 @@ QWEN3_8B = {"hidden": 4096, "intermediate": 12288, "layers": 36, "heads": 32, "k
 def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
     """A Qwen3 checkpoint's tensor names and shapes, of about ``size_mib`` MiB of bf16: Qwen3-8B's
     widths (a 151936-token vocabulary, untied head) with as many layers as fit, at least one;
-    models under 4 GiB get narrower widths and a 32000-token vocabulary so that several layers fit."""
+    smaller models get narrower widths and vocabularies so that several layers fit."""
     c = dict(QWEN3_8B)
-    if size_mib < 4096:
+    if size_mib < 256:
+        c.update(hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=64, vocab=8000)
+    elif size_mib < 4096:
         c.update(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, vocab=32000)
     h, i, hd = c["hidden"], c["intermediate"], c["head_dim"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd

@@ -84,6 +84,9 @@ def auto_chunk_size(expected_bytes: int) -> int:
     return size // (4 << 10) * (4 << 10)
 
 
+LAG = 2  # chunks an encoder with a pool keeps closing at once by default (PatchEncoder's lag)
+
+
 class PatchEncoder:
     """Streams tensor pairs in, chunks out; ``finish`` gives the manifest."""
 
@@ -98,10 +101,14 @@ class PatchEncoder:
         meta: Mapping[str, str] | None = None,
         pool: Executor | None = None,
         history: History | None = None,
+        lag: int = LAG,
     ):
         """``pool``: threads to encode segments on while the caller goes on (the order of the
         chunks does not depend on it). ``history``: for ulp2, the change history of the patches
-        before this one, which every receiver holds (codec.history); the manifest names it."""
+        before this one, which every receiver holds (codec.history); the manifest names it.
+        ``lag``: chunks closing at once on the pool (compressing, for whole tensors the bulk of the
+        work); a chunk's cut depends on the compressed sizes of the chunks before it up to ``lag``
+        back, so the same ``lag`` cuts the same chunks with a pool or without."""
         if values not in (ABSOLUTE, ULP, ULP2):
             raise InputError(f"value mode must be 'ulp2', 'ulp' or 'absolute', not {values!r}")
         if chunk_size < MIN_CHUNK_SIZE:
@@ -111,7 +118,9 @@ class PatchEncoder:
         self.version, self.base_version, self.values = version, base_version, values
         self.chunk_size = chunk_size
         self.meta = dict(meta or {})
-        self._level = level
+        if lag < 1:
+            raise InputError("lag must be at least 1")
+        self._level, self._lag = level, lag
         self._cctx = _compressor(level)
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: list[ChunkEntry] = []
@@ -119,8 +128,8 @@ class PatchEncoder:
         self._pool = pool
         self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
         self._pending_est = 0.0  # estimated raw bytes pending
-        # With a pool, chunks close on it too: up to LAG of them in flight, settled in order. A chunk's
-        # cut depends on the compressed sizes of the chunks before it only up to LAG back, with a pool
+        # With a pool, chunks close on it too: up to `lag` of them in flight, settled in order. A chunk's
+        # cut depends on the compressed sizes of the chunks before it only up to `lag` back, with a pool
         # or without, so the output depends neither on timing nor on the pool.
         self._inflight: deque[tuple[Future, float]] = deque()
         self._coder: _ChunkCoder | None = None  # ulp2 with a pool: codes the current chunk's streams
@@ -286,7 +295,7 @@ class PatchEncoder:
             self._inflight.append((_done(_close_chunk(pending, self._cctx)), est))
         else:
             self._inflight.append((_when_done(self._pool, pending, _close_chunk, pending, None, self._level), est))
-        return self._settle(LAG)  # with a pool or without, so that both cut the same chunks
+        return self._settle(self._lag)  # with a pool or without, so that both cut the same chunks
 
     def _settle(self, keep: int) -> list[Chunk]:
         """Take closed chunks in order until at most ``keep`` are in flight: each recalibrates the
@@ -334,7 +343,6 @@ class PatchEncoder:
         return start.after(self.version, self._moved, self._reset)
 
 
-LAG = 2  # chunks an encoder with a pool keeps closing at once (PatchEncoder._flush)
 DIFFS_AHEAD = 2  # tensors encode_patch has queued for diffing ahead of the one it cuts, per thread
 
 

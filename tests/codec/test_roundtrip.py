@@ -22,7 +22,7 @@ from sparrowd.codec import (
 )
 from sparrowd.codec.bits import order_key, order_unkey, uint_type
 from sparrowd.codec.patch import MIN_CHUNK_SIZE
-from sparrowd.errors import BaseMismatchError, FormatError, IntegrityError
+from sparrowd.errors import BaseMismatchError, FormatError, InputError, IntegrityError
 
 SHAPES = [(), (0,), (3, 0), (1,), (7,), (33, 5), (4, 4, 4), (1000,), (257, 31)]
 DENSITIES = ["none", "one", "1%", "all"]
@@ -677,3 +677,35 @@ def test_ulp2_row_mode_from_a_kept_copy_gives_the_same_chunks():
     snaps = _row_sparse_chain(np.random.default_rng(33), 6000, 384, 0.03)
     got = _check_kept_copy(snaps, min_chunks=3)
     assert all(b"rows" in zstandard.ZstdDecompressor().decompress(c) for c in got)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 5])
+def test_an_anchor_closed_on_a_pool_with_any_lag_is_the_bytes_closed_in_line(lag):
+    """Whole tensors (an anchor) with `lag` chunks compressing at once on a pool (the Publisher's
+    anchors, lag = its threads): the chunks are those of an encoder without a pool and the same lag,
+    and they load back to the tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparrowd.codec.patch import PatchEncoder
+
+    rng = np.random.default_rng(lag)
+    tensors = {f"t{i}": RawTensor("BF16", (64, 2048), (rng.normal(0, 0.02, 64 * 2048).astype(np.float32)
+                                                          .view(np.uint32) >> 16).astype(np.uint16))
+               for i in range(6)}
+
+    def run(pool):
+        enc = PatchEncoder(version=0, base_version=None, chunk_size=MIN_CHUNK_SIZE, pool=pool, lag=lag)
+        chunks = [c for name in sorted(tensors) for c in enc.add(name, None, tensors[name])]
+        manifest, rest = enc.finish()
+        return manifest, chunks + rest
+
+    want_manifest, want = run(None)
+    assert len(want) > lag + 2
+    with ThreadPoolExecutor(3) as pool:
+        got_manifest, got = run(pool)
+    assert [c.data for c in got] == [c.data for c in want]
+    assert got_manifest.to_bytes() == want_manifest.to_bytes()
+    out = apply_patch(got_manifest, [c.data for c in got], {})
+    assert all(np.array_equal(out[k].bits, tensors[k].bits) for k in tensors)
+    with pytest.raises(InputError, match="lag"):
+        PatchEncoder(version=0, base_version=None, lag=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -33,14 +34,18 @@ def stored_patch(node, version: int, *, anchor: bool = False) -> tuple[Manifest,
     return manifest, [(d / "chunks" / f"{i}.chunk").read_bytes() for i in range(len(manifest.chunks))]
 
 
-@pytest.mark.parametrize("compare", ["auto", "torch"])
-def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster, compare):
+@pytest.mark.parametrize("compare,threads", [("auto", None), ("torch", None), ("torch", 3)])
+def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster, compare, threads):
     """``auto`` compares with the fused C pass on the CPU; ``torch`` is the path GPU tensors take
-    (torch compare, O(changed) to the host, fingerprints from the host mirror)."""
+    (torch compare, O(changed) to the host, fingerprints from the host mirror); ``threads``: the
+    compare and segment threads (by default the CPU count, at most 8)."""
     model, opt = trained_setup(0)
     _, node = cluster.pair()
 
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, compare=compare)
+    with pytest.raises(InputError, match="threads must be at least 1"):
+        Publisher(daemon=cluster.tracker, token_file=cluster.token_file, threads=0)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, compare=compare, threads=threads)
+    assert pub.threads == (threads or max(2, min(8, os.cpu_count())))
     with pytest.raises(InputError, match="start"):
         pub.publish(model, version=1)
     base = served_bits(model)
