@@ -5,6 +5,7 @@
 #
 #   bench/gpu.sh                      # on the GPU box, from the repository's root
 #   DEVICE=cpu PUBLISH_MIB=256 APPLY_MIB=256 CODEC=0 bench/gpu.sh   # a dry run anywhere
+#   APPLY=0 CODEC=0 bench/gpu.sh     # the Publisher alone
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/ (pip download them for its
 # Python); the C extension is built in place there; logs and JSON figures go to $OUT.
@@ -13,6 +14,7 @@ OUT=${OUT:-/tmp/sparrowd-gpu}
 DEVICE=${DEVICE:-cuda}
 PUBLISH_MIB=${PUBLISH_MIB:-4096}
 APPLY_MIB=${APPLY_MIB:-16384}
+APPLY=${APPLY:-1}
 CODEC=${CODEC:-1}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -43,7 +45,9 @@ bench() {  # NAME SECONDS ARGS...: one benchmark, its output in gpu.log, its fig
 }
 bench publish-ulp 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3
 bench publish-ulp2 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3 --values ulp2
-bench apply 240 apply --engine torch --device "$DEVICE" --size-mib "$APPLY_MIB" --steps 3
+if [ "$APPLY" = 1 ]; then
+    bench apply 240 apply --engine torch --device "$DEVICE" --size-mib "$APPLY_MIB" --steps 3
+fi
 if [ "$CODEC" = 1 ]; then
     bench codec 120 codec
 fi

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,21 +57,44 @@ class Decoded:
         return sum(int(w.values.size) for w in self.writes)
 
 
-def decode_patch(manifest: Manifest, chunks, base=None, history=None) -> Decoded:
+DECODE_AHEAD = 16  # chunks decode_patch has in flight on a pool (each a few MiB decoded)
+
+
+def decode_patch(manifest: Manifest, chunks, base=None, history=None, *, pool: Executor | None = None) -> Decoded:
     """Decode every chunk (hash- and manifest-checked) into one write per touched tensor.
     ``base``: ``name -> flat bits`` of the base version, which ulp2 patches are coded against, and
-    ``history``: the change history one names, if it names one (codec.history)."""
+    ``history``: the change history one names, if it names one (codec.history). ``pool``: threads
+    to decode chunks on, up to ``DECODE_AHEAD`` taken from ``chunks`` ahead (chunks decode on their
+    own; the decompression and the C decoders release the GIL)."""
     history = check_history(manifest, history)
     parts: dict[str, list] = {}
     it = iter(chunks)
-    for entry in manifest.chunks:
-        data = next(it, None)
-        if data is None:
-            raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
-        segments = decode_chunk(data, expect_hash=entry.hash, base=base, history=history)
+
+    def decode(entry, data):
+        return entry, decode_chunk(data, expect_hash=entry.hash, base=base, history=history)
+
+    def taken(entry, segments) -> None:
         check_segments(manifest, entry, segments)
         for s in segments:
             parts.setdefault(s.name, []).append(s)
+
+    ahead: deque[Future] = deque()
+    try:
+        for entry in manifest.chunks:
+            data = next(it, None)
+            if data is None:
+                raise FormatError(f"patch has {len(manifest.chunks)} chunks, fewer were given")
+            if pool is None:
+                taken(*decode(entry, data))
+                continue
+            ahead.append(pool.submit(decode, entry, data))
+            while len(ahead) > DECODE_AHEAD:
+                taken(*ahead.popleft().result())
+        while ahead:
+            taken(*ahead.popleft().result())
+    finally:
+        for f in ahead:
+            f.cancel()
     return decoded_from(manifest, parts)
 
 

@@ -149,6 +149,34 @@ def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
         assert_serves(model, states[v])
 
 
+def test_chunks_decoded_on_a_pool_are_the_patch_decoded_in_line(monkeypatch):
+    """The daemon decodes an engine's patch on threads, chunk by chunk: the same writes as in line,
+    however few chunks it keeps ahead; a corrupt or missing chunk is still refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import sparrowd.decoded
+    from sparrowd.decoded import decode_patch
+
+    states = steps(1)
+    m, chunks = patch(states, 1)
+    data = [c.data for c in chunks]
+    assert len(data) > 4
+    want = decode_patch(m, data)
+    with ThreadPoolExecutor(3) as pool:
+        for ahead in (1, 16):
+            monkeypatch.setattr(sparrowd.decoded, "DECODE_AHEAD", ahead)
+            got = decode_patch(m, iter(data), pool=pool)
+            assert [w.name for w in got.writes] == [w.name for w in want.writes]
+            for g, w in zip(got.writes, want.writes):
+                assert np.array_equal(g.indices, w.indices) and np.array_equal(g.values, w.values) and g.ulp == w.ulp
+        bad = list(data)
+        bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 1])
+        with pytest.raises(IntegrityError):
+            decode_patch(m, bad, pool=pool)
+        with pytest.raises(FormatError, match="fewer were given"):
+            decode_patch(m, data[:-1], pool=pool)
+
+
 @pytest.mark.parametrize("width", [16, 32])
 def test_ulp_distances_become_the_same_bits_in_torch_as_in_numpy(width):
     """ulp_add_device (a GPU's way) against codec.bits.ulp_add, bit for bit: random patterns and

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ __all__ = ["EngineServer"]
 log = logging.getLogger("sparrowd.engine")
 
 AHEAD = 2  # objects decoded ahead per engine
+DECODE_THREADS = 8  # threads decoding an object's chunks, at most (the CPU count where fewer)
 MAX_CONNECTIONS = 16  # engines (ranks) on one box; more is a misbehaving client
 MAX_WAIT = 30.0
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -59,6 +61,10 @@ class EngineServer:
         self.path = Path(path)
         self.engines: dict[tuple[str, int], Engine] = {}
         self._decoded: dict[Key, asyncio.Task] = {}  # -> (memfd, size)
+        # Chunks decode on threads of their own: a decode stands between a version's arrival and
+        # the engine's update (85M changes, an 8B model's step, take seconds on one core).
+        self._pool = ThreadPoolExecutor(max(1, min(DECODE_THREADS, os.cpu_count() or 1)),
+                                        thread_name_prefix="sparrowd-decode")
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -109,6 +115,7 @@ class EngineServer:
             self.path.unlink(missing_ok=True)
         for key in list(self._decoded):
             self._forget(key)
+        self._pool.shutdown(wait=False)  # a decode under way finishes on its own
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.create_task(coro, name=name)
@@ -366,7 +373,7 @@ class EngineServer:
             d = self._decoded_by_folder(key)
         else:
             chunks = (self.swarm.store.chunk_path(key, i).read_bytes() for i in range(vs.total))
-            d = decode_patch(vs.manifest, chunks)
+            d = decode_patch(vs.manifest, chunks, pool=self._pool)
         fd = os.memfd_create(f"sparrowd-{key.tag}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             write_decoded(d, f"/proc/self/fd/{fd}")
