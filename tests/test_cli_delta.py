@@ -70,7 +70,8 @@ def test_inspect_and_export(files):
     r = sparrowd("delta", "inspect", d / "p.sprw", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["version"] == 5 and info["base_version"] == 4 and info["values"] == "ulp"
+    # ulp2 by default, where the C extension is built (it is in the test environment)
+    assert info["version"] == 5 and info["base_version"] == 4 and info["values"] == "ulp2"
     changed = sum(int((s0[k].view(-1).contiguous().view(torch_uint(s0[k]))
                        != s1[k].view(-1).contiguous().view(torch_uint(s1[k]))).sum()) for k in s0)
     assert info["elements_changed"] == changed
@@ -79,6 +80,8 @@ def test_inspect_and_export(files):
     text = sparrowd("delta", "inspect", d / "p.sprw").stdout
     assert "density" in text and "hashes ok" in text
     r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors")
+    assert r.returncode != 0 and "give --base" in r.stderr  # ulp2 positions decode against the base
+    r = sparrowd("delta", "export", d / "p.sprw", "-o", d / "dec.safetensors", "--base", d / "v0.safetensors")
     assert r.returncode == 0, r.stderr
     with safe_open(str(d / "dec.safetensors"), "pt") as f:
         meta = f.metadata()
@@ -150,7 +153,7 @@ def test_no_space_left_leaves_no_partial_output(files):
     for args in (
         ["delta", "diff", d / "v0.safetensors", d / "v1.safetensors", "-o", d / "p2.sprw", "--values", "absolute"],
         ["delta", "apply", d / "v0.safetensors", d / "p.sprw", "-o", d / "never.safetensors"],
-        ["delta", "export", d / "p.sprw", "-o", d / "never-decoded.safetensors"],
+        ["delta", "export", d / "p.sprw", "-o", d / "never-decoded.safetensors", "--base", d / "v0.safetensors"],
     ):
         r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)], capture_output=True, text=True,
                            preexec_fn=_limit_file_size)
