@@ -55,6 +55,7 @@ import shutil
 import signal
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -734,7 +735,10 @@ def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: 
         parts = _journal_patch(journal, folder, places, patch, read, progress, decoded,
                                history if patch.history is not None else None)
         # The history after this version goes down first: a folder at a version always has its own.
-        _write_history(folder, patch.version, (history or History()).after_patch(patch, parts))
+        # Its tensors merge side by side (an 8B model's history is some 200M entries).
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="sparrowd-history") as pool:
+            after = (history or History()).after_patch(patch, parts, pool=pool)
+        _write_history(folder, patch.version, after)
         journal.commit()
     except BaseException:
         journal.abandon()

@@ -440,8 +440,9 @@ class Publisher:
             manifest, rest = enc.finish()
             stream.send(rest)
             body = manifest.to_bytes()
-            # The history the next patch is coded against, merged while the daemon signs this one.
-            history = self._segments.submit(enc.next_history) if ulp2 else enc.next_history()
+            # The history the next patch is coded against, merged while the daemon signs this one: on
+            # the publish thread (idle now), its tensors side by side on the segment threads.
+            history = self._pool.submit(enc.next_history, self._segments) if ulp2 else enc.next_history()
         except BaseException:
             for f in [*sent, *cpu.values(), *mirrors]:
                 f.cancel()  # what has not started never will

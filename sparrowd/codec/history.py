@@ -18,6 +18,7 @@ decoder with any other history refuses before decoding anything.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +68,9 @@ def _aged(old: TensorHistory, idx: np.ndarray, codes: np.ndarray) -> tuple[np.nd
         n = _native.history_after(np.ascontiguousarray(old.positions, np.int64),
                                   np.ascontiguousarray(old.state, np.uint8), idx, codes, codes.dtype.itemsize,
                                   pos, state)
-        return pos[:n].copy(), state[:n].copy()
+        pos.resize(n, refcheck=False)  # realloc: the room left over goes back, and nothing is copied
+        state.resize(n, refcheck=False)
+        return pos, state
     u8 = np.uint8
     aged = old.state & u8(MASKS & ~1)  # each entry's mask (state >> 1) shifted up a patch: 0, it leaves
     at = np.searchsorted(old.positions, idx)
@@ -126,26 +129,30 @@ class History:
         return h.digest()
 
     def after(self, version: int, changes: Mapping[str, tuple[np.ndarray, np.ndarray]],
-              reset: Iterable[str] = ()) -> History:
+              reset: Iterable[str] = (), *, pool: Executor | None = None) -> History:
         """The history once the patch producing ``version`` is applied: ``changes`` maps a tensor to
         its changed positions (sorted) and their zigzag ulp codes; tensors in ``reset`` (written whole,
-        or removed) start over. Tensors the patch did not touch age."""
+        or removed) start over. Tensors the patch did not touch age. ``pool``: threads to merge the
+        tensors on, side by side (the C merge releases the GIL); never the pool this runs on."""
         gone = set(reset)
-        out: dict[str, TensorHistory] = {}
-        for name in set(self.tensors) | set(changes):
-            if name in gone:
-                continue
+
+        def merged(name: str) -> tuple[np.ndarray, np.ndarray]:
             old = self.tensors.get(name, _EMPTY)
             idx, codes = changes.get(name, (_EMPTY.positions, np.empty(0, np.uint16)))
-            pos, state = _aged(old, np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(codes))
+            return _aged(old, np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(codes))
+
+        names = sorted((set(self.tensors) | set(changes)) - gone)
+        out: dict[str, TensorHistory] = {}
+        for name, (pos, state) in zip(names, map(merged, names) if pool is None else pool.map(merged, names)):
             if pos.size:
                 out[name] = TensorHistory(pos, state)
         return History((version, *self.versions)[:DEPTH], out) if out else History()
 
-    def after_patch(self, manifest, parts: Mapping[str, list]) -> History:
+    def after_patch(self, manifest, parts: Mapping[str, list], *, pool: Executor | None = None) -> History:
         """The history once ``manifest``'s patch is applied, from its decoded segments (``name ->
         [Segment]``, as a decoder has them). Only ulp2 patches carry one on: after any other, and
-        after a patch without a base (an anchor), the next starts afresh."""
+        after a patch without a base (an anchor), the next starts afresh. ``pool``: as for
+        :meth:`after`."""
         if manifest.values != "ulp2" or manifest.base_version is None:
             return History()
         changes, reset = {}, []
@@ -156,4 +163,4 @@ class History:
             elif segs:
                 changes[t.name] = (np.concatenate([s.indices for s in segs]), np.concatenate([s.data for s in segs]))
         start = self if manifest.history is not None else History()
-        return start.after(manifest.version, changes, reset)
+        return start.after(manifest.version, changes, reset, pool=pool)

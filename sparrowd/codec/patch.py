@@ -334,13 +334,14 @@ class PatchEncoder:
                                                       for c in manifest.chunks))
         return manifest, rest
 
-    def next_history(self) -> History:
+    def next_history(self, pool: Executor | None = None) -> History:
         """After :meth:`finish`: the change history once this patch is applied, for the next ulp2
-        patch of the chain (a patch without a base starts one afresh)."""
+        patch of the chain (a patch without a base starts one afresh). ``pool``: as for
+        ``History.after``."""
         if not self._finished:
             raise RuntimeError("PatchEncoder.next_history before finish")
         start = History() if self.base_version is None or self.history is None else self.history
-        return start.after(self.version, self._moved, self._reset)
+        return start.after(self.version, self._moved, self._reset, pool=pool)
 
 
 DIFFS_AHEAD = 2  # tensors encode_patch has queued for diffing ahead of the one it cuts, per thread

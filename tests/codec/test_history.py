@@ -96,6 +96,35 @@ def test_history_ages_one_patch_at_a_time():
     assert same.fingerprint() == h.fingerprint() != History().fingerprint()
 
 
+def test_a_history_merged_on_a_pool_is_the_one_merged_in_line():
+    """The Publisher and a rollout's current folder merge each tensor's history on threads, side by
+    side: the same history (entries, states, versions, fingerprint), with tensors that leave it
+    (reset, or aged out) and tensors that join it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(3)
+
+    def step(names):
+        out = {}
+        for name in names:
+            idx = np.unique(rng.integers(0, 50_000, 800)).astype(np.int64)
+            out[name] = (idx, rng.integers(1, 5, idx.size).astype(np.uint16))
+        return out
+
+    line = pooled = History()
+    with ThreadPoolExecutor(3) as pool:
+        for v, names in enumerate([[f"t{i}" for i in range(9)], ["t1", "t2", "t9"], [], ["t4"], ["t0", "t4"]], 1):
+            changes, reset = step(names), (["t2"] if v == 3 else [])
+            line = line.after(v, changes, reset)
+            pooled = pooled.after(v, changes, reset, pool=pool)
+            assert pooled.versions == line.versions and set(pooled.tensors) == set(line.tensors)
+            for name, t in line.tensors.items():
+                assert np.array_equal(pooled.get(name).positions, t.positions)
+                assert np.array_equal(pooled.get(name).state, t.state)
+            assert pooled.fingerprint() == line.fingerprint()
+    assert "t2" not in line.tensors and "t4" in line.tensors
+
+
 def test_history_is_for_ulp2_and_a_manifest_records_it_checked():
     from sparrowd.errors import InputError
 
