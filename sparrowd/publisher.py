@@ -29,7 +29,12 @@ restarted daemon reloads its chain from disk, so the loop simply goes on.
 Anchors: ``start`` publishes the base as anchor ``version`` when the daemon
 has nothing yet, and every ``anchor_every`` versions ``publish`` follows the
 patch with an anchor of the same version, encoded from the kept copies (no
-second pass over the model). ``publish_anchor`` does it on demand, and is the
+second pass over the model). That anchor is published in the background
+(``background_anchors``, the default): ``publish`` returns after the patch,
+and the next call (or ``close``, or ``wait_anchor``) first waits for the
+anchor, raising its error if it failed, since it reads the kept copies the
+next version moves (an 8B model's anchor took some 45 s on a GPU box, a
+training step's time). ``publish_anchor`` does it on demand, and is the
 way to publish a change a patch cannot carry (tensors added, removed,
 reshaped). A late rollout node catches up from the newest anchor. Given
 ``model_files`` (the model's Hugging Face folder), every anchor also carries
@@ -68,7 +73,7 @@ from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
 from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
-from .errors import InputError
+from .errors import InputError, SparrowError
 from .swarm.chain import Key
 
 DEFAULT_THREADS = 8  # compare and segment threads at most, by default (the CPU count where fewer)
@@ -104,7 +109,9 @@ class PublishStats:
     encode_seconds: float = 0.0
     handoff_seconds: float = 0.0
     anchor_seconds: float = 0.0  # an anchor published after the patch (every anchor_every versions)
-    anchor_bytes: int = 0
+    anchor_bytes: int = 0  # (both 0 for an anchor in the background: Publisher.wait_anchor has them)
+    anchor_started: bool = False  # an anchor of this version followed the patch (in the background or not)
+    anchor_wait_seconds: float = 0.0  # waiting, before the patch, for the last background anchor
     first_chunk_seconds: float | None = None  # from the start of publish to the first chunk taken by the daemon
     total_seconds: float = 0.0
 
@@ -191,7 +198,8 @@ class Publisher:
     def __init__(self, daemon: str = "http://127.0.0.1:7070", token_file: str | Path | None = None, *,
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int | None = None,
                  anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0,
-                 model_files: str | Path | None = None, threads: int | None = None):
+                 model_files: str | Path | None = None, threads: int | None = None,
+                 background_anchors: bool = True):
         torch = _torch()
         if threads is None:  # the compares are memory-bound: a few threads reach a socket's bandwidth
             threads = max(2, min(DEFAULT_THREADS, os.cpu_count() or 2))
@@ -225,6 +233,10 @@ class Publisher:
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self.threads = threads
+        self.background_anchors = background_anchors
+        self.last_anchor: PublishStats | None = None  # the figures of the last anchor published
+        self._anchor: Future | None = None  # an anchor being published in the background
+        self._anchoring = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-anchor")
         self._compare = ThreadPoolExecutor(threads, thread_name_prefix="sparrowd-compare")
         # Segments are encoded (for ulp2: ranks offset, history merged) and chunks closed on threads of
         # their own, so that the encoder's thread only cuts; compares queued ahead do not hold them up
@@ -301,6 +313,7 @@ class Publisher:
         if self._follower():
             self._gather_all(model)
             return None
+        self.wait_anchor()
         state = self._daemon_state()
         check_start(state, version)
         latest = state["latest"]
@@ -321,6 +334,7 @@ class Publisher:
             self._gather_all(model)
             return None
         self._check_started()
+        self.wait_anchor()
         self._sync()
         if version < self.version:
             raise InputError(f"anchor {version} is older than the last published version {self.version}")
@@ -338,16 +352,21 @@ class Publisher:
         return stats
 
     def publish(self, model, version: int) -> PublishStats | None:
+        """Publish ``model`` as ``version``, a patch on the last version published (module
+        docstring); returns its figures (None on follower ranks)."""
         torch = _torch()
         if self._follower():
             self._gather_all(model)
             return None
         self._check_started()
+        t_wait = time.perf_counter()
+        self.wait_anchor()  # it reads the kept copies this version moves
+        t_wait = time.perf_counter() - t_wait
         self._sync()
         if version <= self.version:
             raise InputError(f"version {version} does not follow the last published version {self.version}")
         t_start = time.perf_counter()
-        stats = PublishStats(version=version, base_version=self.version)
+        stats = PublishStats(version=version, base_version=self.version, anchor_wait_seconds=t_wait)
         ulp2 = self.values == ULP2
         prior = self._history_now() if ulp2 else None  # the change history this patch is coded against
         enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
@@ -466,9 +485,27 @@ class Publisher:
         self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
         if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
-            a = self._publish_anchor(version)
-            stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
+            stats.anchor_started = True
+            if self.background_anchors:
+                self._anchor = self._anchoring.submit(self._publish_anchor, version)
+            else:
+                a = self._publish_anchor(version)
+                stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
         return stats
+
+    def wait_anchor(self) -> PublishStats | None:
+        """Wait for an anchor being published in the background; returns its figures (None when
+        none was under way). Its failure is raised here, once, as a SparrowError; the next patch
+        then starts another (the anchor it was is not recorded)."""
+        f, self._anchor = self._anchor, None
+        if f is None:
+            return None
+        try:
+            a = f.result()
+        except SparrowError as e:
+            raise SparrowError(f"the anchor published in the background failed: {e}") from e
+        self.last_anchor = a
+        return a
 
     def _patch_chunk_size(self) -> int:
         """``chunk_size`` if given; else sized for the patch (``auto_chunk_size``), which is expected to
@@ -482,7 +519,12 @@ class Publisher:
         return auto_chunk_size(expected)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Wait for an anchor under way (its failure is raised), then stop the threads."""
+        try:
+            self.wait_anchor()
+        finally:
+            self._anchoring.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
         self._compare.shutdown(wait=True)
         self._segments.shutdown(wait=True)
 
@@ -599,6 +641,7 @@ class Publisher:
         self._post("/v1/publish/manifest", manifest.to_bytes())
         self.anchor_version, self._unrecorded = version, False
         stats.total_seconds = time.perf_counter() - t_start
+        self.last_anchor = stats
         return stats
 
     @staticmethod

@@ -201,20 +201,31 @@ def test_a_version_taken_whose_reply_was_lost_is_adopted_not_rebased(cluster):
     proxy.close()
 
 
-def test_a_late_node_catches_up_from_the_newest_anchor(cluster):
+@pytest.mark.parametrize("background", [True, False], ids=["background-anchors", "anchors-in-line"])
+def test_a_late_node_catches_up_from_the_newest_anchor(cluster, background):
     """Anchors every 3 versions, 2 patches retained: a node that joins after version 7 cannot
     chain from the base (patch 1 is long gone), so it takes anchor 6 and patch 7, and nothing
-    else; a node that was there all along never fetches an anchor."""
+    else; a node that was there all along never fetches an anchor. Anchors go out in the
+    background (the next publish waits for them) or within publish."""
     model, opt = trained_setup(3)
     trainer = cluster.trainer(extra=("--retain", "2"))
     early = cluster.rollout("early", "eu", extra=("--retain", "2"))
     wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=3)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=3,
+                    background_anchors=background)
     assert pub.start(model, version=0).version == 0  # the base, as anchor 0
     for v in range(1, 8):
         train(model, opt)
         stats = pub.publish(model, version=v)
-        assert (stats.anchor_bytes > 0) == (v % 3 == 0), (v, stats)
+        assert stats.anchor_started == (v % 3 == 0), (v, stats)
+        if background:
+            assert stats.anchor_bytes == 0
+            a = pub.wait_anchor()
+            assert (a is not None) == (v % 3 == 0) and pub.wait_anchor() is None
+            if a is not None:
+                assert a.version == v and a.base_version is None and a.patch_bytes > 0 and pub.last_anchor is a
+        else:
+            assert (stats.anchor_bytes > 0) == (v % 3 == 0), (v, stats)
         wait_for(lambda: v in held_by(cluster).get("early", []), 30, f"the early node to hold {v}")
     assert sorted(p.name for p in (trainer.data_dir / "anchors").iterdir()) == ["6"]
     assert sorted(p.name for p in (trainer.data_dir / "versions").iterdir()) == ["6", "7"]
@@ -400,3 +411,29 @@ def test_an_interrupt_while_the_manifest_is_sent_leaves_the_chain_consistent(clu
         assert np.array_equal(state[k].bits, t.bits), k
     pub.close()
 
+
+
+def test_a_background_anchor_that_fails_is_raised_once_and_tried_again(cluster, monkeypatch):
+    """The next publish waits for the anchor and raises its failure, before touching anything;
+    the one after goes on from the same version and starts the anchor again, which then lands."""
+    model, opt = trained_setup(4)
+    cluster.pair()
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=2)
+    pub.start(model, version=0)
+    real = pub._publish_anchor
+    monkeypatch.setattr(pub, "_publish_anchor", lambda version, tensors=None: (_ for _ in ()).throw(
+        SparrowError("the daemon refused it")))
+    train(model, opt)
+    assert not pub.publish(model, version=1).anchor_started
+    train(model, opt)
+    assert pub.publish(model, version=2).anchor_started
+    train(model, opt)
+    with pytest.raises(SparrowError, match="the anchor published in the background failed: the daemon refused it"):
+        pub.publish(model, version=3)
+    assert pub.version == 2 and pub.anchor_version == 0
+    monkeypatch.setattr(pub, "_publish_anchor", real)
+    stats = pub.publish(model, version=3)  # the same step, again: no anchor recorded, so one follows
+    assert stats.version == 3 and stats.anchor_started
+    a = pub.wait_anchor()
+    assert a.version == 3 and pub.anchor_version == 3
+    pub.close()
