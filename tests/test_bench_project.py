@@ -22,6 +22,16 @@ def test_off_policy_overlaps_the_transfer_and_on_policy_adds_it():
         assert r.step["full"] == pytest.approx(15 + r.transfer["full"])
 
 
+def test_a_patch_costs_the_rollout_its_decode_of_the_dense_model_and_the_scatter_of_the_changes():
+    """Decode is rated like the codec benchmark rates it, in bytes of the dense model per second;
+    the scatter in changed elements per second; both after the patch's transfer."""
+    a = Assumptions(remote_regions=1, nodes_per_region=1, wan_gbps=8, decode_gbps=8, apply_elements_per_s=1e7,
+                    rtt=0.1)
+    [r] = project(a, {"m": 1e9})
+    patch_s = r.patch_bytes * 8 / 8e9
+    assert r.transfer["star"] == pytest.approx(patch_s + 0.1 + 2e9 * 8 / 8e9 + 0.01 * 1e9 / 1e7)
+
+
 def test_the_patch_and_the_full_copy_scale_as_stated():
     a = Assumptions(remote_regions=2, wan_gbps=1, lan_gbps=10, load_gbps=1e12)
     [r] = project(a, {"m": 1e9})

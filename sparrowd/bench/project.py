@@ -24,8 +24,9 @@ per strategy:
   swarm time over its bound, plus one RTT;
 * ``ideal``: the whole checkpoint over a datacenter's RDMA fabric.
 
-Patches also cost the trainer's diff+encode (of the dense bytes) and the
-engine's decode and scatter.
+Patches also cost the trainer's diff+encode and the rollout's decode (both
+rated in bytes of the dense model per second, as ``bench codec`` and ``bench
+publish`` rate them) and the engine's scatter.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ class Assumptions:
     generate_seconds: float = 60.0  # per step: a parameter
     train_seconds: float = 30.0  # per step: a parameter
     on_policy: bool = False
-    # sparrowd's own figures (README, 2-CPU machine unless stated)
+    # sparrowd's own figures (README): the trainer's and the engine's on an H200 box (bench/gpu.sh),
+    # the codec's and the swarm's on the 2-CPU machine
     bits_per_changed: float = 10.46  # bench codec, ulp, real AdamW deltas
-    encode_gbps: float = 8.7 * 8  # bench codec: diff+encode, GB/s of dense bf16 -> Gbit/s
-    decode_gbps: float = 9.7 * 8
-    apply_elements_per_s: float = 3.16e6 / 0.1  # bench apply: 3.16M elements scattered in about 0.1 s (CPU)
+    encode_gbps: float = 4.29 / 0.34 * 8  # bench publish --device cuda: 4 GiB a step in 0.34 s at worst -> Gbit/s
+    decode_gbps: float = 17.2 / 4.5 * 8  # the daemon's decode of an 8.6B model's 1% patch for its engine: 4.5 s
+    apply_elements_per_s: float = 85.3e6 / 1.0  # bench apply --engine torch --device cuda: 85.3M in 1.0 s at worst
     swarm_over_bound: float = 1.3  # bench swarm: time to all / (patch over the trainer's uplink + RTT)
-    load_gbps: float = 80.0  # an engine loading a full checkpoint (host to device), for `full`
+    load_gbps: float = 17.2 / 2.37 * 8  # the same engine reloading all 17.2 GB from the page cache: 2.37 s
 
 
 @dataclass
@@ -88,7 +90,7 @@ def project(a: Assumptions, models: dict[str, float] = MODELS) -> list[Row]:
         patch = changed * a.bits_per_changed / 8
         remote = a.remote_regions * a.nodes_per_region
         codec = _secs(dense, a.encode_gbps)  # the trainer's diff+encode reads the dense weights
-        engine = _secs(dense, a.decode_gbps) * a.density + changed / a.apply_elements_per_s
+        engine = _secs(dense, a.decode_gbps) + changed / a.apply_elements_per_s  # decode: GB/s of the dense model
         transfer = {
             "full": a.remote_regions * _secs(dense, a.wan_gbps) + _secs(dense, a.lan_gbps) + _secs(dense, a.load_gbps),
             "star": remote * _secs(patch, a.wan_gbps) + a.rtt + engine,
