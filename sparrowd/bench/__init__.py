@@ -19,3 +19,22 @@ def write_lines(path: str | Path, records) -> None:
     """Records as JSON Lines (one object a line), whole or not at all."""
     with atomic_file(Path(path)) as tmp:
         tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
+def torch_device(torch, device: str):
+    """``device`` as a torch device this torch can use; InputError (one line) otherwise."""
+    from ..errors import InputError
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InputError(f"device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: this torch sees no CUDA device")
+    return dev
+
+
+def sync_device(torch, dev) -> None:
+    """Wait for the device's queued work (a GPU's kernels run asynchronously), before reading a clock."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

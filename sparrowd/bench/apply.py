@@ -23,6 +23,7 @@ the same engine, and checks that both leave the very same parameters.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from . import write_json
+from . import sync_device, torch_device, write_json
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -87,6 +88,18 @@ def _plain_engine_generation(checkpoint: str) -> float:
     return _generation_seconds(llm)
 
 
+def _step(torch, state: dict, density: float, g) -> int:
+    """An RL step's worth of change: about ``density`` of each bf16 tensor's elements moved up one
+    ulp, in place; returns how many were drawn (a few twice)."""
+    changed = 0
+    for t in state.values():
+        bits = t.view(torch.int16).view(-1)
+        idx = torch.randint(0, bits.numel(), (max(1, int(bits.numel() * density)),), generator=g)
+        bits[idx] += 1
+        changed += idx.numel()
+    return changed
+
+
 def _wait_ready(worker, version: int) -> None:
     deadline = time.monotonic() + 60
     while version not in worker._sparrow.client.ready(5)[1]:
@@ -138,12 +151,7 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
               f"for {learned['tensors']} checkpoint tensors", flush=True)
         g = torch.Generator().manual_seed(1)
         for step in range(1, steps + 1):
-            changed = 0
-            for t in state.values():
-                bits = t.view(torch.int16).view(-1)
-                idx = torch.randint(0, bits.numel(), (max(1, int(bits.numel() * density)),), generator=g)
-                bits[idx] += 1
-                changed += idx.numel()
+            changed = _step(torch, state, density, g)
             model.save_pretrained(root / f"ckpt{step}")
             pub.publish(state, version=step)
             llm.collective_rpc(_wait_ready, args=(step,))
@@ -205,7 +213,7 @@ def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
              "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
              "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    per_layer = sum(_numel(s) for s in layer.values())
+    per_layer = sum(math.prod(s) for s in layer.values())
     outer = 2 * c["vocab"] * h + h
     layers = max(1, round((size_mib * (1 << 20) / 2 - outer) / per_layer))
     shapes = {"model.embed_tokens.weight": (c["vocab"], h)}
@@ -213,18 +221,6 @@ def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
         shapes.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
     shapes.update({"model.norm.weight": (h,), "lm_head.weight": (c["vocab"], h)})
     return shapes
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _sync_device(torch, dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_path: str | None) -> int:
@@ -237,12 +233,7 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
     from ..publisher import Publisher
     from .trainer import trainer_daemon
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise InputError(f"device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {device!r}: this torch sees no CUDA device")
+    dev = torch_device(torch, device)
     rows = []
     with trainer_daemon("sparrowd-bench-apply-") as trainer:
         # The trainer's copy lives on the host (the Publisher's fused compare); the engine's on the
@@ -264,12 +255,7 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
         applier = PatchApplier(engine_state, version=0, verify=False)
         gen = torch.Generator().manual_seed(1)
         for step in range(1, steps + 1):
-            changed = 0
-            for t in state.values():
-                bits = t.view(torch.int16).view(-1)
-                idx = torch.randint(0, bits.numel(), (max(1, int(bits.numel() * density)),), generator=gen)
-                bits[idx] += 1
-                changed += idx.numel()
+            changed = _step(torch, state, density, gen)
             t0 = time.perf_counter()
             pub.publish(state, version=step)
             t_publish = time.perf_counter() - t0
@@ -280,10 +266,10 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
             # for that decode. Fetched once here, unapplied, so that the pause is the engine's alone.
             client.fetch(step)
             t_ready = time.perf_counter() - t0
-            _sync_device(torch, dev)
+            sync_device(torch, dev)
             t0 = time.perf_counter()
             got = sync(client, applier, step, exact=True)
-            _sync_device(torch, dev)
+            sync_device(torch, dev)
             pause = time.perf_counter() - t0
             if got != step:
                 raise RuntimeError(f"step {step}: the engine holds version {got}")
@@ -327,11 +313,11 @@ def _reload_seconds(torch, dev, params: dict, tensors) -> float:
     """Best of two loads of every tensor into ``params`` (``copy_``, vLLM's default weight loader)."""
     best = float("inf")
     for _ in range(2):
-        _sync_device(torch, dev)
+        sync_device(torch, dev)
         t0 = time.perf_counter()
         with torch.no_grad():
             for name, t in tensors():
                 params[name].copy_(t)
-        _sync_device(torch, dev)
+        sync_device(torch, dev)
         best = min(best, time.perf_counter() - t0)
     return best

@@ -23,26 +23,21 @@ from __future__ import annotations
 import os
 import time
 
-from . import write_json
+from . import sync_device, torch_device, write_json
 
 TENSOR_MIB = 64
 CPU_TARGET = 1.5  # publish / bare compare, fused CPU path
 DEVICE_TARGET = 0.5  # compare-and-extract bandwidth / copy bandwidth, torch path
 
 
-def _sync(torch, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _copy_seconds(torch, model: dict, device) -> float:
     """Best of three clones of every tensor: the device's copy bandwidth for these tensors."""
     best = float("inf")
     for _ in range(3):
-        _sync(torch, device)
+        sync_device(torch, device)
         t0 = time.perf_counter()
         copies = [t.clone() for t in model.values()]
-        _sync(torch, device)
+        sync_device(torch, device)
         best = min(best, time.perf_counter() - t0)
         del copies
     return best
@@ -53,16 +48,10 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
     import numpy as np
     import torch
 
-    from ..errors import InputError
     from ..publisher import Publisher
     from .trainer import trainer_daemon
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise InputError(f"device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {device!r}: this torch sees no CUDA device")
+    dev = torch_device(torch, device)
     fused = dev.type == "cpu" and compare == "auto"
     rows = []
     with trainer_daemon("sparrowd-bench-publish-", "--retain", "2") as trainer:
@@ -91,7 +80,7 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
             for v in model.values():
                 idx = torch.randint(0, n, (int(n * density),), generator=g, device=dev)
                 v.view(torch.int16)[idx] += 1
-            _sync(torch, dev)
+            sync_device(torch, dev)
             t0 = time.perf_counter()
             changed = sum(int(torch.count_nonzero(model[k].view(torch.int16) != before[k].view(torch.int16)))
                           for k in model)
