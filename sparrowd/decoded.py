@@ -25,7 +25,7 @@ import numpy as np
 
 from .checkpoint import TensorSpec, _read_shard, write_safetensors
 from .codec import FULL, PATCH, REMOVE, Manifest, TensorEntry, check_history, decode_chunk, dtype_info
-from .codec.bits import sint_type, unzigzag
+from .codec.bits import ascending, sint_type, unzigzag
 from .codec.chunk import ULP, is_ulp
 from .codec.patch import check_segments
 from .errors import FormatError
@@ -191,7 +191,7 @@ def read_decoded(path: str | os.PathLike) -> Decoded:
         if idx is None or val is None or idx.bits.size != t.changed or val.bits.size != t.changed:
             raise FormatError(f"{what}: tensor {t.name!r}: indices and values do not match its {t.changed} changes")
         indices = idx.bits.view(np.int64)
-        if indices.size and (indices[0] < 0 or indices[-1] >= t.numel or np.any(np.diff(indices) <= 0)):
+        if indices.size and (indices[0] < 0 or indices[-1] >= t.numel or not ascending(indices)):
             raise FormatError(f"{what}: tensor {t.name!r}: positions must be sorted, distinct and inside it")
         ulp = table[t.name].get("values") == ULP
         writes.append(Write(t.name, indices, val.bits.view(sint_type(val.bits.itemsize)) if ulp else val.bits, ulp))

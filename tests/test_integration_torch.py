@@ -149,6 +149,28 @@ def test_a_decoded_patch_mapped_from_a_file_applies_the_same(tmp_path, values):
         assert_serves(model, states[v])
 
 
+def test_a_decoded_file_with_positions_out_of_order_or_range_is_refused(tmp_path):
+    """An engine maps what the daemon decoded: positions that do not rise strictly, or fall outside
+    their tensor, are refused when it is read, before anything could be written."""
+    from sparrowd.decoded import decode_patch, read_decoded, write_decoded
+
+    states = steps(1)
+    m, chunks = patch(states, 1)
+    good = decode_patch(m, [c.data for c in chunks])
+    w = max(good.writes, key=lambda w: w.indices.size)
+    numel = next(t.numel for t in good.tensors if t.name == w.name)
+    for what, indices in [("repeated", np.concatenate([w.indices[:1], w.indices[:-1]])),
+                          ("swapped", w.indices[[1, 0, *range(2, w.indices.size)]]),
+                          ("outside", np.concatenate([w.indices[:-1], [numel]]))]:
+        bad = dataclasses.replace(good, writes=tuple(dataclasses.replace(x, indices=indices) if x is w else x
+                                                     for x in good.writes))
+        write_decoded(bad, tmp_path / f"{what}.safetensors")
+        with pytest.raises(FormatError, match="positions must be sorted, distinct and inside it"):
+            read_decoded(tmp_path / f"{what}.safetensors")
+    write_decoded(good, tmp_path / "good.safetensors")
+    assert read_decoded(tmp_path / "good.safetensors").elements == m.elements_changed
+
+
 def test_chunks_decoded_on_a_pool_are_the_patch_decoded_in_line(monkeypatch):
     """The daemon decodes an engine's patch on threads, chunk by chunk: the same writes as in line,
     however few chunks it keeps ahead; a corrupt or missing chunk is still refused."""

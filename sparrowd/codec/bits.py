@@ -63,6 +63,8 @@ __all__ = [
     "order_unkey",
     "ulp_encode",
     "ulp_apply",
+    "ulp_add",
+    "ascending",
     "ulp_streams",
     "zigzag",
     "unzigzag",
@@ -212,6 +214,12 @@ def ulp_streams(z: np.ndarray, *, native: bool = True) -> list[np.ndarray]:
 def ulp_apply(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     """New bit patterns from ``old`` and zigzag-coded ulp distances ``z``."""
     return ulp_add(old, unzigzag(z))
+
+
+def ascending(a: np.ndarray) -> bool:
+    """Whether ``a`` rises strictly (sorted, no repeats): one compare of neighbours, with no
+    temporary wider than a bool (``np.diff`` makes one of the positions' own width)."""
+    return bool(np.all(a[1:] > a[:-1]))
 
 
 def ulp_add(old: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -574,7 +582,7 @@ def class_positions(base: np.ndarray, start: int, stop: int, shift: int, mask: i
             raise FormatError(f"ulp2 segment: {e}") from None
     else:
         c = _classes(base, start, stop, shift, mask, lo)
-        if skip.size and (skip[0] < start or skip[-1] >= stop or np.any(np.diff(skip) <= 0)):
+        if skip.size and (skip[0] < start or skip[-1] >= stop or not ascending(skip)):
             raise FormatError("ulp2 segment: skipped positions must be sorted, unique, in range")
         c[skip - start] = NCLASS  # in no class: sorted after all of them
         order = np.argsort(c, kind="stable")
