@@ -51,6 +51,7 @@ class Decoded:
     tensors: tuple[TensorEntry, ...]
     writes: list[Write]
     keep: object = None  # what the arrays view (an mmap), kept open as long as they are
+    ascending: bool = False  # every write's positions were checked to rise strictly, inside its tensor
 
     @property
     def elements(self) -> int:
@@ -195,4 +196,4 @@ def read_decoded(path: str | os.PathLike) -> Decoded:
             raise FormatError(f"{what}: tensor {t.name!r}: positions must be sorted, distinct and inside it")
         ulp = table[t.name].get("values") == ULP
         writes.append(Write(t.name, indices, val.bits.view(sint_type(val.bits.itemsize)) if ulp else val.bits, ulp))
-    return Decoded(version, base_version, meta.get("values", ""), tensors, writes, keep=shard.mm)
+    return Decoded(version, base_version, meta.get("values", ""), tensors, writes, keep=shard.mm, ascending=True)

@@ -169,6 +169,17 @@ def test_a_decoded_file_with_positions_out_of_order_or_range_is_refused(tmp_path
             read_decoded(tmp_path / f"{what}.safetensors")
     write_decoded(good, tmp_path / "good.safetensors")
     assert read_decoded(tmp_path / "good.safetensors").elements == m.elements_changed
+    # Handed to the applier directly (not read from the layout, so not known to rise), a position
+    # outside its tensor is refused before any weight is touched, wherever it sits.
+    model = bf16_model(states[0])
+    inside = w.indices.copy()
+    inside[inside.size // 2] = numel
+    bad = dataclasses.replace(good, writes=[dataclasses.replace(x, indices=inside) if x is w else x
+                                            for x in good.writes])
+    with pytest.raises(FormatError, match="positions and values do not fit it"):
+        PatchApplier(model, version=0).apply_decoded(bad)
+    assert_serves(model, states[0])
+    assert not good.ascending and read_decoded(tmp_path / "good.safetensors").ascending
 
 
 def test_chunks_decoded_on_a_pool_are_the_patch_decoded_in_line(monkeypatch):
