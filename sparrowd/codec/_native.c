@@ -543,6 +543,88 @@ done:
 }
 
 /*
+ * rice_positions(unary, rem, n, k, start, stop, out) -> (status, ones)
+ *
+ * The inverse of rice_index, to positions in one pass: each one bit of `unary` ends a gap whose
+ * high part is the zero bits before it and whose low k bits come next from `rem` (both MSB-first);
+ * p[i] = p[i-1] + g + 1 from p[-1] = start - 1, into out (int64, n of them). `rem` must hold
+ * (n * k + 7) / 8 bytes (the caller checks). Status, in the order bits.rice_decode and a sparse
+ * segment's decoder check: 0 all well; 1 the unary stream holds `ones` values rather than n, or
+ * ends in a byte with no one bit; 2 a gap reaches stop - start; 3 a position reaches stop. Nothing
+ * beyond out's n entries is written whatever the input.
+ */
+static PyObject *rice_positions(PyObject *self, PyObject *args) {
+    Py_buffer ub, rb, ob;
+    Py_ssize_t n;
+    int k;
+    long long start, stop;
+    if (!PyArg_ParseTuple(args, "y*y*niLLw*", &ub, &rb, &n, &k, &start, &stop, &ob)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || k < 0 || k > 56 || stop < start || ob.len != n * 8 || (uintptr_t)ob.buf % 8 ||
+        rb.len < (Py_ssize_t)(((uint64_t)n * (uint64_t)k + 7) / 8)) {
+        PyErr_SetString(PyExc_ValueError, "rice_positions: bad count, parameter, range or buffers");
+        goto done;
+    }
+    const uint8_t *u = ub.buf, *r = rb.buf;
+    const Py_ssize_t ulen = ub.len, rlen = rb.len;
+    int64_t *out = ob.buf;
+    const uint64_t span = (uint64_t)(stop - start);
+    Py_ssize_t ones = 0, last = -1; /* last: the byte of the last one bit */
+    int gap_bad = 0, beyond = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t q = 0, rbit = 0, taken = 0; /* taken: positions used from start, p[i] - start + 1 */
+    for (Py_ssize_t i = 0; i < ulen; i++) {
+        unsigned b = u[i];
+        if (!b) {
+            q += 8;
+            continue;
+        }
+        last = i;
+        int used = 0; /* bits of this byte already read, from the top */
+        while (b) {
+            const int at = __builtin_clz(b) - (int)(8 * sizeof(unsigned) - 8); /* the next one bit, 0 = MSB */
+            q += (uint64_t)(at - used);
+            b &= ~(0x80u >> at);
+            used = at + 1;
+            if (ones < n && !gap_bad && !beyond) {
+                uint64_t low = 0;
+                if (k) { /* k bits at rbit, MSB-first, through an 8-byte big-endian window */
+                    const Py_ssize_t byte = (Py_ssize_t)(rbit >> 3);
+                    uint64_t w = 0;
+                    if (rlen - byte >= 8) {
+                        memcpy(&w, r + byte, 8);
+                        w = __builtin_bswap64(w);
+                    } else {
+                        for (Py_ssize_t j = 0; j < 8; j++) w = w << 8 | (byte + j < rlen ? r[byte + j] : 0);
+                    }
+                    low = (w << (rbit & 7)) >> (64 - k);
+                    rbit += (uint64_t)k;
+                }
+                if (q > (span >> k)) { /* q << k alone passes the span (and might not fit) */
+                    gap_bad = 1;
+                } else {
+                    const uint64_t g = q << k | low;
+                    if (g >= span) gap_bad = 1;
+                    else if (taken + g + 1 > span) beyond = 1;
+                    else taken += g + 1, out[ones] = start + (int64_t)taken - 1;
+                }
+            }
+            ones++;
+            q = 0;
+        }
+        q += (uint64_t)(8 - used);
+    }
+    Py_END_ALLOW_THREADS
+    const int status = ones != n || (n && last != ulen - 1) ? 1 : gap_bad ? 2 : beyond ? 3 : 0;
+    result = Py_BuildValue("(in)", status, ones);
+done:
+    PyBuffer_Release(&ub);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+/*
  * ulp_encode(old, new, itemsize, out): the zigzag-coded ulp distance from
  * each old to each new bit pattern (bits.ulp_encode), in one pass: the order
  * key of a sign-magnitude float flips every bit of a negative and only the
@@ -2206,6 +2288,8 @@ static PyMethodDef methods[] = {
     {"hasher", hasher, METH_NOARGS, "hasher() -> a fresh XXH3-128 state for diff_into's fingerprints"},
     {"digest", digest, METH_O, "digest(hasher) -> the 16 canonical bytes of its XXH3-128"},
     {"rice_index", rice_index, METH_VARARGS, "rice_index(indices, start, kmin, kmax) -> (k, unary, rem)"},
+    {"rice_positions", rice_positions, METH_VARARGS,
+     "rice_positions(unary, rem, n, k, start, stop, out) -> (status, ones)"},
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
     {"class_ranks", class_ranks, METH_VARARGS,

@@ -76,6 +76,7 @@ __all__ = [
     "rice_encode",
     "rice_index",
     "rice_decode",
+    "rice_positions",
     "exponent_field",
     "CENSUS",
     "class_scan",
@@ -416,6 +417,32 @@ def rice_decode(unary_buf, rem_buf, n: int, k: int) -> np.ndarray:
     if k and n:
         g |= _unpack_fields(rem, n, k)
     return g
+
+
+def rice_positions(unary_buf, rem_buf, n: int, k: int, start: int, stop: int, *, native: bool = True) -> np.ndarray:
+    """A sparse segment's positions from its Rice streams (:func:`rice_index`'s inverse): the gaps
+    decoded and summed from ``start``, all inside ``[start, stop)``; FormatError otherwise. The C
+    extension does it in one pass with no temporaries; without it (or ``native=False``) numpy."""
+    if not 0 <= k <= MAX_RICE_K:
+        raise FormatError(f"Rice parameter {k} out of range")
+    if not (native and _native is not None):
+        g = rice_decode(unary_buf, rem_buf, n, k)
+        if n and int(g.max()) >= stop - start:
+            raise FormatError("index gap outside its range")
+        indices = np.cumsum(g.astype(np.int64) + 1) + (start - 1)
+        if n and int(indices[-1]) >= stop:
+            raise FormatError("index beyond its range")
+        return indices
+    rem = np.frombuffer(rem_buf, dtype=np.uint8)
+    if rem.size != (n * k + 7) // 8:
+        raise FormatError(f"Rice remainders hold {rem.size} bytes, expected {(n * k + 7) // 8}")
+    out = np.empty(n, np.int64)
+    status, ones = _native.rice_positions(unary_buf, rem, n, k, start, stop, out)
+    if status == 1:
+        raise FormatError(f"Rice stream holds {ones} values, expected {n}")
+    if status:
+        raise FormatError("index gap outside its range" if status == 2 else "index beyond its range")
+    return out
 
 
 # ---------------------------------------------------------------- ulp2: positions by exponent class

@@ -69,8 +69,8 @@ from .bits import (
     dtype_info,
     exponent_field,
     from_planes,
-    rice_decode,
     rice_index,
+    rice_positions,
     rotl1,
     rotr1,
     to_planes,
@@ -618,12 +618,10 @@ def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, s
         return _decode_ulp2(h, blobs, base, history, state)
     indices = None
     if kind == SPARSE:
-        gaps = rice_decode(blobs[0], blobs[1], n, h["index_k"])
-        if n and int(gaps.max()) >= stop - start:
-            raise FormatError(f"chunk segment {name!r}: index gap outside its range")
-        indices = np.cumsum(gaps.astype(np.int64) + 1) + (start - 1)
-        if n and int(indices[-1]) >= stop:
-            raise FormatError(f"chunk segment {name!r}: index beyond its range")
+        try:
+            indices = rice_positions(blobs[0], blobs[1], n, h["index_k"], start, stop)
+        except FormatError as e:
+            raise FormatError(f"chunk segment {name!r}: {e}") from None
         blobs = blobs[2:]
     if values == ULP:
         signs = np.frombuffer(blobs[0], dtype=np.uint8)

@@ -14,6 +14,7 @@ from sparrowd.codec.bits import (
     rice_encode,
     rice_index,
     rice_k,
+    rice_positions,
     rotl1,
     rotr1,
     to_planes,
@@ -122,6 +123,47 @@ def test_rice_index_native_and_numpy_agree_and_round_trip(values, start, spread)
     assert k == k2 and np.array_equal(u, u2) and np.array_equal(r, r2)
     gaps = rice_decode(u, r, idx.size, k)
     assert np.array_equal(np.cumsum(gaps.astype(np.int64) + 1) + (start - 1), idx)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, (1 << 62) - 1), max_size=400, unique=True),
+    st.integers(0, 1000),
+    st.sampled_from([1, 3, 100, 1 << 20]),
+    st.integers(0, 2),
+)
+def test_rice_positions_native_and_numpy_agree_on_every_range(values, start, spread, slack):
+    """A decoder's positions from the Rice streams, in C (one pass) and numpy: the same positions,
+    and the same refusal when the range given is one too short (a position at stop) or when the
+    count is wrong."""
+    idx = np.array(sorted(v // spread if spread > 1 and v < (1 << 40) else v for v in values), dtype=np.int64)
+    idx = np.unique(idx) + start
+    k, u, r = rice_index(idx, start)
+    stop = (int(idx[-1]) + 1 if idx.size else start) + slack
+    got = rice_positions(u, r, idx.size, k, start, stop)
+    assert got.dtype == np.int64 and np.array_equal(got, idx)
+    assert np.array_equal(rice_positions(u, r, idx.size, k, start, stop, native=False), idx)
+    if idx.size:
+        for native in (True, False):
+            with pytest.raises(FormatError, match="index beyond its range|index gap outside its range"):
+                rice_positions(u, r, idx.size, k, start, int(idx[-1]), native=native)
+            with pytest.raises(FormatError, match="Rice stream holds|Rice remainders hold"):
+                rice_positions(u, r, idx.size + 1, k, start, stop, native=native)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=40), st.binary(max_size=40), st.integers(0, 60), st.integers(0, 12),
+       st.integers(0, 5000))
+def test_rice_positions_from_any_bytes_agree_or_both_refuse(unary, rem, n, k, span):
+    """Damaged or hostile streams: the C decoder gives exactly numpy's positions or, where numpy
+    refuses, refuses too (a FormatError, never a crash or a write past its output)."""
+    def outcome(native):
+        try:
+            return rice_positions(unary, rem, n, k, 10, 10 + span, native=native).tolist()
+        except FormatError:
+            return "refused"
+
+    assert outcome(True) == outcome(False)
 
 
 def test_rice_index_refuses_positions_out_of_order():
