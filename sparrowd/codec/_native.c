@@ -682,10 +682,74 @@ DEFINE_ULP(uint16_t, ulp16, streams16)
 DEFINE_ULP(uint32_t, ulp32, streams32)
 DEFINE_ULP(uint64_t, ulp64, streams64)
 
+/*
+ * ulp_codes(signs, narrow, escapes, itemsize, out) -> None
+ *
+ * The inverse of ulp_streams: each element's zigzag code from its magnitude byte (255: the next
+ * escape, from the byte planes of `escapes`, plus 255) and its sign bit, z = 2 * mag + sign + 1
+ * (modulo 2**bits, as numpy's). `escapes` must hold exactly one itemsize-wide value per 255 byte
+ * (ValueError otherwise, before anything is written); signs (count + 7) / 8 bytes.
+ */
+#define DEFINE_UNULP(T, NAME)                                                                               \
+    static void NAME(const uint8_t *signs, const uint8_t *narrow, const uint8_t *esc, Py_ssize_t ne,       \
+                     Py_ssize_t count, T *z) {                                                              \
+        Py_ssize_t j = 0;                                                                                   \
+        for (Py_ssize_t i = 0; i < count; i++) {                                                            \
+            T mag = narrow[i];                                                                              \
+            if (narrow[i] == 255) {                                                                         \
+                T e = 0;                                                                                    \
+                for (int p = 0; p < (int)sizeof(T); p++) e |= (T)((T)esc[p * ne + j] << (8 * p));          \
+                mag = (T)(e + 255);                                                                         \
+                j++;                                                                                        \
+            }                                                                                               \
+            z[i] = (T)((T)(mag << 1) + (T)((signs[i >> 3] >> (7 - (i & 7))) & 1) + 1);                    \
+        }                                                                                                   \
+    }
+
+DEFINE_UNULP(uint8_t, unulp8)
+DEFINE_UNULP(uint16_t, unulp16)
+DEFINE_UNULP(uint32_t, unulp32)
+DEFINE_UNULP(uint64_t, unulp64)
+
 static int check_width(int isz) {
     if (isz == 1 || isz == 2 || isz == 4 || isz == 8) return 1;
     PyErr_SetString(PyExc_ValueError, "itemsize must be 1, 2, 4 or 8");
     return 0;
+}
+
+static PyObject *ulp_codes(PyObject *self, PyObject *args) {
+    Py_buffer sb, nb, eb, zb;
+    int isz;
+    if (!PyArg_ParseTuple(args, "y*y*y*iw*", &sb, &nb, &eb, &isz, &zb)) return NULL;
+    PyObject *result = NULL;
+    if (!check_width(isz)) goto done;
+    const Py_ssize_t count = nb.len;
+    if (zb.len != count * isz || (uintptr_t)zb.buf % isz || sb.len != (count + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "ulp_codes: signs, magnitudes and out do not match");
+        goto done;
+    }
+    const uint8_t *narrow = nb.buf;
+    Py_ssize_t ne = 0;
+    for (Py_ssize_t i = 0; i < count; i++) ne += narrow[i] == 255;
+    if (eb.len != ne * isz) {
+        PyErr_Format(PyExc_ValueError, "escapes hold %zd bytes, expected %zd", eb.len, ne * isz);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    switch (isz) {
+    case 1: unulp8(sb.buf, narrow, eb.buf, ne, count, zb.buf); break;
+    case 2: unulp16(sb.buf, narrow, eb.buf, ne, count, zb.buf); break;
+    case 4: unulp32(sb.buf, narrow, eb.buf, ne, count, zb.buf); break;
+    default: unulp64(sb.buf, narrow, eb.buf, ne, count, zb.buf); break;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&zb);
+    return result;
 }
 
 static PyObject *ulp_encode(PyObject *self, PyObject *args) {
@@ -2292,6 +2356,7 @@ static PyMethodDef methods[] = {
      "rice_positions(unary, rem, n, k, start, stop, out) -> (status, ones)"},
     {"ulp_encode", ulp_encode, METH_VARARGS, "ulp_encode(old, new, itemsize, out): zigzag ulp distances into out"},
     {"ulp_streams", ulp_streams, METH_VARARGS, "ulp_streams(codes, itemsize) -> (signs, narrow, escapes)"},
+    {"ulp_codes", ulp_codes, METH_VARARGS, "ulp_codes(signs, narrow, escapes, itemsize, out): ulp_streams' inverse"},
     {"class_ranks", class_ranks, METH_VARARGS,
      "class_ranks(base, itemsize, shift, mask, lo, start, stop, indices, cls_out, rank_out, census_out, every, "
      "old=None, widest=-1, hasher=None)"},

@@ -66,6 +66,7 @@ __all__ = [
     "ulp_add",
     "ascending",
     "ulp_streams",
+    "ulp_codes",
     "zigzag",
     "unzigzag",
     "rotl1",
@@ -318,6 +319,30 @@ def _rice_candidates(n: int, total: int) -> range:
     mean = total / n
     k0 = int(math.log2(mean * 0.6931)) if mean >= 2 else 0
     return range(min(MAX_RICE_K, max(0, k0 - 1)), min(MAX_RICE_K, k0 + 1) + 1)
+
+
+def ulp_codes(signs_buf, narrow_buf, esc_buf, n: int, itemsize: int, *, native: bool = True) -> np.ndarray:
+    """The zigzag ulp codes of ``n`` elements from their ``sign``, ``mag`` and ``esc`` streams, the
+    inverse of :func:`ulp_streams`; FormatError when the streams do not fit ``n``. The C extension
+    does it in one pass; without it (or ``native=False``) numpy."""
+    signs = np.frombuffer(signs_buf, dtype=np.uint8)
+    narrow = np.frombuffer(narrow_buf, dtype=np.uint8)
+    if narrow.size != n or signs.size != (n + 7) // 8:
+        raise FormatError(f"ulp codes do not match {n} elements")
+    if native and _native is not None:
+        out = np.empty(n, uint_type(itemsize))
+        try:
+            _native.ulp_codes(signs, narrow, esc_buf, itemsize, out)
+        except ValueError as e:
+            raise FormatError(f"byte planes: {e}") from None
+        return out
+    esc_mask = narrow == ESCAPE
+    esc = from_planes(esc_buf, int(np.count_nonzero(esc_mask)), itemsize)
+    mag = narrow.astype(uint_type(itemsize))
+    t = mag.dtype.type
+    with np.errstate(over="ignore"):
+        mag[esc_mask] = esc + t(ESCAPE)
+        return (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1)
 
 
 def rice_k(g: np.ndarray) -> int:

@@ -59,7 +59,6 @@ from ..errors import FormatError, IntegrityError
 from ..schema import Int, List, NonNegInt, Str, fields, pack, unpack
 from .bits import (
     CENSUS,
-    ESCAPE,
     NCLASS,
     ClassRanks,
     class_lo,
@@ -81,6 +80,7 @@ from .bits import (
     ulp2_rows_pack,
     ulp2_rows_unpack,
     ulp2_unpack,
+    ulp_codes,
     ulp_streams,
 )
 from .history import DOWN, MASKS, TensorHistory
@@ -624,17 +624,10 @@ def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, s
             raise FormatError(f"chunk segment {name!r}: {e}") from None
         blobs = blobs[2:]
     if values == ULP:
-        signs = np.frombuffer(blobs[0], dtype=np.uint8)
-        narrow = np.frombuffer(blobs[1], dtype=np.uint8)
-        if narrow.size != n or signs.size != (n + 7) // 8:
-            raise FormatError(f"chunk segment {name!r}: ulp codes do not match {n} elements")
-        esc_mask = narrow == ESCAPE
-        esc = from_planes(blobs[2], int(np.count_nonzero(esc_mask)), w)
-        mag = narrow.astype(uint_type(w))
-        t = mag.dtype.type
-        with np.errstate(over="ignore"):
-            mag[esc_mask] = esc + t(ESCAPE)
-            data = (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1)
+        try:
+            data = ulp_codes(blobs[0], blobs[1], blobs[2], n, w)
+        except FormatError as e:
+            raise FormatError(f"chunk segment {name!r}: {e}") from None
     else:
         if any(len(b) != n for b in blobs):
             raise FormatError(f"chunk segment {name!r}: byte planes do not match {n} elements")

@@ -19,6 +19,7 @@ from sparrowd.codec.bits import (
     rotr1,
     to_planes,
     ulp_apply,
+    ulp_codes,
     ulp_encode,
     ulp_streams,
     unzigzag,
@@ -227,8 +228,32 @@ def test_ulp_codes_and_streams_native_and_numpy_agree(w, n):
     z = ulp_encode(old, new)
     assert np.array_equal(z, ulp_encode(old, new, native=False))
     assert np.array_equal(ulp_apply(old, z), new)
-    for a, b in zip(ulp_streams(z), ulp_streams(z, native=False)):
+    streams = ulp_streams(z)
+    for a, b in zip(streams, ulp_streams(z, native=False)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+    # and back: the codes from the streams, the decoder's way, in C and numpy
+    signs, narrow, esc = (x.tobytes() for x in streams)
+    if z.dtype.itemsize > 1 and n > 100:
+        assert narrow.count(255) > 0  # arbitrary moves of wide codes escape
+    for native in (True, False):
+        back = ulp_codes(signs, narrow, esc, n, z.dtype.itemsize, native=native)
+        assert back.dtype == z.dtype and np.array_equal(back, z)
+        with pytest.raises(FormatError, match="byte planes"):
+            ulp_codes(signs, narrow, esc + b"\0", n, z.dtype.itemsize, native=native)
+        with pytest.raises(FormatError, match="do not match"):
+            ulp_codes(signs, narrow[:-1], esc, n, z.dtype.itemsize, native=native)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=30), st.binary(max_size=60), st.binary(max_size=40), st.sampled_from([1, 2, 4, 8]))
+def test_ulp_codes_from_any_bytes_agree_or_both_refuse(signs, narrow, esc, w):
+    def outcome(native):
+        try:
+            return ulp_codes(signs, narrow, esc, len(narrow), w, native=native).tolist()
+        except FormatError:
+            return "refused"
+
+    assert outcome(True) == outcome(False)
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64", "F8_E4M3"])
