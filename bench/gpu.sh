@@ -7,8 +7,12 @@
 #   DEVICE=cpu PUBLISH_MIB=256 APPLY_MIB=256 CODEC=0 bench/gpu.sh   # a dry run anywhere
 #   APPLY=0 CODEC=0 bench/gpu.sh     # the Publisher alone
 #
-# sparrowd's dependencies that the box lacks come as wheels in .whl/ (pip download them for its
-# Python); the C extension is built in place there; logs and JSON figures go to $OUT.
+# sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
+# Python (3.12 in 2026-11) and carried with the call:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     zstandard blake3 cryptography cffi pycparser
+# the C extension is built in place there; logs and JSON figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/sparrowd-gpu}
 DEVICE=${DEVICE:-cuda}
