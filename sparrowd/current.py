@@ -71,6 +71,7 @@ from .codec.extract import fingerprint, fp_equal
 from .codec.history import History, TensorHistory
 from .codec.manifest import MAX_FILE, check_file_name
 from .codec.patch import check_segments
+from .codec.workers import cpu_threads
 from .decoded import decoded_from, write_decoded
 from .errors import BaseMismatchError, FormatError, IntegrityError, SparrowError
 from .schema import pack, unpack
@@ -736,7 +737,7 @@ def update_folder(folder: Path, patch: Manifest, read: ReadChunk, journal_path: 
                                history if patch.history is not None else None)
         # The history after this version goes down first: a folder at a version always has its own.
         # Its tensors merge side by side (an 8B model's history is some 200M entries).
-        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="sparrowd-history") as pool:
+        with ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparrowd-history") as pool:
             after = (history or History()).after_patch(patch, parts, pool=pool)
         _write_history(folder, patch.version, after)
         journal.commit()

@@ -56,7 +56,6 @@ Needs torch; the rest of sparrowd does not.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -70,13 +69,12 @@ from .codec.chunk import ULP, ULP2, join_ranks, rank_and_fingerprint, ranked_par
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
+from .codec.workers import cpu_threads
 from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError, SparrowError
 from .swarm.chain import Key
-
-DEFAULT_THREADS = 8  # compare and segment threads at most, by default (the CPU count where fewer)
 
 __all__ = ["Publisher", "PublishStats"]
 
@@ -202,7 +200,7 @@ class Publisher:
                  background_anchors: bool = True):
         torch = _torch()
         if threads is None:  # the compares are memory-bound: a few threads reach a socket's bandwidth
-            threads = max(2, min(DEFAULT_THREADS, os.cpu_count() or 2))
+            threads = cpu_threads(at_least=2)
         if threads < 1:
             raise InputError("threads must be at least 1")
         if token_file is None:

@@ -105,7 +105,7 @@ def _wait_ready(worker, version: int) -> None:
     while version not in worker._sparrow.client.ready(5)[1]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"version {version} never became ready")
-    time.sleep(0.5)  # the daemon decodes ahead; the pause measured is the engine's alone
+    worker._sparrow.client.fetch(version)  # waits for the decode the daemon runs ahead: the pause is the engine's
 
 
 def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path: str | None = None,
@@ -262,9 +262,7 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
             t0 = time.perf_counter()
             if step not in client.ready(60, until=step)[1]:
                 raise RuntimeError(f"version {step} never became ready at the daemon")
-            # The daemon decodes each version for its engines as soon as it holds it; a fetch waits
-            # for that decode. Fetched once here, unapplied, so that the pause is the engine's alone.
-            client.fetch(step)
+            client.fetch(step)  # waits for the decode the daemon runs ahead: the pause is the engine's
             t_ready = time.perf_counter() - t0
             sync_device(torch, dev)
             t0 = time.perf_counter()

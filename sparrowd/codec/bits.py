@@ -551,13 +551,12 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
         return cls, rank, census
     if hasher is not None:
         raise ValueError("class_scan: a hasher needs the C scan")
-    if hist_pos is not None:
-        hist_cls[:] = history_classes(base, None, lo, np.asarray(hist_pos, np.int64), np.asarray(indices, np.int64),
-                                      old, shift=shift, mask=mask)
     c = _classes(base, start, stop, shift, mask, lo)
     local = np.asarray(indices, np.int64) - start
     if old is not None:
         c[local] = _classes(np.asarray(old, base.dtype), 0, n, shift, mask, lo)
+    if hist_pos is not None:  # the old side's classes, as the C scan takes them
+        hist_cls[:] = c[np.asarray(hist_pos, np.int64) - start]
     order = np.argsort(c, kind="stable")  # a radix sort for 8-bit keys
     inverse = np.empty(c.size, np.int64)
     inverse[order] = np.arange(c.size)
@@ -714,16 +713,14 @@ def ulp2_history(base: np.ndarray, dtype: str, lo: int, idx: np.ndarray, cls: np
     return hctx, hdir, again, again_codes[:na], rank_out[:nk], cls_out[:nk], codes_out[:nk]
 
 
-def history_classes(base: np.ndarray, dtype: str | None, lo: int, hpos: np.ndarray, idx: np.ndarray,
-                    old: np.ndarray | None, *, shift: int = 0, mask: int = 0) -> np.ndarray:
+def history_classes(base: np.ndarray, dtype: str, lo: int, hpos: np.ndarray, idx: np.ndarray,
+                    old: np.ndarray | None) -> np.ndarray:
     """The classes of a change history's entries ``hpos`` in the base (uint8): read from ``base``, or,
     where ``base`` already holds the new bits at the changes ``idx`` (``old``: the old bits there),
-    from ``old`` at the entries that changed. The exponent field is ``dtype``'s, or ``shift`` and
-    ``mask`` without one."""
+    from ``old`` at the entries that changed."""
     if hpos.size and (hpos[0] < 0 or hpos[-1] >= base.size):
         raise ValueError("ulp2 history: positions outside the base")
-    if dtype is not None:
-        shift, mask = exponent_field(dtype)
+    shift, mask = exponent_field(dtype)
     bits = base[hpos]
     if old is not None and idx.size:
         at = np.minimum(np.searchsorted(idx, hpos), idx.size - 1)

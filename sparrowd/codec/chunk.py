@@ -90,6 +90,7 @@ __all__ = [
     "Ranked",
     "rank_changes",
     "rank_and_fingerprint",
+    "ranked",
     "ranking",
     "ranked_part",
     "join_ranks",
@@ -202,20 +203,28 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
                               hasher=hasher, hist_pos=hist_pos, hist_cls=hist_cls))
 
 
+def ranked(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
+           hist_pos: np.ndarray | None = None, *, hasher=None) -> Ranked:
+    """The :class:`Ranked` of a whole tensor's changes (:func:`rank_changes`), with the classes of
+    its change history's entries ``hist_pos`` (``Ranked.hist_cls``) taken in the same scan.
+    ``hasher``: as for ``class_scan``."""
+    hist_cls = None if hist_pos is None else np.empty(hist_pos.size, np.uint8)
+    part = rank_changes(base, dtype, indices, old, hasher=hasher, hist_pos=hist_pos, hist_cls=hist_cls)
+    return join_ranks([part], indices, old, hist_cls)
+
+
 def rank_and_fingerprint(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
                          hist_pos: np.ndarray | None = None) -> tuple[Ranked, bytes]:
-    """The :class:`Ranked` of a whole tensor's changes (:func:`rank_changes`) and its fingerprint
-    (``extract.fingerprint``), in one read of ``base`` where the C extension is there (each stretch
-    hashed just after its class scan, from cache), else in two. ``hist_pos``: the tensor's change
-    history, whose classes the scan takes as it goes (``Ranked.hist_cls``)."""
+    """:func:`ranked` and the tensor's fingerprint (``extract.fingerprint``), in one read of
+    ``base`` where the C extension is there (each stretch hashed just after its class scan, from
+    cache), else in two."""
     from . import bits
     from .extract import fingerprint
 
-    hist_cls = None if hist_pos is None else np.empty(hist_pos.size, np.uint8)
     native = bits._native
     h = native.hasher() if native is not None and base.size else None
-    part = rank_changes(base, dtype, indices, old, hasher=h, hist_pos=hist_pos, hist_cls=hist_cls)
-    return join_ranks([part], indices, old, hist_cls), (fingerprint(base) if h is None else native.digest(h))
+    r = ranked(base, dtype, indices, old, hist_pos, hasher=h)
+    return r, (fingerprint(base) if h is None else native.digest(h))
 
 
 def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) -> ClassRanks:

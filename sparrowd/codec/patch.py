@@ -48,6 +48,7 @@ from .chunk import (
     ranked_part,
     ranking,
 )
+from .chunk import ranked as whole_ranks  # add_extract's argument is called `ranked`
 from .extract import SHORT_FP, diff_bits, diff_fingerprint, diff_values, fingerprint, fp_equal, split_ranges
 from .history import History
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
@@ -202,10 +203,7 @@ class PatchEncoder:
         # positions as given (a kept copy may already hold the new ones there).
         hist = self.history.get(name) if self.history is not None else None
         if ranked is None:  # the history's classes are taken in the same scan of the base
-            hpos = None if hist is None else hist.positions
-            hcls = None if hpos is None else np.empty(hpos.size, np.uint8)
-            ranked = join_ranks([rank_changes(old.bits, new.dtype, indices, ov, hist_pos=hpos, hist_cls=hcls)],
-                                indices, ov, hcls)
+            ranked = whole_ranks(old.bits, new.dtype, indices, ov, None if hist is None else hist.positions)
         if hist is not None:
             hist = hist.with_classes(ranked.hist_cls)
         row = new.shape[-1] if len(new.shape) >= 2 else 0

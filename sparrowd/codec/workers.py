@@ -15,12 +15,20 @@ ahead where the pool can, and like any other job where it cannot.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
-__all__ = ["Workers", "urgent"]
+__all__ = ["Workers", "urgent", "cpu_threads"]
+
+MAX_THREADS = 8  # threads a pool of sparrowd's takes by default, at most: memory-bound work gains little beyond
+
+
+def cpu_threads(at_least: int = 1, at_most: int = MAX_THREADS) -> int:
+    """A pool's default size: this machine's CPU count, within ``[at_least, at_most]``."""
+    return max(at_least, min(at_most, os.cpu_count() or at_least))
 
 
 class Workers(Executor):

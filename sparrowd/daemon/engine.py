@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..codec.chunk import ULP2
+from ..codec.workers import cpu_threads
 from ..decoded import decode_patch, read_decoded, write_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
 from ..errors import FormatError, SparrowError
@@ -40,7 +41,6 @@ __all__ = ["EngineServer"]
 log = logging.getLogger("sparrowd.engine")
 
 AHEAD = 2  # objects decoded ahead per engine
-DECODE_THREADS = 8  # threads decoding an object's chunks, at most (the CPU count where fewer)
 MAX_CONNECTIONS = 16  # engines (ranks) on one box; more is a misbehaving client
 MAX_WAIT = 30.0
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -63,8 +63,7 @@ class EngineServer:
         self._decoded: dict[Key, asyncio.Task] = {}  # -> (memfd, size)
         # Chunks decode on threads of their own: a decode stands between a version's arrival and
         # the engine's update (85M changes, an 8B model's step, take seconds on one core).
-        self._pool = ThreadPoolExecutor(max(1, min(DECODE_THREADS, os.cpu_count() or 1)),
-                                        thread_name_prefix="sparrowd-decode")
+        self._pool = ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparrowd-decode")
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 

@@ -204,13 +204,14 @@ class PatchApplier:
     def _check(self, d: Decoded) -> None:
         by = {e.name: e for e in d.tensors}
         for w in d.writes:
-            e = by.get(w.name)
-            n = w.values.size
-            # positions read from the daemon's decoded layout were checked to rise: their ends bound them
-            lo, hi = ((w.indices[0], w.indices[-1]) if d.ascending else (w.indices.min(), w.indices.max())) \
-                if w.indices is not None and n else (0, 0)
-            if e is None or (w.indices is None and n != e.numel) or (w.indices is not None and (
-                    w.indices.size != n or (n and (int(lo) < 0 or int(hi) >= e.numel)))):
+            e, idx, n = by.get(w.name), w.indices, w.values.size
+            if idx is None:
+                fits = e is not None and n == e.numel
+            else:  # positions read from the daemon's decoded layout were checked to rise: their ends bound them
+                fits = e is not None and idx.size == n and (
+                    not n or (idx[0] >= 0 and idx[-1] < e.numel if d.ascending
+                              else int(idx.min()) >= 0 and int(idx.max()) < e.numel))
+            if not fits:
                 raise FormatError(f"tensor {w.name!r}: the patch's positions and values do not fit it")
         if d.base_version is None and all(e.op == FULL for e in d.tensors):
             # An anchor: loaded in place only when it has exactly the tensors held now.
