@@ -157,6 +157,56 @@ class _Stream:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
 
 
+def _extract_changes(torch, pairs: list, stats: PublishStats) -> dict:
+    """Compare each (name, old bits, new bits) pair of flat tensors compared by torch and bring its
+    changes to the host: name -> (positions and new values on the device; positions, old and new
+    values on the host, as numpy arrays), for the tensors that changed.
+
+    Two passes, each ending in one synchronisation a device rather than several a tensor: the
+    first counts every tensor's changes (one small copy of the counts); the second finds the
+    positions at their known count (``nonzero_static`` does not wait for the device), gathers the
+    values, and copies all three into one buffer of page-locked host memory, asynchronously."""
+    if not pairs:
+        return {}
+    t0 = time.perf_counter()
+    counts: dict = {}
+    for device in {new.device for _, _, new in pairs}:
+        on = [(name, old, new) for name, old, new in pairs if new.device == device]
+        counts.update(zip((name for name, _, _ in on),
+                          torch.stack([torch.count_nonzero(new != old) for _, old, new in on]).tolist()))
+    stats.compare_seconds += time.perf_counter() - t0
+    t0 = time.perf_counter()
+
+    def aligned(n: int) -> int:
+        return (n + 7) // 8 * 8
+
+    changed = [(name, old, new, counts[name]) for name, old, new in pairs if counts[name]]
+    host = torch.empty(sum(aligned(c * 8) + 2 * aligned(c * new.element_size()) for _, _, new, c in changed),
+                       dtype=torch.uint8, pin_memory=any(new.is_cuda for _, _, new, _ in changed))
+    out, at = {}, 0
+    for name, old, new, c in changed:
+        try:
+            idx = torch.nonzero_static(new != old, size=c).reshape(-1)
+        except (NotImplementedError, RuntimeError):  # a backend without it: this one waits for the device
+            idx = torch.nonzero(new != old).reshape(-1)
+        new_vals = new[idx]
+        nbytes = c * new.element_size()
+        parts = []
+        for src, n, dtype in ((idx, c * 8, torch.int64), (old[idx], nbytes, new.dtype), (new_vals, nbytes, new.dtype)):
+            dst = host[at: at + n].view(dtype)
+            dst.copy_(src, non_blocking=True)
+            parts.append(dst)
+            at += aligned(n)
+        out[name] = (idx, new_vals, *parts)
+    for device in {new.device for _, _, new, _ in changed}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    for name, (idx, new_vals, h_idx, h_old, h_new) in out.items():
+        out[name] = (idx, new_vals, h_idx.numpy(), Publisher._host(h_old), Publisher._host(h_new))
+    stats.to_host_seconds += time.perf_counter() - t0
+    return out
+
+
 def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None,
                  hist_pos: np.ndarray | None = None):
     """A torch compare's host mirror brought to the new version: its fingerprint, and for ulp2
@@ -411,11 +461,15 @@ class Publisher:
                                           self._host(new.bits), new.dtype if ulp2 else None, hist_pos(name))
                for name, new in served.items() if not self._by_torch(new.bits)}
         try:
+            # Tensors compared by torch (on a device) are all compared and their changes brought to
+            # the host first, with one synchronisation a device for each pass, not one a tensor.
+            extracted = _extract_changes(torch, [(name, self._last[name].bits, new.bits)
+                                                 for name, new in served.items() if self._by_torch(new.bits)],
+                                         stats)
             for name in names:
                 old, new = self._last[name], served[name]
                 stats.tensors += 1
                 stats.elements += new.bits.numel()
-                t0 = time.perf_counter()
                 ranked = mirrored = None
                 if name in cpu:
                     seconds, (idx_h, ov, nv, _, new_fp, ranked) = cpu.pop(name).result()
@@ -426,19 +480,9 @@ class Publisher:
                     host_new = self._host(new.bits)
                     update = [old, idx_h, None, new_fp]
                 else:
-                    idx = torch.nonzero(new.bits != old.bits).reshape(-1)
-                    if new.bits.device.type == "cuda":
-                        torch.cuda.synchronize(new.bits.device)
-                    stats.compare_seconds += time.perf_counter() - t0
-                    if idx.numel() == 0:
-                        continue
-                    t0 = time.perf_counter()
-                    new_vals = new.bits[idx]
-                    # Only the changed positions and values cross to the host (O(changed)); the new
-                    # fingerprint is taken from the host mirror in the worker.
-                    idx_h = idx.cpu().numpy().astype(np.int64, copy=False)
-                    ov, nv = self._host(old.bits[idx]), self._host(new_vals)
-                    stats.to_host_seconds += time.perf_counter() - t0
+                    if name not in extracted:
+                        continue  # unchanged
+                    idx, new_vals, idx_h, ov, nv = extracted.pop(name)
                     host_new = old.mirror
                     update = [old, idx, new_vals, None]
                     # The mirror moves on a compare thread, taking its new fingerprint (and for ulp2 its

@@ -437,3 +437,31 @@ def test_a_background_anchor_that_fails_is_raised_once_and_tried_again(cluster, 
     a = pub.wait_anchor()
     assert a.version == 3 and pub.anchor_version == 3
     pub.close()
+
+
+def test_the_torch_extract_brings_every_tensors_changes_to_the_host_in_one_pass():
+    """The torch path's batched extract (one count pass, one gather-and-copy pass): for tensors of
+    three widths, unchanged ones left out, the positions and both sides' values are numpy's."""
+    from sparrowd.publisher import PublishStats, _extract_changes
+
+    rng = np.random.default_rng(0)
+    pairs, expect = [], {}
+    for name, dtype, n, k in [("a", np.int16, 5000, 37), ("b", np.int32, 333, 1), ("c", np.uint8, 77, 0),
+                              ("d", np.int16, 4096, 4096), ("e", np.int64, 9, 3)]:
+        old = rng.integers(0, 100, n).astype(dtype)
+        new = old.copy()
+        pos = np.sort(rng.choice(n, k, replace=False))
+        new[pos] += 1
+        pairs.append((name, torch.from_numpy(old), torch.from_numpy(new)))
+        if k:
+            expect[name] = (pos, old[pos], new[pos])
+    stats = PublishStats(version=1, base_version=0)
+    out = _extract_changes(torch, pairs, stats)
+    assert set(out) == set(expect)
+    for name, (pos, ov, nv) in expect.items():
+        idx, new_vals, idx_h, ov_h, nv_h = out[name]
+        assert idx_h.dtype == np.int64 and np.array_equal(idx_h, pos) and np.array_equal(idx.numpy(), pos)
+        assert ov_h.dtype.kind == "u" and ov_h.dtype.itemsize == ov.itemsize
+        assert np.array_equal(ov_h, ov.view(ov_h.dtype)) and np.array_equal(nv_h, nv.view(nv_h.dtype))
+        assert np.array_equal(new_vals.numpy(), nv)
+    assert _extract_changes(torch, [], stats) == {}
