@@ -6,6 +6,7 @@
 #   bench/gpu.sh                      # on the GPU box, from the repository's root
 #   DEVICE=cpu PUBLISH_MIB=256 APPLY_MIB=256 CODEC=0 bench/gpu.sh   # a dry run anywhere
 #   APPLY=0 CODEC=0 bench/gpu.sh     # the Publisher alone
+#   VALUES=ulp APPLY=0 CODEC=0 OUT=/tmp/base bench/gpu.sh   # one value mode (a baseline tree, say)
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
 # Python (3.12 in 2026-11) and carried with the call:
@@ -18,6 +19,7 @@ OUT=${OUT:-/tmp/sparrowd-gpu}
 DEVICE=${DEVICE:-cuda}
 PUBLISH_MIB=${PUBLISH_MIB:-4096}
 APPLY_MIB=${APPLY_MIB:-16384}
+VALUES=${VALUES-ulp ulp2}
 APPLY=${APPLY:-1}
 CODEC=${CODEC:-1}
 PY=${PYTHON:-python3}
@@ -47,8 +49,9 @@ bench() {  # NAME SECONDS ARGS...: one benchmark, its output in gpu.log, its fig
     echo "== sparrowd bench $* ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
     timeout "$limit" "$PY" -m sparrowd_cli.main bench "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/gpu.log"
 }
-bench publish-ulp 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3
-bench publish-ulp2 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3 --values ulp2
+for values in $VALUES; do
+    bench "publish-$values" 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3 --values "$values"
+done
 if [ "$APPLY" = 1 ]; then
     bench apply 240 apply --engine torch --device "$DEVICE" --size-mib "$APPLY_MIB" --steps 3
 fi

@@ -393,22 +393,27 @@ def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Futur
     callbacks), so that no worker ever waits on a job queued behind it; it fails at once, with the
     first failure among ``deps``, if any failed."""
     out: Future = Future()
-    left, lock = [len(deps)], threading.Lock()
+    lock = threading.Lock()
+    # The callbacks stay on ``deps`` after they ran: they reach the work only through ``job``, which
+    # ``run`` empties, so that no cycle (future -> callback -> futures) keeps the segments, and the
+    # buffers they view, alive until the garbage collector finds it.
+    job = {"deps": list(deps), "call": (fn, args), "left": len(deps)}
 
     def run() -> None:
+        waited, (f, a) = job.pop("deps"), job.pop("call")
         try:
-            for d in deps:
+            for d in waited:
                 d.result()
-            out.set_result(fn(*args))
+            out.set_result(f(*a))
         except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits for ``out``
             out.set_exception(exc)
 
     def ready(_: Future | None) -> None:
         with lock:
-            left[0] -= 1
-            if left[0] > 0:
+            job["left"] -= 1
+            if job["left"] > 0:
                 return
-        if any(d.exception() is not None for d in deps):
+        if any(d.exception() is not None for d in job["deps"]):
             run()
             return
         try:
@@ -417,7 +422,7 @@ def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Futur
             run()
 
     if not deps:
-        left[0] = 1
+        job["left"] = 1
         ready(None)
     for d in deps:
         d.add_done_callback(ready)

@@ -465,3 +465,38 @@ def test_the_torch_extract_brings_every_tensors_changes_to_the_host_in_one_pass(
         assert np.array_equal(ov_h, ov.view(ov_h.dtype)) and np.array_equal(nv_h, nv.view(nv_h.dtype))
         assert np.array_equal(new_vals.numpy(), nv)
     assert _extract_changes(torch, [], stats) == {}
+
+
+@pytest.mark.parametrize("values", ["ulp", "ulp2"])
+def test_a_publish_lets_go_of_its_host_buffers_when_it_returns(cluster, monkeypatch, values):
+    """The torch path's page-locked buffer is reused by the allocator only once it is free: nothing
+    (no reference cycle through the encoder's futures) may keep it alive after ``publish`` returns,
+    or every step pays for a fresh one."""
+    import gc
+    import weakref
+
+    import sparrowd.publisher as publisher
+
+    cluster.trainer()
+    held, extract = [], publisher._extract_changes
+
+    def spy(torch_, pairs, stats):
+        out = extract(torch_, pairs, stats)
+        held.extend(weakref.ref(a) for v in out.values() for a in v[2:])
+        return out
+
+    monkeypatch.setattr(publisher, "_extract_changes", spy)
+    model = {f"t{i}": torch.randn(50_000).to(torch.bfloat16) for i in range(4)}
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, compare="torch", values=values)
+    pub.start(model, 0)
+    gc.disable()
+    try:
+        for step in range(1, 4):
+            for t in model.values():
+                t.view(torch.int16)[step::97] += 1
+            held.clear()
+            pub.publish(model, step)
+            assert len(held) == 12 and not [r for r in held if r() is not None]
+    finally:
+        gc.enable()
+        pub.close()
