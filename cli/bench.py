@@ -119,9 +119,13 @@ def register_sim(bs) -> None:
     s.add_argument("--plot", metavar="SVG", help="also plot time to all over the bound against N (an SVG file)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.add_argument("--trace", metavar="FILE", type=json_file,
-                   help="also write every chunk request's events (asked, refused, failed, cut, stored, wasted: "
-                        "when, which node of which region asked which peer for which chunk) as JSON Lines, to "
-                        "see where a version's time goes")
+                   help="also write every chunk request's events (asked, pushed, refused, failed, cut, stored, "
+                        "wasted: when, which node of which region asked which peer for which chunk) as JSON Lines, "
+                        "to see where a version's time goes")
+    s.add_argument("--push", metavar="LOCAL,CROSS",
+                   help="a design study, not what the daemons do: each relay also pushes a chunk, unasked, as soon "
+                        "as it can serve it, to up to LOCAL peers of its region and CROSS other regions that lack "
+                        "it (e.g. 2,2; docs/PERFORMANCE.md, \"Pushing\")")
     s.set_defaults(func=cmd_sim)
 
 
@@ -137,6 +141,14 @@ def cmd_sim(args) -> int:
         raise InputError("--nodes takes comma-separated integers, --patch-mib comma-separated numbers") from None
     if not nodes or min(nodes) < 1 or not patches or min(patches) <= 0:
         raise InputError("--nodes must be at least 1 and --patch-mib positive")
+    push = None
+    if args.push:
+        try:
+            push = tuple(int(x) for x in args.push.split(","))
+        except ValueError:
+            push = ()
+        if len(push) != 2 or min(push) < 0:
+            raise InputError("--push takes two counts, LOCAL,CROSS (e.g. 2,2)")
     if args.regions < 1 or args.versions < 1 or not 0 <= args.churn < 1 or args.rtt < 0:
         raise InputError("--regions and --versions must be at least 1, --churn in [0, 1), --rtt not negative")
     rates = {k: parse_size(getattr(args, k)) for k in ("trainer_rate", "node_rate", "wan_rate", "link_rate")}
@@ -147,7 +159,7 @@ def cmd_sim(args) -> int:
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
                chunk=None if args.chunk == "auto" else parse_size(args.chunk), rtt=args.rtt, churn=args.churn,
                seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through,
-               trace_path=args.trace, **rates)
+               trace_path=args.trace, push=push, **rates)
 
 
 def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):
