@@ -260,10 +260,9 @@ class Sim:
         # as the region's own nodes designate their crosser.
         self.heads: dict[int, list[str]] = {}
         for n in self.nodes[1:]:
-            self.heads.setdefault(n.region, []).append(n.id)
-        for n in self.nodes[1:]:
-            if n.gateways:
-                self.heads[n.region] = list(n.gateways)
+            self.heads.setdefault(n.region, list(n.gateways) if n.gateways else [])
+            if not n.gateways:
+                self.heads[n.region].append(n.id)
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
         self.flows: list[Req] = []
         self.f_src = np.zeros(1024, np.int64)
@@ -640,8 +639,8 @@ class Sim:
     def push(self, y: Node, c: int) -> None:
         """The push study (``Config.push``): y, as soon as it can serve chunk c (its first block checked
         out, or whole), sends it unasked to up to ``push[0]`` peers of its region and ``push[1]`` of other
-        regions that neither hold nor fetch it: for the other regions, the node the region's rendezvous
-        designation names among the peers y knows there, for regions where y knows nobody with it."""
+        regions that neither hold nor fetch it: for another region, where y knows nobody with it, the
+        node the rendezvous designation names among that region's crossers (``heads``)."""
         if y.trainer or not y.alive:
             return
         feed = None if c in y.have else y.partial.get(c)
