@@ -172,20 +172,19 @@ def _extract(torch, old, new):
     if c == 0:
         return None
     new_vals = new[idx]
+    if not new.is_cuda:  # on the host already: numpy views, nothing to copy or wait for
+        return idx, new_vals, idx.numpy(), Publisher._host(old[idx]), Publisher._host(new_vals), _no_wait
     width = new.element_size()
     aligned = (c * width + 7) // 8 * 8
-    host = torch.empty(c * 8 + 2 * aligned, dtype=torch.uint8, pin_memory=new.is_cuda)
+    host = torch.empty(c * 8 + 2 * aligned, dtype=torch.uint8, pin_memory=True)
     h_idx = host[: c * 8].view(torch.int64)
     h_old = host[c * 8: c * 8 + c * width].view(new.dtype)
     h_new = host[c * 8 + aligned: c * 8 + aligned + c * width].view(new.dtype)
     for dst, src in ((h_idx, idx), (h_old, old[idx]), (h_new, new_vals)):
         dst.copy_(src, non_blocking=True)
-    arrived = _no_wait
-    if new.is_cuda:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(new.device))
-        arrived = event.synchronize
-    return idx, new_vals, h_idx.numpy(), Publisher._host(h_old), Publisher._host(h_new), arrived
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(new.device))
+    return idx, new_vals, h_idx.numpy(), Publisher._host(h_old), Publisher._host(h_new), event.synchronize
 
 
 def _no_wait() -> None:
