@@ -64,6 +64,19 @@ def _link_options(s, link_help: str = "") -> None:
                    help=f"bandwidth of each ordered pair of regions, bytes/s (default 32M{link_help})")
     s.add_argument("--no-cut-through", action="store_true",
                    help="relays hand on whole chunks only (the daemons' --cut-through off), for comparison")
+    s.add_argument("--push", metavar="LOCAL,CROSS", default="2,2",
+                   help="relays push each chunk, unasked, to up to LOCAL peers of their region and CROSS other "
+                        "regions' crossers (the daemons' --push; default 2,2; off to compare with pull alone)")
+
+
+def _push(args) -> tuple[int, int]:
+    from sparrowd.errors import InputError
+    from sparrowd.swarm.push import parse_push
+
+    try:
+        return parse_push(args.push)
+    except ValueError as e:
+        raise InputError(f"--push: {e}") from None
 
 
 def register_swarm(bs) -> None:
@@ -94,7 +107,7 @@ def cmd_swarm(args) -> int:
 
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
-               rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through,
+               rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
 
 
@@ -122,10 +135,6 @@ def register_sim(bs) -> None:
                    help="also write every chunk request's events (asked, pushed, refused, failed, cut, stored, "
                         "wasted: when, which node of which region asked which peer for which chunk) as JSON Lines, "
                         "to see where a version's time goes")
-    s.add_argument("--push", metavar="LOCAL,CROSS",
-                   help="a design study, not what the daemons do: each relay also pushes a chunk, unasked, as soon "
-                        "as it can serve it, to up to LOCAL peers of its region and CROSS other regions that lack "
-                        "it (e.g. 2,2; docs/PERFORMANCE.md, \"Pushing\")")
     s.set_defaults(func=cmd_sim)
 
 
@@ -141,14 +150,7 @@ def cmd_sim(args) -> int:
         raise InputError("--nodes takes comma-separated integers, --patch-mib comma-separated numbers") from None
     if not nodes or min(nodes) < 1 or not patches or min(patches) <= 0:
         raise InputError("--nodes must be at least 1 and --patch-mib positive")
-    push = None
-    if args.push:
-        try:
-            push = tuple(int(x) for x in args.push.split(","))
-        except ValueError:
-            push = ()
-        if len(push) != 2 or min(push) < 0:
-            raise InputError("--push takes two counts, LOCAL,CROSS (e.g. 2,2)")
+    push = _push(args)
     if args.regions < 1 or args.versions < 1 or not 0 <= args.churn < 1 or args.rtt < 0:
         raise InputError("--regions and --versions must be at least 1, --churn in [0, 1), --rtt not negative")
     rates = {k: parse_size(getattr(args, k)) for k in ("trainer_rate", "node_rate", "wan_rate", "link_rate")}

@@ -20,7 +20,7 @@ from .status import render_status
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
                   "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed",
-                  "current", "cut_through")
+                  "current", "cut_through", "push")
 
 
 def add_follow_flags(p) -> None:
@@ -81,6 +81,10 @@ def register(sub) -> None:
     r.add_argument("--cut-through", choices=("on", "off"),
                    help="relay the chunks this node is still fetching, each block as it arrives and checks out "
                         "against the trainer's signed block hashes (default on); off relays only whole chunks")
+    r.add_argument("--push", metavar="LOCAL,CROSS",
+                   help="relay: send each chunk, once a block of it checks out, unasked to up to LOCAL peers of "
+                        "this region and CROSS other regions' designated crossers that lack it, saving each hop "
+                        "the round trip of a request (default 2,2; off to only serve what is asked for)")
     add_follow_flags(r)
     add_current_flag(r)
     r.add_argument("--config", metavar="FILE", help="TOML settings file (keys as the flags, with underscores)")

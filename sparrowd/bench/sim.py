@@ -61,24 +61,23 @@ node plans, as if its long poll had just answered.
 
 ``trace`` (``bench sim --trace FILE``) keeps every chunk request's events,
 times counted from the version's start: ``asked`` when its node sends it
-(``pushed`` when its server sent it unasked, in the push study below),
+(``pushed`` when its server sent it unasked, below),
 ``refused``, ``failed`` or ``cut`` when its node hears so, ``stored`` or
 ``wasted`` (a copy the node already had) when its last byte arrives; a request
 with no later event was cancelled (an endgame loser, a stream from a partial
 past its timeout, or its version ended).
 Where a version's time goes (which hop waited on what) is read from it.
 
-The push study (``push``, ``bench sim --push LOCAL,CROSS``), which the
-daemons do not do: a relay that can serve a chunk (its first block checked
-out, or whole) also sends it unasked to up to LOCAL peers of its region that
-neither hold nor fetch it, and to the crosser of up to CROSS other regions
-where it knows nobody with the chunk: the node that region's own rendezvous
-designation would name (among its gateways, or all its nodes in a region
-no larger than a peer list). The pushed node takes the stream as if it had
-asked for it (its picker then leaves the chunk alone); a second push to a
-node already fetching the chunk is not sent (in a daemon it would be refused
-at once). It measures what pushing would save of each hop's round trip
-before the blocks move.
+Push (``push``, ``bench sim --push LOCAL,CROSS``, default 2,2 as the
+daemons; ``off`` for pull alone): a relay that can serve a chunk (its first
+block checked out, or whole) also sends it unasked to the peers
+``swarm.push.push_targets`` names, from what the relay knows: up to LOCAL of
+its region that neither hold nor fetch it, and the crosser of up to CROSS
+other regions where it knows nobody with the chunk, for the regions it knows
+whole. The pushed node takes the stream as if it had asked for it (its picker
+then leaves the chunk alone: the daemon's exchange reply tells it of the push
+as the push starts); a push to a node already fetching the chunk is not sent
+(a daemon declines it at once).
 
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
 ``churn_at`` of the bound into the last version; their peers' requests to
@@ -113,7 +112,8 @@ from ..daemon.swarm import (
 )
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
-from ..swarm.picker import PeerView, Picker, _score, designated, recount, slots_for_rate
+from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
+from ..swarm.push import DEFAULT_PUSH, PushPeer, push_heads, push_targets
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import block_for
@@ -147,7 +147,7 @@ class Config:
     cut_through: bool = True  # relays serve chunks they are fetching, block by block (the trainer never fetches)
     relay_after_block: bool = True  # ...and shows it fetching, only once a block has checked out (False: at once)
     trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
-    push: tuple[int, int] | None = None  # a study: relays push what they receive to (local, cross) peers
+    push: tuple[int, int] = DEFAULT_PUSH  # relays push what they can serve to (local, cross) peers (daemons' --push)
 
     @property
     def chunk_size(self) -> int:
@@ -255,14 +255,9 @@ class Sim:
                                        for i in range(cfg.nodes)]
         self.by_id = {n.id: n for n in self.nodes}
         self._join()
-        # The push study: every region's nodes that share its crossings (its gateways, or all its nodes
-        # in a region no larger than a peer list), among which a chunk's pushed crossing is designated
-        # as the region's own nodes designate their crosser.
-        self.heads: dict[int, list[str]] = {}
-        for n in self.nodes[1:]:
-            self.heads.setdefault(n.region, list(n.gateways) if n.gateways else [])
-            if not n.gateways:
-                self.heads[n.region].append(n.id)
+        # Live rollouts per region, as the tracker counts them in a renewal's reply (push_heads).
+        self.region_sizes: dict[str, int] = {}
+        self.count_regions()
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
         self.flows: list[Req] = []
         self.f_src = np.zeros(1024, np.int64)
@@ -492,7 +487,7 @@ class Sim:
                 r = self.flows[i]
                 if r.dst.partial.get(r.chunk) is r and not r.cancelled:
                     self.tell(r.dst, r.chunk, have=False)  # its peers may fetch it from there now
-                    if self.cfg.push:
+                    if any(self.cfg.push):
                         self.push(r.dst, r.chunk)
         left -= sent
         self.s_got[self.f_serial[:nf]] = size - left
@@ -633,39 +628,28 @@ class Sim:
             y.done_at = self.now
             self.pending.discard(y)
         self.tell(y, r.chunk)
-        if self.cfg.push:
+        if any(self.cfg.push):
             self.push(y, r.chunk)
 
     def push(self, y: Node, c: int) -> None:
-        """The push study (``Config.push``): y, as soon as it can serve chunk c (its first block checked
-        out, or whole), sends it unasked to up to ``push[0]`` peers of its region and ``push[1]`` of other
-        regions that neither hold nor fetch it: for another region, where y knows nobody with it, the
-        node the rendezvous designation names among that region's crossers (``heads``)."""
+        """Push (``Config.push``, the daemon's ``Swarm._push_out``): y, as soon as it can serve chunk c
+        (its first block checked out, or whole), sends it unasked to up to ``push[0]`` peers of its region
+        and ``push[1]`` of other regions that neither hold nor fetch it, as the daemon decides
+        (``swarm.push``)."""
         if y.trainer or not y.alive:
             return
         feed = None if c in y.have else y.partial.get(c)
         if c not in y.have and feed is None:
             return  # (called once its first block checked out, or once whole)
         sent = y.pushed.setdefault(c, [0, 0])
-        k_local, k_cross = self.cfg.push
-
-        def free(z: Node) -> bool:
-            return z.alive and not z.trainer and c not in z.have and not z.fetching.get(c)
-
-        tag = f"{self.version}"
-        local = sorted((k.node for k in y.known.values() if k.node.region == y.region and free(k.node)),
-                       key=lambda z: _score(tag, c, f"{y.id}>{z.id}"))
-        targets = local[:max(0, k_local - sent[0])]
-        sent[0] += len(targets)
-        for region in sorted(self.heads, key=lambda r: _score(tag, c, f"{y.id}>r{r}")):
-            if sent[1] >= k_cross or region == y.region:
-                continue
-            if any(c in k.node.have or k.node.fetching.get(c) for k in y.known.values() if k.node.region == region):
-                continue  # a peer y knows there has it, or is getting it
-            d = self.by_id[designated(tag, c, self.heads[region])]
-            if free(d):
-                targets.append(d)
-                sent[1] += 1
+        known = [k.node for k in y.known.values() if not k.node.trainer and k.node.alive]
+        views = [PushPeer(z.id, z.rname, c in z.have or bool(z.fetching.get(c))) for z in known]
+        heads = push_heads(y.rname, ((z.id, z.rname) for z in known), self.region_sizes)
+        near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
+                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]))
+        sent[0] += len(near)
+        sent[1] += len(far)
+        targets = [self.by_id[i] for i in near + far]
         for z in targets:
             r = Req(z, y, c, self.version, self.sizes[c], serial=self._serial(), whole=c in y.have, readers=[],
                     sent=self.now)
@@ -681,6 +665,12 @@ class Sim:
             y.queue[self.lane(y, z)].append(r)
         if targets:
             self.start_uploads(y)
+
+    def count_regions(self) -> None:
+        self.region_sizes = {}
+        for z in self.nodes[1:]:
+            if z.alive:
+                self.region_sizes[z.rname] = self.region_sizes.get(z.rname, 0) + 1
 
     def tell(self, y: Node, c: int, have: bool = True) -> None:
         """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer
@@ -795,6 +785,7 @@ class Sim:
                 later = 0.0 if k.node.trainer else self.rng.random() * renew_interval(DEFAULT_TTL)
                 self.at(self.now + later, self.forget, k.node, g)
                 self.at(self.now + self.owd(g, k.node), self.hung_up, k.node, g)
+        self.count_regions()
 
     def hung_up(self, z: Node, g: Node) -> None:
         """z's long poll to g failed (g's daemon stopped): g is not counted on to cross."""
@@ -958,7 +949,7 @@ def _svg(points: dict[str, list[tuple[int, float]]], path: str) -> None:
 def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int, chunk: int | None,
         trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
         seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True,
-        trace_path: str | None = None, push: tuple[int, int] | None = None) -> int:
+        trace_path: str | None = None, push: tuple[int, int] = DEFAULT_PUSH) -> int:
     from . import write_json, write_lines
 
     results, traces = [], []
@@ -966,8 +957,9 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
           f"{format_bytes(node_rate)}/s ({format_bytes(wan_rate)}/s to other regions), links "
           f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms, relays "
           + ("cut-through" if cut_through else "store-and-forward")
+          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
           + (f", {churn:.0%} of the nodes leave mid-version" if churn else "")
-          + (f"; the push study: relays push to {push[0]} local and {push[1]} cross-region peers" if push else ""))
+          )
     for p in patch_mib:
         for n in nodes:
             cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,

@@ -44,6 +44,7 @@ from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
 from ..daemon.calls import publish_file
 from ..localswarm import free_port
+from ..swarm.push import DEFAULT_PUSH
 from ..units import format_bytes, parse_size
 from . import write_json
 
@@ -186,7 +187,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
-        link_rate: str = "32M", star: bool = True, cut_through: bool = True,
+        link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning") -> int:
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
@@ -240,7 +241,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                         "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
                         "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
-                        "--cut-through", "on" if cut_through else "off",
+                        "--cut-through", "on" if cut_through else "off", "--push", ",".join(map(str, push)),
                         "--log-level", log_level,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")

@@ -265,6 +265,7 @@ class Daemon:
             web.post("/v1/node/leave", self._node_leave),
             web.post("/v1/swarm/exchange", self.swarm.handle_exchange),
             web.get("/v1/swarm/chunk/{key}/{index}", self.swarm.handle_chunk),
+            web.post("/v1/swarm/chunk/{key}/{index}", self.swarm.handle_push),
         ])
         if self.tracker is not None:
             app.add_routes([

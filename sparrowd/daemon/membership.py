@@ -170,6 +170,7 @@ class LeaseState:
     expires_at: float | None = None  # time.monotonic() on this node
     peers: list[dict] = field(default_factory=list)
     gateways: list[str] = field(default_factory=list)  # a large region's crossers (LeaseTable.gateways)
+    regions: dict[str, int] = field(default_factory=dict)  # rollouts per region (LeaseTable.region_sizes)
     revoked: frozenset[str] = frozenset()  # credential ids the trainer revoked: refused at this node's door
     tracker_reachable: bool = False
     joins: int = 0
@@ -255,6 +256,9 @@ class Membership:
                 self.peers_changed.set()
             s.peers = peers
             s.gateways = [g for g in reply.get("gateways") or [] if isinstance(g, str)][:64]
+            regions = reply.get("regions")
+            s.regions = {r: n for r, n in list(regions.items())[:256] if isinstance(r, str) and isinstance(n, int)} \
+                if isinstance(regions, dict) else {}
             self._peers_at = time.monotonic()
         for m in reply.get("members") or []:
             if isinstance(m, dict) and isinstance(m.get("node_id"), str):

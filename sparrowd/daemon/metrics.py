@@ -75,6 +75,12 @@ class DaemonMetrics:
                                           "it was still fetching them (cut-through: each block as it checked out)")
             relayed.add_metric([], d.swarm.cut_through_bytes)
             yield relayed
+            pushes = CounterMetricFamily("sparrowd_pushes", "Chunks pushed (sent unasked): sent and taken, refused "
+                                         "or failed (this node pushing); received or declined (pushed to it)",
+                                         labels=["outcome"])
+            for outcome in ("taken", "refused", "failed", "received", "declined"):
+                pushes.add_metric([outcome], d.swarm.pushes[outcome])
+            yield pushes
             bans = CounterMetricFamily("sparrowd_peers_banned", "Peers banned for the session",
                                        labels=["reason"])
             for reason in ("bad-chunk", "false-have"):

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from ..errors import InputError
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
+from ..swarm.push import DEFAULT_PUSH, parse_push
 from ..units import parse_size
 
 __all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "read_tokens", "default_data_dir",
@@ -123,6 +124,12 @@ def _non_negative_float(text: Any) -> float:
     return v
 
 
+def _push(text: Any) -> tuple[int, int]:
+    if isinstance(text, (list, tuple)):
+        text = ",".join(str(t) for t in text)
+    return parse_push(str(text))
+
+
 def _bool(text: Any) -> bool:
     if isinstance(text, bool):
         return text
@@ -190,6 +197,7 @@ class Settings:
     follow_vllm_remote: bool = False  # allow a follow_vllm address that is not loopback
     super_seed: bool = True  # the trainer hands distinct chunks to distinct peers first (off: shows all it holds)
     cut_through: bool = True  # relays serve chunks they are fetching, block by block as the blocks check out
+    push: tuple[int, int] = DEFAULT_PUSH  # a relay sends what it can serve, unasked, to (local, cross) peers a chunk
     current: bool | None = None  # keep DATA/current, the newest version as a model folder (default: rollouts do)
 
     @property
@@ -225,6 +233,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "follow_vllm_remote": _bool,
     "super_seed": _bool,
     "cut_through": _bool,
+    "push": _push,
     "current": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
+from ..swarm.push import PushPeer, push_heads, push_targets
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed
@@ -108,6 +110,7 @@ SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no 
 SEED_SINGLE_FROM = 4  # ...but one, once this many peers keep its upload slots busy (SuperSeed)
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
+PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
 
 
 class NotYet(SparrowError):
@@ -125,7 +128,8 @@ def store_pause(failures: int) -> float:
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List}
 _VERSION_REQ = {"version": NonNegInt, "anchor": Opt(Bool), "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
-_VERSION_REP = {"version": NonNegInt, "anchor": Opt(Bool), "statements": List, "have": Bytes, "fetching": Bytes}
+_VERSION_REP = {"version": NonNegInt, "anchor": Opt(Bool), "statements": List, "have": Bytes, "fetching": Bytes,
+                "pushing": Opt(Bytes)}
 
 
 @dataclass
@@ -141,13 +145,14 @@ class PeerState:
     rate: Rate = field(default_factory=Rate)
     task: asyncio.Task | None = None
     gen: int = -1
-    pushing: bool = False
-    push_again: bool = False
+    telling: bool = False  # a quick exchange with it (a have message) is under way
+    tell_again: bool = False
     strikes: int = 0  # requests that timed out or failed in a row
     cooldown_until: float = 0.0  # no requests to it before then (a stalled or failing peer)
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
     held: int = 0  # chunks its have maps showed while partial, all versions (``count_on``)
+    pushing: dict[Key, set[int]] = field(default_factory=dict)  # chunks it said it is pushing to this node
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
@@ -207,6 +212,12 @@ class Swarm:
         self.available_since: dict[tuple[Key, int], float] = {}
         self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
+        self.pushed: dict[Key, dict[int, tuple[list[int], set[str]]]] = {}  # per chunk: pushes sent, and to whom
+        self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
+        self._pushing: set[asyncio.Task] = set()  # pushes being sent
+        self.pushing_to: dict[str, dict[Key, set[int]]] = {}  # per peer: chunks being pushed to it (its exchange
+        # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
+        self._taking: set[asyncio.Task] = set()  # pushes being received
         self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
@@ -281,7 +292,7 @@ class Swarm:
             self._closing = True
             self._waiters.notify_all()
         tasks = self._tasks + [p.task for p in self.peers.values() if p.task]
-        tasks += [t for ts in self.inflight.values() for t in ts.values()]
+        tasks += [t for ts in self.inflight.values() for t in ts.values()] + list(self._pushing)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -398,6 +409,7 @@ class Swarm:
             self.store.drop(k)
             del self.versions[k]
             self.superseed.pop(k, None)
+            self.pushed.pop(k, None)
             event(log, logging.INFO, "dropped (retention)", object=str(k), retain=self.retain)
 
     # ------------------------------------------------------------ publishing (trainer)
@@ -607,8 +619,11 @@ class Swarm:
             vs = self.versions[k]
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            out.append({"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
-                        "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)})
+            e = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
+                 "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
+            if pushing := self.pushing_to.get(remote.node_id, {}).get(k):
+                e["pushing"] = to_bitmap(pushing, n)
+            out.append(e)
         if self.signer is None or self._wants(remote):
             choked = not self._may_download(remote)  # a relay's lane, or the trainer's free slot for a peer that wants
         else:
@@ -683,8 +698,21 @@ class Swarm:
             self.superseed[key].claim(i, remote.node_id)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
-        lane = self._lane(remote)
         remote.uploads += 1
+        try:
+            async with self._upload_slot(self._lane(remote)):
+                resp, sent = await self._send(request, source, size, wan)
+        finally:
+            remote.uploads -= 1
+        if not sent:
+            return resp
+        remote.rate_to.add(time.monotonic(), size)
+        self.daemon.count_bytes("up", size, wan)
+        return resp
+
+    @contextlib.asynccontextmanager
+    async def _upload_slot(self, lane: bool):
+        """One of the lane's upload slots, waited for in its queue (what ``_may_download`` counts)."""
         self._waiting[lane] += 1
         waiting = True
         try:
@@ -694,16 +722,23 @@ class Swarm:
                 if self.signer is None and self._waiting[lane] == QUEUE_ADMIT - 1 and self._told_choked[lane]:
                     self._told_choked[lane] = False
                     await self.notify()  # the lane has room again: peers told "choked" learn it now
-                resp, sent = await self._send(request, source, size, wan)
+                yield
         finally:
-            remote.uploads -= 1
             if waiting:
                 self._waiting[lane] -= 1
-        if not sent:
-            return resp
-        remote.rate_to.add(time.monotonic(), size)
-        self.daemon.count_bytes("up", size, wan)
-        return resp
+
+    async def _paced(self, source: Path | Partial, wan: bool):
+        """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
+        when they come from a chunk still arriving."""
+        relayed = isinstance(source, Partial)
+        async for piece in _pieces(source):
+            if relayed:
+                self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
+            now = time.monotonic()
+            delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
+            if delay:
+                await asyncio.sleep(delay)
+            yield piece
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
                     wan: bool) -> tuple[web.StreamResponse, bool]:
@@ -721,14 +756,7 @@ class Swarm:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
         try:
             await resp.prepare(request)
-            relayed = isinstance(source, Partial)
-            async for piece in _pieces(source):
-                if relayed:
-                    self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
-                now = time.monotonic()
-                delay = max(self.up.take(now, len(piece)), self.wan_up.take(now, len(piece)) if wan else 0)
-                if delay:
-                    await asyncio.sleep(delay)
+            async for piece in self._paced(source, wan):
                 await resp.write(piece)
             await resp.write_eof()
         except ConnectionError:
@@ -839,16 +867,16 @@ class Swarm:
         (a node's picker reads only the replies to its own exchanges), so it was a second message per
         peer and chunk for the same news."""
         for ps in [p for p in self.peers.values() if p.role == "trainer"]:
-            if ps.pushing:
-                ps.push_again = True
+            if ps.telling:
+                ps.tell_again = True
                 continue
-            ps.pushing = True
-            asyncio.create_task(self._push(ps), name=f"have-{ps.node_id}")
+            ps.telling = True
+            asyncio.create_task(self._tell(ps), name=f"have-{ps.node_id}")
 
-    async def _push(self, ps: PeerState) -> None:
+    async def _tell(self, ps: PeerState) -> None:
         try:
             while True:
-                ps.push_again = False
+                ps.tell_again = False
                 try:
                     await self._exchange(ps, 0)
                 except IntegrityError as e:
@@ -856,10 +884,10 @@ class Swarm:
                     return
                 except (SparrowError, aiohttp.ClientError, asyncio.TimeoutError, OSError):
                     return
-                if not ps.push_again:
+                if not ps.tell_again:
                     return
         finally:
-            ps.pushing = False
+            ps.telling = False
 
     def _ingest(self, ps: PeerState, reply) -> None:
         if not isinstance(reply, dict) or not isinstance(reply.get("versions"), list):
@@ -890,11 +918,15 @@ class Swarm:
                 ps.held += len(have - ps.have.get(k, set()))
             ps.have[k] = have
             ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
+            ps.pushing[k] = {i for i in from_bitmap(e["pushing"]) if i in vs.chunks} if e.get("pushing") else set()
             for i in have:
                 self.available_since.setdefault((k, i), now)
         for k in list(ps.have):
             if k not in seen:
                 del ps.have[k]
+        for k in list(ps.pushing):
+            if k not in seen:
+                del ps.pushing[k]
         if ps.role == "trainer":
             self.trainer_heard = True  # the trainer lists everything it retains
         self._changed.set()
@@ -958,6 +990,10 @@ class Swarm:
                               proven=p.node_id in trusted, cut_through=p.cut_through and p.role != "trainer")
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
+            for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
+                for i in p.pushing.get(k, ()):
+                    if i in inflight:
+                        inflight[i].add(p.node_id)
             since = {i: self.available_since.get((k, i), now) for i in missing}
             for pid in self.picker.stalled(now, version=k.tag, missing=missing, peers=views,
                                            region_nodes=region_nodes, available_since=since):
@@ -999,17 +1035,14 @@ class Swarm:
         return [(p.node_id, p.held) for p in self.peers.values() if p.region == region and p.role != "trainer"]
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
-        key = (vs.key, index)
-        ref = vs.chunks[index]
-        wan = ps.region != self.daemon.settings.region
+        """A chunk request to a peer the picker chose: its stream goes to ``_receive``."""
         whole = index in ps.have.get(vs.key, ())  # else the peer is fetching it too: served cut-through
-        buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
-        if buf.hashes is not None and self._relays_partials():
-            self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
-        try:
-            timeout = aiohttp.ClientTimeout(total=5.0 + ref.size / MIN_RATE)
+
+        async def pieces():
+            size = vs.chunks[index].size
             async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
-                                         timeout=timeout, headers=self._proof_for(ps)) as r:
+                                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE),
+                                         headers=self._proof_for(ps)) as r:
                 if r.status == 503:
                     ps.choking = True
                     return
@@ -1022,18 +1055,42 @@ class Swarm:
                 if r.status != 200:
                     return
                 async for piece in r.content.iter_chunked(PIECE):
+                    yield piece
+
+        await self._receive(ps, vs, index, pieces(), whole=whole)
+
+    async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool) -> bool:
+        """One stream of a chunk from ``ps``, asked for (``_fetch``) or pushed (``handle_push``): each
+        block checked as it arrives, the chunk served on cut-through once a block has checked out (and
+        pushed on), stored once whole. ``whole``: the sender holds it whole, so a failed stream counts
+        against it; a stream fed by a fetch in progress there may be cut without its fault. The caller
+        has registered it in ``inflight``. Whether it stored the chunk."""
+        key = (vs.key, index)
+        ref = vs.chunks[index]
+        wan = ps.region != self.daemon.settings.region
+        buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
+        if buf.hashes is not None and self._relays_partials():
+            self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
+        try:
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
                     first = buf.ready == 0
                     buf.feed(piece)  # each block checked as it completes
                     if first and buf.ready and self.partials.get(key) is buf:
+                        self._push_out(vs, index)
                         await self.notify()  # its first block checked out: peers may fetch it from here now
                     ps.rate.add(time.monotonic(), len(piece))
                     delay = self.down.take(time.monotonic(), len(piece))
                     if delay:
                         await asyncio.sleep(delay)
+            if buf.got < ref.size:
+                if buf.got:  # the stream ended early, cleanly: as a cut one
+                    raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")
+                return False  # refused (choked, not held, not taken): the picker goes on
             data = buf.buf
             self.daemon.count_bytes("down", buf.got, wan)
             if index in vs.have:
-                return
+                return False
             try:
                 await asyncio.to_thread(self.store.put_chunk, vs, index, data)
             except OSError as e:  # a full or failing disk: say so, keep serving what is stored
@@ -1043,7 +1100,7 @@ class Swarm:
                 self.store_paused_until = time.monotonic() + pause
                 event(log, logging.ERROR, "cannot store a chunk; fetching pauses", object=str(vs.key), index=index,
                       reason=self.error, seconds=pause)
-                return
+                return False
             vs.have.add(index)
             if (relayed := self.partials.get(key)) is not None and relayed is not buf:
                 relayed.fill(data)  # streams fed by another fetch of it go on from this copy
@@ -1061,8 +1118,10 @@ class Swarm:
                       chunks=vs.total, position=self.position())
                 self._retire()
                 self.daemon.report_changed()
+            self._push_out(vs, index)  # tops up what was pushed from the partial (peers that lack it since)
             await self.notify()
             self._tell_peers()
+            return True
         except IntegrityError as e:
             self._ban(ps, str(e))
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
@@ -1070,7 +1129,7 @@ class Swarm:
                 ps.fetching.get(vs.key, set()).discard(index)
                 event(log, logging.DEBUG, "cut-through stream ended early", peer=ps.node_id, object=str(vs.key),
                       index=index, reason=type(e).__name__)
-                return
+                return False
             # The request ends and the chunk goes back to the picker; the peer sits out a while
             # (longer each time in a row), so a stalled peer does not get the chunk again.
             ps.strikes += 1
@@ -1091,10 +1150,129 @@ class Swarm:
                     del self.inflight[key]
                     self.asked_at.pop(key, None)
             self._changed.set()
+        return False
+
+    # ------------------------------------------------------------ push
+
+    def _push_out(self, vs: VersionState, index: int) -> None:
+        """Send a chunk this node can serve now (a block of it checked out, or whole) unasked to the
+        peers ``swarm.push.push_targets`` names, through the upload lanes; a relay's only."""
+        local, cross = self.daemon.settings.push
+        if self.signer is not None or not (local or cross) or self._closing:
+            return
+        k = vs.key
+        sent, done = self.pushed.setdefault(k, {}).setdefault(index, ([0, 0], set()))
+        now = time.monotonic()
+        rollouts = [p for p in self.peers.values() if p.role != "trainer"]
+        views = [PushPeer(p.node_id, p.region, p.node_id in done or now < p.cooldown_until
+                          or index in p.have.get(k, ()) or index in p.fetching.get(k, ())) for p in rollouts]
+        m = self.daemon.membership
+        heads = push_heads(self.daemon.settings.region, ((p.node_id, p.region) for p in rollouts),
+                           m.state.regions if m is not None else {})
+        near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
+                                 local=local, cross=cross, sent=(sent[0], sent[1]))
+        sent[0] += len(near)
+        sent[1] += len(far)
+        for pid in near + far:
+            done.add(pid)
+            self.pushing_to.setdefault(pid, {}).setdefault(k, set()).add(index)
+            task = asyncio.create_task(self._push_to(self.peers[pid], vs, index), name=f"push-{k.tag}-{index}")
+            self._pushing.add(task)
+            task.add_done_callback(self._pushing.discard)
+
+    async def _push_to(self, ps: PeerState, vs: VersionState, index: int) -> None:
+        """One push: the chunk's stream, from its file or from the fetch in progress, paced and in its
+        lane like an upload asked for. The receiver refuses (409) what it holds, fetches or cannot
+        check; a stream from a partial that fails is cut short, and the receiver drops it."""
+        key = (vs.key, index)
+        wan = ps.region != self.daemon.settings.region
+        size = vs.chunks[index].size
+        outcome = "failed"
+        try:
+            async with self._upload_slot(wan):
+                if index in vs.have:
+                    source: Path | Partial = self.store.chunk_path(vs.key, index)
+                elif (part := self.partials.get(key)) is not None and part.servable:
+                    source = part
+                else:
+                    return  # its fetch failed while this push waited for a slot
+                async with self._session.post(
+                        f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}", data=self._paced(source, wan),
+                        headers={"Content-Type": "application/octet-stream", **self._proof_for(ps)},
+                        timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
+                    await r.read()
+                    outcome = "taken" if r.status == 200 else "refused"
+        except (_Cut, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+        finally:
+            mine = self.pushing_to.get(ps.node_id, {})
+            mine.get(vs.key, set()).discard(index)
+            if not mine.get(vs.key, True):
+                del mine[vs.key]
+            if not mine:
+                self.pushing_to.pop(ps.node_id, None)
+        self.pushes[outcome] += 1
+        if outcome == "taken":
+            self.daemon.count_bytes("up", size, wan)
+
+    async def handle_push(self, request: web.Request) -> web.Response:
+        """A chunk a peer sends unasked (``_push_to``): taken only from a rollout peer this node knows,
+        for a chunk it wants, neither holds nor fetches, and can check block by block against the
+        trainer's signed hashes; then received as if fetched (``_receive``), so it is relayed on at
+        once. A bad block bans the sender, as for a chunk asked for."""
+        try:
+            key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
+        except ValueError:
+            return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
+                                     status=400)
+        remote = self._admit(request)
+        if isinstance(remote, web.Response):
+            return remote
+        ps = self.peers.get(remote.node_id)
+        vs = self.versions.get(key)
+        why = None
+        if self.signer is not None:
+            why = "the trainer takes no pushes"
+        elif ps is None or ps.role == "trainer":
+            why = "not a peer of this node"
+        elif vs is None or i not in vs.chunks or vs.blocks.get(i) is None:
+            why = "no signed block hashes for that chunk here yet"
+        elif i in vs.have or (key, i) in self.inflight:
+            why = "held or being fetched"
+        elif key not in self.wanted():
+            why = "not wanted"
+        elif time.monotonic() < self.store_paused_until or len(self._taking) >= PUSHES_TAKEN:
+            why = "busy"
+        if why is not None:
+            self.pushes["declined"] += 1
+            event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
+            return web.json_response({"error": why}, status=409)
+        ps.inflight += 1
+        task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False),
+                                   name=f"pushed-{key.tag}-{i}")
+        self.inflight.setdefault((key, i), {})[ps.node_id] = task
+        self.asked_at.setdefault((key, i), time.monotonic())
+        self._taking.add(task)
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._taking.discard(task)
+            if not task.done():  # this handler was cancelled (the sender hung up)
+                task.cancel()
+        stored = not task.cancelled() and task.result()
+        if stored:
+            self.pushes["received"] += 1
+        return web.json_response({"stored": bool(stored)})
 
 
 def _superseed(chunks: int) -> SuperSeed:
     return SuperSeed(chunks, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM)
+
+
+async def _body(request: web.Request):
+    """A request's body in pieces, as an async generator (``_receive`` closes what it reads)."""
+    async for piece in request.content.iter_chunked(PIECE):
+        yield piece
 
 
 class _Cut(Exception):

@@ -118,6 +118,7 @@ class TrackerService:
             reply["peers"] = [self.entry(p) for p in listed]
             if gateways := self.table.gateways(node.region, now, limit=self.peer_limit):
                 reply["gateways"] = [g.node_id for g in gateways]
+            reply["regions"] = self.table.region_sizes()
         return reply
 
     def join(self, sealed, *, credential: Credential | None = None) -> dict:

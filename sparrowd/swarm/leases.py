@@ -292,6 +292,12 @@ class LeaseTable:
                     break
         return out
 
+    def region_sizes(self) -> dict[str, int]:
+        """Rollout nodes per region (those not yet swept, live or lately expired), O(regions): a node
+        pushes chunks into another region only once it knows that many of its nodes
+        (``swarm.push.push_heads``), so a count on the high side only holds pushes back."""
+        return {r: len(ranked) for r, ranked in self._ranked.items() if ranked}
+
     @property
     def latest_version(self) -> int | None:
         return self._meta.latest_version

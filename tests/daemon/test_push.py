@@ -1,0 +1,110 @@
+"""Push between real daemons: relays send what they can serve unasked, and a node takes a pushed chunk
+only when it can check it, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from sparrowd.bench.swarm import _write_patch
+from sparrowd.codec.patchfile import parse_patch
+from tests.daemon.harness import Member, get, wait_for
+from tests.daemon.patches import check_store, held, publish
+from tests.daemon.test_swarm import metric
+
+pytestmark = pytest.mark.slow
+
+
+def pushes(d, token, outcome: str) -> float:
+    return metric(d, token, f'sparrowd_pushes_total{{outcome="{outcome}"}}')
+
+
+@pytest.mark.parametrize("push", ["2,2", "off"])
+def test_a_one_chunk_patch_is_pushed_on_by_the_relays(cluster, tmp_path, push):
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, (256 << 10) - 4096, 256 << 10, np.random.default_rng(2))
+    m = parse_patch(path.read_bytes()).manifest
+    assert len(m.chunks) == 1
+    trainer = cluster.trainer(extra=("--upload-rate", "512K"))
+    rollouts = [cluster.rollout(f"r{i}", region, extra=("--push", push))
+                for i, region in enumerate(("eu", "eu", "us", "us", "ap"))]
+    wait_for(lambda: len(cluster.nodes()) == 6, 15, "six nodes")
+    # Every node knows every other before the version starts (so cross pushes know whom each region
+    # designates): a renewal with the full list.
+    time.sleep(2.5)
+    publish(cluster, path)
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1",
+             detail=lambda: held(cluster))
+    for d in rollouts:
+        check_store(d, m)
+        assert "peer banned" not in d.log()
+    received = sum(pushes(d, cluster.token, "received") for d in rollouts)
+    taken = sum(pushes(d, cluster.token, "taken") for d in rollouts)
+    up = sum(metric(trainer, cluster.token, f'sparrowd_bytes_total{{direction="up",region_class="{rc}"}}')
+             for rc in ("same", "other"))
+    assert up < 1.9 * m.patch_bytes, up  # the trainer sent about one copy
+    if push == "off":
+        assert received == taken == 0
+    else:
+        outcomes = {o: sum(pushes(d, cluster.token, o) for d in rollouts)
+                    for o in ("taken", "refused", "failed", "received", "declined")}
+        assert received >= 1 and taken == received, outcomes
+
+
+def test_a_push_is_taken_only_when_it_can_be_checked_and_a_bad_one_bans_its_sender(cluster, tmp_path):
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, 8 * (64 << 10) - 4096, 64 << 10, np.random.default_rng(3))
+    view = parse_patch(path.read_bytes())
+    m = view.manifest
+    n = len(m.chunks)
+    assert n >= 4
+    # The trainer sends slowly (32 KiB/s): super-seeding offers the node two chunks at a time, so the
+    # others are wanted and not being fetched while the member pushes.
+    cluster.trainer(extra=("--upload-rate", "32K"))
+    r0 = cluster.rollout("r0", "eu", extra=("--push", "off"))
+    mallory = Member(cluster, "m1", "eu")
+    wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
+
+    def push(index: int, data: bytes) -> tuple[int, dict]:
+        code, body = get(f"{r0.url}/v1/swarm/chunk/1/{index}", None, method="POST", data=bytes(data),
+                         headers={**mallory.headers(r0.name), "Content-Type": "application/octet-stream"},
+                         timeout=30)
+        return code, json.loads(body or b"{}")
+
+    # Before the version exists, a push cannot be checked: declined. (503 while r0 asks the tracker
+    # about a member it has not heard of; then "not a peer" until its peer list names it.)
+    wait_for(lambda: push(0, view.chunks[0])[1].get("error") == "no signed block hashes for that chunk here yet",
+             20, "r0 to take the member as a peer", detail=lambda: push(0, view.chunks[0]))
+    publish(cluster, path)
+
+    def first_taken() -> tuple[int] | None:
+        for i in range(n):
+            code, body = push(i, view.chunks[i])
+            if code == 200 and body.get("stored"):
+                return (i,)
+        return None
+
+    (good,) = wait_for(first_taken, 20, "a pushed chunk to be taken")
+    assert pushes(r0, cluster.token, "received") == 1
+    assert push(good, view.chunks[good]) == (409, {"error": "held or being fetched"})
+    # A chunk of the right length with one bad byte in its first block: checked as it arrives, the
+    # sender banned for the session, nothing stored.
+    for i in range(n):
+        bad = bytearray(view.chunks[i])
+        bad[100] ^= 0xFF
+        code, body = push(i, bad)
+        if code == 200:
+            assert body == {"stored": False}
+            break
+        assert body.get("error") == "held or being fetched", body
+    else:
+        pytest.fail("no chunk left to push a bad copy of")
+    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 1
+    assert "peer banned" in r0.log()
+    assert push(0, view.chunks[0])[0] in (403, 409)  # banned: no longer a peer of r0
+    wait_for(lambda: held(cluster).get("r0") == [1], 60, "r0 to hold version 1 (from the trainer)",
+             detail=lambda: held(cluster))
+    check_store(r0, m)
