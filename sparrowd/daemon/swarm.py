@@ -1054,6 +1054,7 @@ class Swarm:
                     return
                 if r.status != 200:
                     return
+                yield None  # served: what follows is the chunk
                 async for piece in r.content.iter_chunked(PIECE):
                     yield piece
 
@@ -1062,18 +1063,23 @@ class Swarm:
     async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool) -> bool:
         """One stream of a chunk from ``ps``, asked for (``_fetch``) or pushed (``handle_push``): each
         block checked as it arrives, the chunk served on cut-through once a block has checked out (and
-        pushed on), stored once whole. ``whole``: the sender holds it whole, so a failed stream counts
-        against it; a stream fed by a fetch in progress there may be cut without its fault. The caller
-        has registered it in ``inflight``. Whether it stored the chunk."""
+        pushed on), stored once whole. ``pieces`` yields None once the stream is served (nothing
+        before: refused), then the bytes. ``whole``: the sender holds it whole, so a failed or short
+        stream counts against it; a stream fed by a fetch in progress there (or pushed) may be cut
+        without its fault. The caller has registered it in ``inflight``. Whether it stored the chunk."""
         key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
         buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
         if buf.hashes is not None and self._relays_partials():
             self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
+        served = False
         try:
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
+                    if piece is None:
+                        served = True
+                        continue
                     first = buf.ready == 0
                     buf.feed(piece)  # each block checked as it completes
                     if first and buf.ready and self.partials.get(key) is buf:
@@ -1083,10 +1089,12 @@ class Swarm:
                     delay = self.down.take(time.monotonic(), len(piece))
                     if delay:
                         await asyncio.sleep(delay)
-            if buf.got < ref.size:
-                if buf.got:  # the stream ended early, cleanly: as a cut one
-                    raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")
-                return False  # refused (choked, not held, not taken): the picker goes on
+            if not served:
+                return False  # refused (choked, not held): the picker goes on
+            if buf.got < ref.size:  # ended early, cleanly
+                if whole:
+                    raise IntegrityError(f"{buf.what}: {buf.got} of its {ref.size} bytes")
+                raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")  # as a cut stream
             data = buf.buf
             self.daemon.count_bytes("down", buf.got, wan)
             if index in vs.have:
@@ -1270,7 +1278,8 @@ def _superseed(chunks: int) -> SuperSeed:
 
 
 async def _body(request: web.Request):
-    """A request's body in pieces, as an async generator (``_receive`` closes what it reads)."""
+    """A request's body in pieces, as ``_receive`` reads them (an async generator, which it closes)."""
+    yield None
     async for piece in request.content.iter_chunked(PIECE):
         yield piece
 
