@@ -645,8 +645,9 @@ class Sim:
         known = [k.node for k in y.known.values() if not k.node.trainer and k.node.alive]
         views = [PushPeer(z.id, z.rname, c in z.have or bool(z.fetching.get(c))) for z in known]
         heads = push_heads(y.rname, ((z.id, z.rname) for z in known), self.region_sizes)
+        idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
-                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]))
+                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle)
         sent[0] += len(near)
         sent[1] += len(far)
         targets = [self.by_id[i] for i in near + far]

@@ -111,6 +111,7 @@ SEED_SINGLE_FROM = 4  # ...but one, once this many peers keep its upload slots b
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
+PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it
 
 
 class NotYet(SparrowError):
@@ -152,7 +153,8 @@ class PeerState:
     quick: int = 0  # exchange replies in a row that came back early with nothing new
     stalled: bool = False  # designated to bring chunks across and did not: left out until it delivers
     held: int = 0  # chunks its have maps showed while partial, all versions (``count_on``)
-    pushing: dict[Key, set[int]] = field(default_factory=dict)  # chunks it said it is pushing to this node
+    pushing: dict[Key, set[int]] = field(default_factory=dict)  # chunks it said it is pushing to this node...
+    pushing_at: float = 0.0  # ...in the reply taken then (a claim kept for PUSH_CLAIM seconds at most)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
 
@@ -238,6 +240,8 @@ class Swarm:
         else:
             self._uploads = {lane: asyncio.Semaphore(RELAY_CONCURRENT) for lane in (False, True)}
         self._waiting = {False: 0, True: 0}  # chunk requests waiting, by lane (a relay admits while few do)
+        self._busy = {False: 0, True: 0}  # uploads being sent, by lane
+        self._spawned = {False: 0, True: 0}  # pushes started that have not taken their slot yet
         self._told_choked = {False: False, True: False}  # a peer heard "choked" for the lane since it had room
         self.error: str | None = None
         # After a chunk could not be stored (a full disk), fetching pauses, longer each time in a row,
@@ -719,10 +723,14 @@ class Swarm:
             async with self._uploads[lane]:
                 self._waiting[lane] -= 1
                 waiting = False
-                if self.signer is None and self._waiting[lane] == QUEUE_ADMIT - 1 and self._told_choked[lane]:
-                    self._told_choked[lane] = False
-                    await self.notify()  # the lane has room again: peers told "choked" learn it now
-                yield
+                self._busy[lane] += 1
+                try:
+                    if self.signer is None and self._waiting[lane] == QUEUE_ADMIT - 1 and self._told_choked[lane]:
+                        self._told_choked[lane] = False
+                        await self.notify()  # the lane has room again: peers told "choked" learn it now
+                    yield
+                finally:
+                    self._busy[lane] -= 1
         finally:
             if waiting:
                 self._waiting[lane] -= 1
@@ -919,6 +927,7 @@ class Swarm:
             ps.have[k] = have
             ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
             ps.pushing[k] = {i for i in from_bitmap(e["pushing"]) if i in vs.chunks} if e.get("pushing") else set()
+            ps.pushing_at = now
             for i in have:
                 self.available_since.setdefault((k, i), now)
         for k in list(ps.have):
@@ -991,7 +1000,7 @@ class Swarm:
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
-                for i in p.pushing.get(k, ()):
+                for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM else ():
                     if i in inflight:
                         inflight[i].add(p.node_id)
             since = {i: self.available_since.get((k, i), now) for i in missing}
@@ -1177,13 +1186,16 @@ class Swarm:
         m = self.daemon.membership
         heads = push_heads(self.daemon.settings.region, ((p.node_id, p.region) for p in rollouts),
                            m.state.regions if m is not None else {})
+        idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
+                     for lane in (False, True))
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
-                                 local=local, cross=cross, sent=(sent[0], sent[1]))
+                                 local=local, cross=cross, sent=(sent[0], sent[1]), idle=idle)
         sent[0] += len(near)
         sent[1] += len(far)
         for pid in near + far:
             done.add(pid)
             self.pushing_to.setdefault(pid, {}).setdefault(k, set()).add(index)
+            self._spawned[pid in far] += 1  # its slot, kept from the next decision until the task takes it
             task = asyncio.create_task(self._push_to(self.peers[pid], vs, index), name=f"push-{k.tag}-{index}")
             self._pushing.add(task)
             task.add_done_callback(self._pushing.discard)
@@ -1196,6 +1208,7 @@ class Swarm:
         wan = ps.region != self.daemon.settings.region
         size = vs.chunks[index].size
         outcome = "failed"
+        self._spawned[wan] -= 1
         try:
             async with self._upload_slot(wan):
                 if index in vs.have:
@@ -1245,8 +1258,10 @@ class Swarm:
             why = "not a peer of this node"
         elif vs is None or i not in vs.chunks or vs.blocks.get(i) is None:
             why = "no signed block hashes for that chunk here yet"
-        elif i in vs.have or (key, i) in self.inflight:
-            why = "held or being fetched"
+        elif i in vs.have:
+            why = "held"
+        elif (key, i) in self.inflight:
+            why = "being fetched"
         elif key not in self.wanted():
             why = "not wanted"
         elif time.monotonic() < self.store_paused_until or len(self._taking) >= PUSHES_TAKEN:

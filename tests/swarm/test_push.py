@@ -73,3 +73,12 @@ def test_parse_push(text, want):
 def test_parse_push_refuses_what_is_not_two_small_counts(text):
     with pytest.raises(ValueError, match="push"):
         parse_push(text)
+
+
+def test_pushes_take_only_the_upload_slots_requests_leave_idle():
+    h = heads()
+    near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(1, 0))
+    assert len(near) == 1 and far == []
+    near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 2))
+    assert near == [] and len(far) == 2
+    assert push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 0)) == ([], [])
