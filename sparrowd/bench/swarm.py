@@ -207,7 +207,9 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
           f"{os.cpu_count()} CPUs")
     print(f"   emulated links: trainer uplink {format_bytes(rates['trainer'])}/s, node uplinks "
           f"{format_bytes(rates['node'])}/s, cross-region uploads {format_bytes(rates['wan'])}/s per node; "
-          f"between regions {rtt * 1000:.0f} ms RTT and {format_bytes(rates['link'])}/s per direction")
+          f"between regions {rtt * 1000:.0f} ms RTT and {format_bytes(rates['link'])}/s per direction; relays "
+          + ("cut-through" if cut_through else "store-and-forward")
+          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only"))
     patches = []
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
@@ -315,5 +317,5 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         print(f"   {name:<40} {value:6.2f}  {'<=' if at_most else '>='} {limit:<4} {'PASS' if ok else 'MISS'}")
     if json_path:
         write_json(json_path, {"versions": results, "star": star_row, "nodes": nodes,
-                               "regions": regions, "rates": rates, "rtt": rtt})
+                               "regions": regions, "rates": rates, "rtt": rtt, "push": list(push)})
     return 0

@@ -677,15 +677,21 @@ class Swarm:
         trainer has one lane: its choker and super-seeding decide whom it serves."""
         return self.signer is None and remote.region != self.daemon.settings.region
 
-    async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
+    def _chunk_request(self, request: web.Request) -> tuple[Key, int, Remote] | web.Response:
+        """``/v1/swarm/chunk/{key}/{index}``'s object, chunk and peer, or the refusal to send."""
         try:
             key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
         except ValueError:
             return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
                                      status=400)
         remote = self._admit(request)
-        if isinstance(remote, web.Response):
-            return remote
+        return remote if isinstance(remote, web.Response) else (key, i, remote)
+
+    async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
+        asked = self._chunk_request(request)
+        if isinstance(asked, web.Response):
+            return asked
+        key, i, remote = asked
         vs = self.versions.get(key)
         source: Path | Partial | None = None
         if vs is not None and i in vs.have:
@@ -1241,14 +1247,10 @@ class Swarm:
         for a chunk it wants, neither holds nor fetches, and can check block by block against the
         trainer's signed hashes; then received as if fetched (``_receive``), so it is relayed on at
         once. A bad block bans the sender, as for a chunk asked for."""
-        try:
-            key, i = Key.parse(request.match_info["key"]), int(request.match_info["index"])
-        except ValueError:
-            return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
-                                     status=400)
-        remote = self._admit(request)
-        if isinstance(remote, web.Response):
-            return remote
+        asked = self._chunk_request(request)
+        if isinstance(asked, web.Response):
+            return asked
+        key, i, remote = asked
         ps = self.peers.get(remote.node_id)
         vs = self.versions.get(key)
         why = None
