@@ -1278,13 +1278,14 @@ class Swarm:
         self.inflight.setdefault((key, i), {})[ps.node_id] = task
         self.asked_at.setdefault((key, i), time.monotonic())
         self._taking.add(task)
-        try:
-            await asyncio.wait({task})
+        try:  # as long as a fetch of it may take; a stalled push makes way for a request
+            await asyncio.wait({task}, timeout=5.0 + vs.chunks[i].size / MIN_RATE)
         finally:
             self._taking.discard(task)
-            if not task.done():  # this handler was cancelled (the sender hung up)
+            if not task.done():  # it stalled, or this handler was cancelled (the sender hung up)
                 task.cancel()
-        stored = not task.cancelled() and task.result()
+                await asyncio.wait({task})
+        stored = not task.cancelled() and task.exception() is None and task.result()
         if stored:
             self.pushes["received"] += 1
         return web.json_response({"stored": bool(stored)})
