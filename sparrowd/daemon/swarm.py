@@ -744,11 +744,11 @@ class Swarm:
             if waiting:
                 self._waiting[lane] -= 1
 
-    async def _paced(self, source: Path | Partial, wan: bool):
+    async def _paced(self, source: Path | Partial, wan: bool, first: int = PIECE):
         """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
         when they come from a chunk still arriving."""
         relayed = isinstance(source, Partial)
-        async for piece in _pieces(source):
+        async for piece in _pieces(source, first):
             if relayed:
                 self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
             now = time.monotonic()
@@ -1233,7 +1233,9 @@ class Swarm:
                 else:
                     return  # its fetch failed while this push waited for a slot
                 async with self._session.post(
-                        f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}", data=self._paced(source, wan),
+                        f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
+                        # a first piece of one block: what a push declined at once has cost the limits
+                        data=self._paced(source, wan, first=vs.block or PIECE),
                         headers={"Content-Type": "application/octet-stream", **self._proof_for(ps)},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
                     await r.read()
@@ -1325,20 +1327,22 @@ class _Cut(Exception):
     """The fetch a cut-through stream was fed by failed."""
 
 
-async def _pieces(source: Path | Partial):
-    """A chunk's bytes in pieces of at most ``PIECE``: from its file, or from a fetch in progress
-    as its blocks check out (``_Cut`` if that fetch fails first)."""
+async def _pieces(source: Path | Partial, first: int = PIECE):
+    """A chunk's bytes in pieces of at most ``PIECE`` (the first of at most ``first``): from its file,
+    or from a fetch in progress as its blocks check out (``_Cut`` if that fetch fails first)."""
     if isinstance(source, Path):
         with open(source, "rb") as f:
-            while piece := f.read(PIECE):
+            piece = f.read(first)
+            while piece:
                 yield piece
+                piece = f.read(PIECE)
         return
     mv, sent = memoryview(source.buf), 0
     while sent < source.size:
         await source.wait(sent)
         if source.failed:
             raise _Cut()
-        end = source.ready
+        end = min(source.ready, first) if sent == 0 else source.ready
         for o in range(sent, end, PIECE):
             yield mv[o : min(o + PIECE, end)]
         sent = end
