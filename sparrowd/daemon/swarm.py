@@ -1272,6 +1272,15 @@ class Swarm:
             return "busy"
         return None
 
+    def _unstarted(self, key: Key, i: int) -> asyncio.Task | None:
+        """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet."""
+        tasks = self.inflight.get((key, i), {})
+        part = self.partials.get((key, i))
+        if len(tasks) != 1 or part is None or part.got:
+            return None
+        (t,) = tasks.values()
+        return None if t in self._taking else t
+
     async def handle_push(self, request: web.Request) -> web.Response:
         """A chunk a peer sends unasked (``_push_to``): taken only from a rollout peer this node knows,
         for a chunk it wants, neither holds nor fetches, and can check block by block against the
@@ -1283,6 +1292,12 @@ class Swarm:
         key, i, remote = asked
         ps = self.peers.get(remote.node_id)
         why = self._declines(key, i, ps)
+        if why == "being fetched" and (pull := self._unstarted(key, i)) is not None:
+            # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes
+            # the request's place (a push declined for it held the pusher's slot for nothing).
+            pull.cancel()
+            await asyncio.wait({pull})
+            why = self._declines(key, i, self.peers.get(remote.node_id))
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and time.monotonic() < give_up:
             # The push outran the trainer's announcement (the pusher had it first): wait a moment.
