@@ -3,17 +3,19 @@ only when it can check it, bit for bit."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import numpy as np
 import pytest
+from aiohttp import web
 
 from sparrowd.bench.swarm import _write_patch
 from sparrowd.codec.patchfile import parse_patch
 from tests.daemon.harness import Member, get, wait_for
-from tests.daemon.patches import check_store, held, publish
-from tests.daemon.test_swarm import metric
+from tests.daemon.patches import check_store, held, manifests, publish, write_chain
+from tests.daemon.test_swarm import hostile_peer, metric
 
 pytestmark = pytest.mark.slow
 
@@ -108,3 +110,32 @@ def test_a_push_is_taken_only_when_it_can_be_checked_and_a_bad_one_bans_its_send
     wait_for(lambda: held(cluster).get("r0") == [1], 60, "r0 to hold version 1 (from the trainer)",
              detail=lambda: held(cluster))
     check_store(r0, m)
+
+
+def test_a_push_takes_the_place_of_a_request_that_has_had_no_byte_back(cluster, tmp_path):
+    # A peer that claims every chunk and holds the requests it gets without answering: the node's
+    # request to it for a chunk has had no byte back when another member pushes that chunk, so the
+    # push is taken (the request is dropped) instead of declined as "being fetched".
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    view = parse_patch(paths[0].read_bytes())
+    cluster.trainer(extra=("--upload-rate", "64K"))
+    publish(cluster, paths[0])
+    pusher = Member(cluster, "p1", "eu")
+
+    async def silent(request, i, data):
+        await asyncio.sleep(60)
+        return web.Response(body=data)
+
+    with hostile_peer(cluster, paths[0], silent) as asked:
+        honest = cluster.rollout("honest", "eu", extra=("--push", "off"))
+        wait_for(lambda: asked, 20, "the node to ask the silent peer for a chunk")
+        i = asked[0]
+        code, body = get(f"{honest.url}/v1/swarm/chunk/1/{i}", None, method="POST", data=bytes(view.chunks[i]),
+                         headers={**pusher.headers("honest"), "Content-Type": "application/octet-stream"}, timeout=30)
+        assert (code, json.loads(body)) == (200, {"stored": True})
+        assert pushes(honest, cluster.token, "received") == 1
+        pusher.renew()
+        wait_for(lambda: held(cluster).get("honest") == [1], 60, "the node to complete the version",
+                 detail=lambda: held(cluster))
+        check_store(honest, m)
