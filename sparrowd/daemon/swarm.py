@@ -217,10 +217,10 @@ class Swarm:
         self.available_since: dict[tuple[Key, int], float] = {}
         self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
-        self.pushed: dict[Key, dict[int, tuple[list[int], set[str]]]] = {}  # per chunk: pushes sent, and to whom
+        self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
         self._pushing: set[asyncio.Task] = set()  # pushes being sent
-        self.pushing_to: dict[str, dict[Key, set[int]]] = {}  # per peer: chunks being pushed to it (its exchange
+        self.pushing_to: set[tuple[str, Key, int]] = set()  # (peer, object, chunk) being pushed (its exchange
         # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
         self._taking: set[asyncio.Task] = set()  # pushes being received
         self.picker = Picker(daemon.node_id, daemon.settings.region)
@@ -628,7 +628,7 @@ class Swarm:
             n = len(vs.chunks)
             e = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
                  "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
-            if pushing := self.pushing_to.get(remote.node_id, {}).get(k):
+            if pushing := {i for (p, o, i) in self.pushing_to if p == remote.node_id and o == k}:
                 e["pushing"] = to_bitmap(pushing, n)
             out.append(e)
         if self.signer is None or self._wants(remote):
@@ -1193,7 +1193,7 @@ class Swarm:
         if self.signer is not None or not (local or cross) or self._closing:
             return
         k = vs.key
-        sent, done = self.pushed.setdefault(k, {}).setdefault(index, ([0, 0], set()))
+        done = self.pushed.setdefault(k, {}).setdefault(index, {})
         now = time.monotonic()
         rollouts = [p for p in self.peers.values() if p.role != "trainer"]
         views = [PushPeer(p.node_id, p.region, p.node_id in done or now < p.cooldown_until
@@ -1204,13 +1204,12 @@ class Swarm:
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
-                                 local=local, cross=cross, sent=(sent[0], sent[1]), idle=idle)
-        sent[0] += len(near)
-        sent[1] += len(far)
+                                 local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
+                                 idle=idle)
         for pid in near + far:
-            done.add(pid)
-            self.pushing_to.setdefault(pid, {}).setdefault(k, set()).add(index)
-            self._spawned[pid in far] += 1  # its slot, kept from the next decision until the task takes it
+            done[pid] = pid in far
+            self.pushing_to.add((pid, k, index))
+            self._spawned[done[pid]] += 1  # its slot, kept from the next decision until the task takes it
             task = asyncio.create_task(self._push_to(self.peers[pid], vs, index), name=f"push-{k.tag}-{index}")
             self._pushing.add(task)
             task.add_done_callback(self._pushing.discard)
@@ -1243,18 +1242,14 @@ class Swarm:
         except (_Cut, aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         finally:
-            mine = self.pushing_to.get(ps.node_id, {})
-            mine.get(vs.key, set()).discard(index)
-            if not mine.get(vs.key, True):
-                del mine[vs.key]
-            if not mine:
-                self.pushing_to.pop(ps.node_id, None)
+            self.pushing_to.discard((ps.node_id, vs.key, index))
         self.pushes[outcome] += 1
         if outcome == "taken":
             self.daemon.count_bytes("up", size, wan)
 
-    def _declines(self, key: Key, i: int, ps: PeerState | None) -> str | None:
-        """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not."""
+    def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
+        """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:
+        it is to take the place of the request out for the chunk)."""
         vs = self.versions.get(key)
         if self.signer is not None:
             return "the trainer takes no pushes"
@@ -1264,7 +1259,7 @@ class Swarm:
             return NO_HASHES
         if i in vs.have:
             return "held"
-        if (key, i) in self.inflight:
+        if (key, i) in self.inflight and not replacing:
             return "being fetched"
         if key not in self.wanted():
             return "not wanted"
@@ -1272,11 +1267,12 @@ class Swarm:
             return "busy"
         return None
 
-    def _unstarted(self, key: Key, i: int) -> asyncio.Task | None:
-        """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet."""
+    def _unstarted(self, key: Key, i: int, pusher: str) -> asyncio.Task | None:
+        """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet and it went
+        to another peer than ``pusher``."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
-        if len(tasks) != 1 or part is None or part.got:
+        if len(tasks) != 1 or part is None or part.got or pusher in tasks:
             return None
         (t,) = tasks.values()
         return None if t in self._taking else t
@@ -1292,12 +1288,11 @@ class Swarm:
         key, i, remote = asked
         ps = self.peers.get(remote.node_id)
         why = self._declines(key, i, ps)
-        if why == "being fetched" and (pull := self._unstarted(key, i)) is not None:
-            # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes
-            # the request's place (a push declined for it held the pusher's slot for nothing).
-            pull.cancel()
-            await asyncio.wait({pull})
-            why = self._declines(key, i, self.peers.get(remote.node_id))
+        # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes the
+        # request's place (declined, it held the pusher's slot for a round trip for nothing).
+        pull = self._unstarted(key, i, remote.node_id) if why == "being fetched" else None
+        if pull is not None:
+            why = self._declines(key, i, ps, replacing=True)
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and time.monotonic() < give_up:
             # The push outran the trainer's announcement (the pusher had it first): wait a moment.
@@ -1308,6 +1303,9 @@ class Swarm:
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
         ps, vs = self.peers[remote.node_id], self.versions[key]
+        if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
+            del self.partials[(key, i)]  # the request's: nothing served from it (no block had checked out)
+            pull.cancel()
         ps.inflight += 1
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False),
                                    name=f"pushed-{key.tag}-{i}")

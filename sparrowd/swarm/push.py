@@ -55,7 +55,7 @@ DEFAULT_PUSH = (2, 2)  # (local, cross) pushes a relay sends of each chunk (``--
 class PushPeer:
     node_id: str
     region: str
-    has: bool  # holds or fetches the chunk, or was pushed it, as far as this node knows
+    has: bool  # holds or fetches the chunk, or was pushed it, as far as this node knows (or is not to be pushed to)
 
 
 def push_targets(tag: int | str, index: int, me: str, region: str, peers: Iterable[PushPeer],
