@@ -85,7 +85,13 @@ class FolderKeeper:
         if version is not None or state == "empty":
             self.version = version
         self.state = state
-        self.swarm.current_floor = -1 if self.version is None or self._need_anchor else self.version
+        floor = -1 if self.version is None or self._need_anchor else self.version
+        moved = floor > (self.swarm.current_floor if self.swarm.current_floor is not None else -1)
+        self.swarm.current_floor = floor
+        if moved:
+            # What only the folder still held back goes now, not at the next version: a late box
+            # that took older objects' statements while its folder was empty kept them until then.
+            self.swarm.retire()
         self.daemon.report_changed()
 
     async def run(self) -> None:

@@ -399,7 +399,7 @@ class Swarm:
                   base_version=vs.base_version)
         return new
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every
         patch after it. Of what is not complete, what this node will never want goes too."""
         known = [k.version for k, vs in self.versions.items() if k.anchor and vs.manifest is not None]
@@ -484,7 +484,7 @@ class Swarm:
             self.daemon.tracker.table.set_latest_version(max(m.version, latest or 0))
         event(log, logging.INFO, "anchor published" if key.anchor else "version published", version=m.version,
               chunks=len(m.chunks), bytes=m.patch_bytes, base_version=m.base_version)
-        self._retire()
+        self.retire()
         await self.notify()
         return {"version": m.version, "anchor": key.anchor, "chunks": len(m.chunks), "new": True}
 
@@ -1148,7 +1148,7 @@ class Swarm:
             if vs.complete:
                 event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
                       chunks=vs.total, position=self.position())
-                self._retire()
+                self.retire()
                 self.daemon.report_changed()
             self._push_out(vs, index)  # tops up what was pushed from the partial (peers that lack it since)
             await self.notify()
