@@ -254,10 +254,10 @@ class Sim:
         self.nodes = [self.trainer] + [Node(i + 1, f"n{i}-r{i % r}", i % r, False, cfg, self.rng)
                                        for i in range(cfg.nodes)]
         self.by_id = {n.id: n for n in self.nodes}
+        # Each region's heads, as the tracker names them in a renewal's reply (push_heads): set at
+        # join, less the nodes that leave (the pushers learn of replacements only at their renewals).
+        self.heads: dict[str, list[str]] = {}
         self._join()
-        # Live rollouts per region, as the tracker counts them in a renewal's reply (push_heads).
-        self.region_sizes: dict[str, int] = {}
-        self.count_regions()
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
         self.flows: list[Req] = []
         self.f_src = np.zeros(1024, np.int64)
@@ -296,6 +296,7 @@ class Sim:
                 n.known.setdefault(m.id, Known(m))
                 m.known.setdefault(n.id, Known(n))
         self.table = table
+        self.heads = {r: [n.node_id for n in hs] for r, hs in table.all_heads(0.0).items()}
 
     # ------------------------------------------------------------ events
 
@@ -643,8 +644,9 @@ class Sim:
             return  # (called once its first block checked out, or once whole)
         sent = y.pushed.setdefault(c, [0, 0])
         known = [k.node for k in y.known.values() if not k.node.trainer and k.node.alive]
+        heads = push_heads(y.rname, y.id, (z.id for z in known), self.heads)
+        known += [z for hs in heads.values() for h in hs if h not in y.known and (z := self.by_id[h]).alive]
         views = [PushPeer(z.id, z.rname, c in z.have or bool(z.fetching.get(c))) for z in known]
-        heads = push_heads(y.rname, ((z.id, z.rname) for z in known), self.region_sizes)
         idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
                                  cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle)
@@ -666,12 +668,6 @@ class Sim:
             y.queue[self.lane(y, z)].append(r)
         if targets:
             self.start_uploads(y)
-
-    def count_regions(self) -> None:
-        self.region_sizes = {}
-        for z in self.nodes[1:]:
-            if z.alive:
-                self.region_sizes[z.rname] = self.region_sizes.get(z.rname, 0) + 1
 
     def tell(self, y: Node, c: int, have: bool = True) -> None:
         """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer
@@ -786,7 +782,8 @@ class Sim:
                 later = 0.0 if k.node.trainer else self.rng.random() * renew_interval(DEFAULT_TTL)
                 self.at(self.now + later, self.forget, k.node, g)
                 self.at(self.now + self.owd(g, k.node), self.hung_up, k.node, g)
-        self.count_regions()
+        gone_ids = {g.id for g in gone}
+        self.heads = {r: [h for h in hs if h not in gone_ids] for r, hs in self.heads.items()}
 
     def hung_up(self, z: Node, g: Node) -> None:
         """z's long poll to g failed (g's daemon stopped): g is not counted on to cross."""

@@ -32,7 +32,7 @@ import aiohttp
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
 from ..swarm.identity import NodeKey, Refused, SessionKey, SessionUnknown, seal, seal_session
-from ..swarm.leases import DEFAULT_PEER_LIMIT, LeaseGone
+from ..swarm.leases import DEFAULT_PEER_LIMIT, GATEWAYS, LeaseGone
 from .bodies import read_limited
 from .logs import event
 from .tracker import TrackerService
@@ -51,6 +51,7 @@ log = logging.getLogger("sparrowd.membership")
 
 MSGPACK = "application/msgpack"
 MAX_TRACKER_MESSAGE = 256 << 10
+MAX_REGIONS = 256  # regions whose heads a reply may name (more are dropped)
 
 
 class TrackerUnavailable(SparrowError):
@@ -170,7 +171,8 @@ class LeaseState:
     expires_at: float | None = None  # time.monotonic() on this node
     peers: list[dict] = field(default_factory=list)
     gateways: list[str] = field(default_factory=list)  # a large region's crossers (LeaseTable.gateways)
-    regions: dict[str, int] = field(default_factory=dict)  # rollouts per region (LeaseTable.region_sizes)
+    heads: dict[str, list[dict]] = field(default_factory=dict)  # each region's heads' entries (LeaseTable.heads)
+    heads_tag: bytes | None = None  # their digest, echoed in renewals (the tracker resends them on a change)
     revoked: frozenset[str] = frozenset()  # credential ids the trainer revoked: refused at this node's door
     tracker_reachable: bool = False
     joins: int = 0
@@ -228,6 +230,10 @@ class Membership:
         for p in self.state.peers:
             if p.get("node_id") == node_id:
                 return p
+        for es in self.state.heads.values():  # the heads push across regions to each other (swarm.push)
+            for e in es:
+                if e["node_id"] == node_id:
+                    return e
         at, entry = self.members.get(node_id, (0.0, None))
         return entry if time.monotonic() - at < self.PEER_REFRESH else None  # then asked again
 
@@ -256,9 +262,14 @@ class Membership:
                 self.peers_changed.set()
             s.peers = peers
             s.gateways = [g for g in reply.get("gateways") or [] if isinstance(g, str)][:64]
-            regions = reply.get("regions")
-            s.regions = {r: n for r, n in list(regions.items())[:256] if isinstance(r, str) and isinstance(n, int)} \
-                if isinstance(regions, dict) else {}
+            heads = reply.get("heads")
+            if isinstance(heads, dict):
+                s.heads = {r: [e for e in es[:GATEWAYS] if isinstance(e, dict) and isinstance(e.get("node_id"), str)]
+                           for r, es in list(heads.items())[:MAX_REGIONS]
+                           if isinstance(r, str) and isinstance(es, list)}
+            if isinstance(heads, dict) or reply.get("heads_tag") is None:
+                tag = reply.get("heads_tag")
+                s.heads_tag = tag if isinstance(tag, bytes) else None
             self._peers_at = time.monotonic()
         for m in reply.get("members") or []:
             if isinstance(m, dict) and isinstance(m.get("node_id"), str):
@@ -313,6 +324,8 @@ class Membership:
                "want_peers": want}
         if asking:
             msg["ask"] = asking
+        if want and self.state.heads_tag is not None:
+            msg["heads_seen"] = self.state.heads_tag
         if self._secret is not None:
             try:
                 self._take(await self.client.renew(seal_session(self._secret, "renew", msg)), sent)

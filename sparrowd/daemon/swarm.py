@@ -203,6 +203,7 @@ class Swarm:
         self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
         self.banned: set[str] = set()
+        self.contacts: dict[str, PeerState] = {}  # other regions' heads met only through pushes (``_peer``)
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
         self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
         self.lies = 0  # chunks peers advertised and did not serve
@@ -1196,11 +1197,15 @@ class Swarm:
         done = self.pushed.setdefault(k, {}).setdefault(index, {})
         now = time.monotonic()
         rollouts = [p for p in self.peers.values() if p.role != "trainer"]
-        views = [PushPeer(p.node_id, p.region, p.node_id in done or now < p.cooldown_until
-                          or index in p.have.get(k, ()) or index in p.fetching.get(k, ())) for p in rollouts]
         m = self.daemon.membership
-        heads = push_heads(self.daemon.settings.region, ((p.node_id, p.region) for p in rollouts),
-                           m.state.regions if m is not None else {})
+        named = {r: [e["node_id"] for e in es] for r, es in (m.state.heads if m is not None else {}).items()}
+        heads = push_heads(self.daemon.settings.region, self.daemon.node_id, (p.node_id for p in rollouts), named)
+        # Other regions' heads this node does not peer with (it is a head): pushed to without a view of
+        # what they hold, so a push there may be declined at its first block.
+        rollouts += [c for hs in heads.values() for h in hs if h not in self.peers and (c := self._peer(h)) is not None]
+        views = [PushPeer(p.node_id, p.region, p.node_id in done or p.node_id in self.banned
+                          or now < p.cooldown_until or index in p.have.get(k, ()) or index in p.fetching.get(k, ()))
+                 for p in rollouts]
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
@@ -1210,7 +1215,7 @@ class Swarm:
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
             self._spawned[done[pid]] += 1  # its slot, kept from the next decision until the task takes it
-            task = asyncio.create_task(self._push_to(self.peers[pid], vs, index), name=f"push-{k.tag}-{index}")
+            task = asyncio.create_task(self._push_to(self._peer(pid), vs, index), name=f"push-{k.tag}-{index}")
             self._pushing.add(task)
             task.add_done_callback(self._pushing.discard)
 
@@ -1244,8 +1249,28 @@ class Swarm:
         finally:
             self.pushing_to.discard((ps.node_id, vs.key, index))
         self.pushes[outcome] += 1
+        event(log, logging.DEBUG, "pushed a chunk", peer=ps.node_id, object=str(vs.key), index=index, outcome=outcome,
+              contact=ps.node_id not in self.peers)  # contact: a head of another region this node does not peer with
         if outcome == "taken":
             self.daemon.count_bytes("up", size, wan)
+
+    def _peer(self, node_id: str) -> PeerState | None:
+        """A peer's state, or for a head of another region this node does not peer with (heads push
+        to each other across regions), a contact's: no exchanges with it, only pushes."""
+        if (ps := self.peers.get(node_id)) is not None:
+            return ps
+        m = self.daemon.membership
+        for es in (m.state.heads if m is not None else {}).values():
+            for e in es:
+                if e["node_id"] == node_id and e.get("role") == "rollout" and node_id not in self.banned:
+                    c = self.contacts.get(node_id)
+                    if c is None or c.address != e.get("address"):
+                        if len(self.contacts) > 1024:  # heads of regions long gone
+                            self.contacts.clear()
+                        c = self.contacts[node_id] = PeerState(node_id, str(e.get("address")), str(e.get("region")),
+                                                               "rollout")
+                    return c
+        return None
 
     def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
         """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:
@@ -1286,7 +1311,7 @@ class Swarm:
         if isinstance(asked, web.Response):
             return asked
         key, i, remote = asked
-        ps = self.peers.get(remote.node_id)
+        ps = self._peer(remote.node_id)
         why = self._declines(key, i, ps)
         # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes the
         # request's place (declined, it held the pusher's slot for a round trip for nothing).
@@ -1297,12 +1322,12 @@ class Swarm:
         while why == NO_HASHES and time.monotonic() < give_up:
             # The push outran the trainer's announcement (the pusher had it first): wait a moment.
             await self.changed(self.gen, give_up - time.monotonic())
-            why = self._declines(key, i, self.peers.get(remote.node_id))
+            why = self._declines(key, i, self._peer(remote.node_id))
         if why is not None:
             self.pushes["declined"] += 1
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
-        ps, vs = self.peers[remote.node_id], self.versions[key]
+        ps, vs = self._peer(remote.node_id), self.versions[key]
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             del self.partials[(key, i)]  # the request's: nothing served from it (no block had checked out)
             pull.cancel()

@@ -21,7 +21,15 @@ from collections.abc import Callable
 from ..errors import FormatError, InputError
 from ..schema import Bool, Bytes, Int, List, Map, NonNegInt, Num, Opt, Str, fields
 from ..swarm.identity import Credential, CredentialBook, Identities, Refused, open_sealed, open_session_sealed
-from ..swarm.leases import MAX_VERSIONS_REPORTED, LeaseGone, LeaseTable, Node, check_name, renew_interval
+from ..swarm.leases import (
+    MAX_VERSIONS_REPORTED,
+    LeaseGone,
+    LeaseTable,
+    Node,
+    check_name,
+    heads_tag,
+    renew_interval,
+)
 from .logs import event
 
 __all__ = ["TrackerService", "JOIN", "RENEW", "LEAVE", "MAX_MESSAGE"]
@@ -49,6 +57,7 @@ RENEW = {
     "current": Opt(Map),
     "want_peers": Opt(Bool),  # false: leave the peer list out of the reply (absent: put it in)
     "ask": Opt(List),  # node ids the reply should say are members or not (``members``)
+    "heads_seen": Opt(Bytes),  # the tag of the heads the node holds: the reply leaves them out while it holds
 }
 FOLDER_STATES = ("empty", "building", "updating", "ready", "error")
 LEAVE = {"node_id": Str, "epoch": NonNegInt, "ts": Num}
@@ -101,7 +110,7 @@ class TrackerService:
                                     "credential": b.credential if b is not None else None}
         return w
 
-    def _lease_reply(self, node: Node, now: float, *, peers: bool = True) -> dict:
+    def _lease_reply(self, node: Node, now: float, *, peers: bool = True, heads_seen: bytes | None = None) -> dict:
         reply = {
             "node_id": node.node_id,
             "epoch": node.epoch,
@@ -118,7 +127,10 @@ class TrackerService:
             reply["peers"] = [self.entry(p) for p in listed]
             if gateways := self.table.gateways(node.region, now, limit=self.peer_limit):
                 reply["gateways"] = [g.node_id for g in gateways]
-            reply["regions"] = self.table.region_sizes()
+            heads = self.table.all_heads(now)  # where other regions push chunks to (swarm.push)
+            reply["heads_tag"] = tag = heads_tag(heads)
+            if tag != heads_seen:
+                reply["heads"] = {r: [self.entry(n) for n in hs] for r, hs in heads.items()}
         return reply
 
     def join(self, sealed, *, credential: Credential | None = None) -> dict:
@@ -218,7 +230,7 @@ class TrackerService:
             event(log, logging.INFO, "renewal refused", node_id=m["node_id"], epoch=m["epoch"], reason=str(e))
             raise
         self._changed()
-        reply = self._lease_reply(node, now, peers=m.get("want_peers") is not False)
+        reply = self._lease_reply(node, now, peers=m.get("want_peers") is not False, heads_seen=m.get("heads_seen"))
         if not session:
             self._session(reply, node, m["kx"])
         if ask:

@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_TTL",
     "DEFAULT_PEER_LIMIT",
     "GATEWAYS",
+    "heads_tag",
     "MAX_VERSIONS_REPORTED",
     "check_name",
 ]
@@ -270,19 +271,12 @@ class LeaseTable:
                         lambda i: n if (n := live_rollout(i)) is not None and n.region != region else None, rng)
         return trainers + same + other
 
-    def gateways(self, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT) -> list[Node]:
-        """The region's gateways when it has more rollout nodes than a peer list shows of it (``limit``
-        less the quarter kept for other regions), else none: its ``GATEWAYS`` live rollout nodes
-        with the highest score (a hash of region and node id), the same for every node of the
-        region. They head every peer list of the region and share its cross-region fetches
-        (``Picker``'s rendezvous designation among them), so that nodes that each see only a sample
-        of a large region still agree on who brings each chunk in. Without them each node counted
-        only the peers it knew, so about (region size / list size) nodes each fetched every chunk
-        across: at 1,000 nodes in 8 regions, 2.5x (R-1) x patch crossed (``sparrowd bench sim``)."""
-        region_ix = self._regions.get(region)
-        shown = limit - limit // 4
-        if region_ix is None or len(region_ix.items) <= shown:
-            return []
+    def heads(self, region: str, now: float) -> list[Node]:
+        """The region's heads: its ``GATEWAYS`` live rollout nodes with the highest score (a hash of
+        region and node id; all of them in a region of no more), the same for every asker. Other
+        regions push chunks to them (``swarm.push``): every peer list of a head names the heads of
+        every other region, and every reply names each region's heads (``all_heads``), so that a
+        pusher designates among the nodes the region itself designates among (its gateways)."""
         out = []
         for _, i in reversed(self._ranked.get(region, ())):
             n = self._nodes.get(i)
@@ -292,11 +286,23 @@ class LeaseTable:
                     break
         return out
 
-    def region_sizes(self) -> dict[str, int]:
-        """Rollout nodes per region (those not yet swept, live or lately expired), O(regions): a node
-        pushes chunks into another region only once it knows that many of its nodes
-        (``swarm.push.push_heads``), so a count on the high side only holds pushes back."""
-        return {r: len(ranked) for r, ranked in self._ranked.items() if ranked}
+    def all_heads(self, now: float) -> dict[str, list[Node]]:
+        """Every region's heads: O(regions x GATEWAYS)."""
+        return {r: hs for r in self._ranked if (hs := self.heads(r, now))}
+
+    def gateways(self, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT) -> list[Node]:
+        """The region's gateways when it has more than ``GATEWAYS`` rollout nodes, else none: its
+        heads, named to every node of the region. They head every peer list of the region and share
+        its cross-region fetches (``Picker``'s rendezvous designation among them), so that nodes that
+        each see only a sample of a large region still agree on who brings each chunk in, and so that
+        a chunk another region pushes across lands on the node the region designates for it. Without
+        them each node counted only the peers it knew, so about (region size / list size) nodes each
+        fetched every chunk across: at 1,000 nodes in 8 regions, 2.5x (R-1) x patch crossed
+        (``sparrowd bench sim``)."""
+        ranked = self._ranked.get(region)
+        if ranked is None or len(ranked) <= GATEWAYS:
+            return []
+        return self.heads(region, now)
 
     @property
     def latest_version(self) -> int | None:
@@ -392,6 +398,13 @@ class _Index:
         last = self.items.pop()
         if i < len(self.items):
             self.items[i], self._pos[last] = last, i
+
+
+def heads_tag(heads: dict[str, list[Node]]) -> bytes:
+    """A short digest of every region's heads: a renewal echoes the one it holds, and the reply
+    leaves the heads out while it still holds (they change only when a head comes or goes)."""
+    text = ";".join(f"{r}:{','.join(n.node_id for n in hs)}" for r, hs in sorted(heads.items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
 
 def _gateway_score(node: Node) -> bytes:

@@ -86,15 +86,15 @@ def push_targets(tag: int | str, index: int, me: str, region: str, peers: Iterab
     return near, far
 
 
-def push_heads(region: str, peers: Iterable[tuple[str, str]], sizes: Mapping[str, int]) -> dict[str, list[str]]:
-    """Each other region's crossers as this node can know them: its rollout peers there, for the
-    regions where it knows as many as the tracker counts (``sizes``: region -> live rollouts).
-    ``peers`` are (node id, region) of this node's rollout peers."""
-    by_region: dict[str, list[str]] = {}
-    for node_id, r in peers:
-        if r != region:
-            by_region.setdefault(r, []).append(node_id)
-    return {r: sorted(ns) for r, ns in by_region.items() if sizes.get(r) == len(ns)}
+def push_heads(region: str, me: str, peers: Iterable[str], heads: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """The other regions' heads this node pushes across to (``heads``: region -> its heads, as the
+    tracker names them, ``LeaseTable.all_heads``): all of them if ``me`` is a head of its region (every
+    node knows every head, so a head's push is admitted), else those of the regions whose every head
+    is among this node's rollout peers (``peers``, node ids; in a small swarm, every region)."""
+    if me in heads.get(region, ()):
+        return {r: sorted(hs) for r, hs in heads.items() if r != region and hs}
+    known = set(peers)
+    return {r: sorted(hs) for r, hs in heads.items() if r != region and hs and known.issuperset(hs)}
 
 
 def parse_push(text: str) -> tuple[int, int]:

@@ -56,6 +56,31 @@ def test_a_one_chunk_patch_is_pushed_on_by_the_relays(cluster, tmp_path, push):
         assert received >= 1 and taken == received, outcomes
 
 
+def test_heads_push_across_to_the_heads_of_regions_they_do_not_peer_with(cluster, tmp_path):
+    """Peer lists of one rollout each (--peer-limit 2: the trainer and one node), four regions of one
+    node: every node is its region's head, learns every region's heads from the tracker, and pushes
+    across to those it has no exchanges with; they admit it (the tracker named it to them as a head)."""
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, (256 << 10) - 4096, 256 << 10, np.random.default_rng(3))
+    m = parse_patch(path.read_bytes()).manifest
+    trainer = cluster.trainer(extra=("--upload-rate", "512K", "--peer-limit", "2"))
+    rollouts = [cluster.rollout(f"r{i}", region, extra=("--log-level", "debug"))
+                for i, region in enumerate(("eu", "us", "ap", "sa"))]
+    wait_for(lambda: len(cluster.nodes()) == 5, 15, "five nodes")
+    time.sleep(2.5)  # a renewal or two: every node holds the heads' entries
+    publish(cluster, path)
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1",
+             detail=lambda: held(cluster))
+    for d in rollouts:
+        check_store(d, m)
+        assert "peer banned" not in d.log()
+    logs = "".join(d.log() for d in rollouts)
+    assert "outcome=taken contact=True" in logs, [ln for ln in logs.splitlines() if "pushed a chunk" in ln]
+    up = sum(metric(trainer, cluster.token, f'sparrowd_bytes_total{{direction="up",region_class="{rc}"}}')
+             for rc in ("same", "other"))
+    assert up < 1.9 * m.patch_bytes, up
+
+
 def test_a_push_is_taken_only_when_it_can_be_checked_and_a_bad_one_bans_its_sender(cluster, tmp_path):
     path = tmp_path / "v1.sprw"
     _write_patch(path, 1, 8 * (64 << 10) - 4096, 64 << 10, np.random.default_rng(3))

@@ -237,3 +237,24 @@ def test_restart_from_the_persisted_state(tmp_path):
     assert [n.node_id for n in t3.expire(2015.0)] == ["b", "d"]
     t4 = table(now=2016.0, store=SqliteLeaseStore(db))
     assert [n.node_id for n in t4.live(2016.0)] == ["a"]
+
+
+def test_every_region_has_heads_and_one_of_more_than_eight_has_them_as_gateways():
+    """A region's heads are its 8 top-scored live rollouts (all of a smaller one), the same for every
+    asker: other regions push to them, and in a region of more than 8 they are its gateways too, so
+    that a pushed chunk lands on the node the region designates to bring it across."""
+    now = 1000.0
+    t = LeaseTable(15.0, now=now)
+    t.join("trainer", "trainer", "eu", "h:t", now=now)
+    for i in range(12):
+        t.join(f"e{i}", "rollout", "eu", f"h:e{i}", now=now)
+    for i in range(5):
+        t.join(f"u{i}", "rollout", "us", f"h:u{i}", now=now)
+    heads = {r: [n.node_id for n in hs] for r, hs in t.all_heads(now).items()}
+    assert sorted(heads["us"]) == [f"u{i}" for i in range(5)] and "trainer" not in heads["eu"]
+    assert len(heads["eu"]) == GATEWAYS and len(set(heads["eu"])) == GATEWAYS
+    assert [n.node_id for n in t.gateways("eu", now)] == heads["eu"] and t.gateways("us", now) == []
+    gone = heads["eu"][0]
+    t.leave(gone, t.get(gone, now).epoch, now)
+    after = [n.node_id for n in t.heads("eu", now)]
+    assert gone not in after and after[:GATEWAYS - 1] == heads["eu"][1:]  # the next in rank steps in

@@ -151,7 +151,7 @@ async def test_a_full_peer_list_is_asked_for_only_when_due_or_wanted():
 @pytest.mark.asyncio
 async def test_a_region_larger_than_a_peer_list_learns_its_gateways():
     """Every node of a large region gets the same gateways, first on its peer list: they share the
-    region's cross-region fetches. A small region has none (its nodes all know each other)."""
+    region's cross-region fetches. A region of 8 or fewer has none (its nodes all cross for it)."""
     service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
     for i in range(40):
         service.join(members.join(new_key(), f"n{i}", address=f"127.0.0.1:{i + 2}"))
@@ -167,3 +167,38 @@ async def test_a_region_larger_than_a_peer_list_learns_its_gateways():
     lone = Membership(LocalTrackerClient(service), {**me("c"), "region": "us"}, new_key(), report=dict)
     await lone._join()
     assert lone.state.gateways == []
+
+
+@pytest.mark.asyncio
+async def test_every_node_learns_every_regions_heads_and_gets_them_again_only_when_they_change():
+    """The heads (a region's 8 top-scored rollouts, all of a smaller one) are where other regions push
+    chunks: every node holds their entries, so that a head admits a push from a head it does not peer
+    with. A renewal echoes their tag, and the reply leaves them out until they change."""
+    service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=4)
+    for i in range(12):
+        service.join(members.join(new_key(), f"e{i}", address=f"127.0.0.1:{i + 2}"))
+    for i in range(3):
+        service.join(members.join(new_key(), f"u{i}", region="us", address=f"127.0.0.1:{i + 40}"))
+    replies = []
+
+    class Recording(LocalTrackerClient):
+        async def renew(self, msg):
+            replies.append(await super().renew(msg))
+            return replies[-1]
+
+    m = Membership(Recording(service), me("a"), new_key(), report=dict)
+    await m._join()
+    now = time.time()
+    want = {r: [n.node_id for n in hs] for r, hs in service.table.all_heads(now).items()}
+    assert len(want["eu"]) == 8 and sorted(want["us"]) == ["u0", "u1", "u2"]
+    assert {r: [e["node_id"] for e in es] for r, es in m.state.heads.items()} == want
+    stranger = next(u for u in want["us"] if u not in {p["node_id"] for p in m.state.peers})  # lists of 3 peers
+    assert m.member(stranger)["address"].startswith("127.0.0.1:4")
+    await m._renew()
+    assert "peers" in replies[-1] and "heads" not in replies[-1]  # the same heads: only their tag
+    assert {r: [e["node_id"] for e in es] for r, es in m.state.heads.items()} == want
+    service.join(members.join(new_key(), "u3", region="us", address="127.0.0.1:50"))
+    await m._renew()
+    assert "u3" in [e["node_id"] for e in replies[-1]["heads"]["us"]] and len(m.state.heads["us"]) == 4
+    await m._renew()
+    assert "heads" not in replies[-1]

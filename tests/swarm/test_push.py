@@ -14,8 +14,11 @@ def peers(have: set[str] = frozenset(), me: str = "e0") -> list[PushPeer]:
     return [PushPeer(n, r, n in have) for r, ns in REGIONS.items() for n in ns if n != me]
 
 
+HEADS = {"eu": ["e0", "e1", "e2", "e3"], **{r: ns for r, ns in REGIONS.items() if r != "eu"}}  # as the tracker names
+
+
 def heads(me: str = "e0") -> dict[str, list[str]]:
-    return push_heads("eu", [(p.node_id, p.region) for p in peers(me=me)], {"eu": 4, "us": 2, "ap": 3})
+    return push_heads("eu", me, [p.node_id for p in peers(me=me)], HEADS)
 
 
 def test_local_pushes_go_to_neighbours_that_lack_the_chunk_up_to_the_count():
@@ -53,14 +56,24 @@ def test_no_cross_push_where_a_node_has_it_or_its_crosser_does():
     assert all(n.startswith("u") for n in far)  # not another "ap" node in its place: that would cross twice
 
 
-def test_a_region_known_only_in_part_gets_no_cross_push():
-    # The tracker counts 5 rollouts in "ap" and this node knows 3: it cannot tell whom "ap" designates.
-    h = push_heads("eu", [(p.node_id, p.region) for p in peers()], {"eu": 4, "us": 2, "ap": 5})
+def test_a_region_whose_heads_a_node_does_not_all_know_gets_no_cross_push_unless_it_is_a_head():
+    # "ap" has 5 heads and this node knows 3 of them: it cannot tell whom "ap" designates, and "ap"'s
+    # heads may not know it (a push from a stranger is refused) ...
+    named = {**HEADS, "ap": ["a1", "a2", "a3", "a4", "a5"], "eu": ["e1", "e2"]}
+    h = push_heads("eu", "e0", [p.node_id for p in peers()], named)
     assert h == {"us": ["u1", "u2"]}
     for c in range(16):
         _, far = push_targets(5, c, "e0", "eu", peers(), h, local=0, cross=2)
         assert far == [designated(5, c, REGIONS["us"])]
     assert push_targets(5, 0, "e0", "eu", peers(), {}, local=0, cross=2) == ([], [])
+    # ... but a head of its own region knows every region's heads (the tracker names them all), and
+    # they know it: it pushes into every other region, to the head that region designates.
+    h = push_heads("eu", "e1", [], named)
+    assert h == {"us": ["u1", "u2"], "ap": ["a1", "a2", "a3", "a4", "a5"]}
+    ap = [PushPeer(f"a{i}", "ap", False) for i in range(1, 6)]
+    for c in range(16):
+        _, far = push_targets(5, c, "e1", "eu", ap, h, local=0, cross=1)
+        assert far == [designated(5, c, named["ap"])]
 
 
 @pytest.mark.parametrize("text, want", [("2,2", (2, 2)), ("1,0", (1, 0)), ("0,3", (0, 3)), ("off", (0, 0)),
