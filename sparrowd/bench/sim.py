@@ -73,11 +73,16 @@ daemons; ``off`` for pull alone): a relay that can serve a chunk (its first
 block checked out, or whole) also sends it unasked to the peers
 ``swarm.push.push_targets`` names, from what the relay knows: up to LOCAL of
 its region that neither hold nor fetch it, and the crosser of up to CROSS
-other regions where it knows nobody with the chunk, for the regions it knows
-whole. The pushed node takes the stream as if it had asked for it (its picker
-then leaves the chunk alone: the daemon's exchange reply tells it of the push
-as the push starts); a push to a node already fetching the chunk is not sent
-(a daemon declines it at once).
+other regions where it knows nobody with the chunk: the head that region
+designates (``LeaseTable.heads``), from any head, or from a node that knows
+every head of that region. The pushed node takes the stream as if it had
+asked for it (its picker then leaves the chunk alone: the daemon's exchange
+reply tells it of the push as the push starts). A push to a node already
+fetching the chunk is not sent (a daemon declines it at once), unless the
+node's one request for it has had no byte back: then the push takes the
+request's place, as on the daemons (``unstarted``; without it the simulator
+left requests queued behind a busy first holder: one chunk at 100 nodes
+1.90x the bound, against 1.66x with it).
 
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
 ``churn_at`` of the bound into the last version; their peers' requests to
@@ -646,7 +651,8 @@ class Sim:
         known = [k.node for k in y.known.values() if not k.node.trainer and k.node.alive]
         heads = push_heads(y.rname, y.id, (z.id for z in known), self.heads)
         known += [z for hs in heads.values() for h in hs if h not in y.known and (z := self.by_id[h]).alive]
-        views = [PushPeer(z.id, z.rname, c in z.have or bool(z.fetching.get(c))) for z in known]
+        views = [PushPeer(z.id, z.rname, c in z.have or (bool(z.fetching.get(c)) and self.unstarted(z, c, y) is None))
+                 for z in known]
         idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
                                  cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle)
@@ -654,6 +660,10 @@ class Sim:
         sent[1] += len(far)
         targets = [self.by_id[i] for i in near + far]
         for z in targets:
+            if (u := self.unstarted(z, c, y)) is not None:  # the push takes the place of z's request
+                u.cancelled = True
+                self.cancel_pending = True
+                self.release(u)
             r = Req(z, y, c, self.version, self.sizes[c], serial=self._serial(), whole=c in y.have, readers=[],
                     sent=self.now)
             z.fetching.setdefault(c, {})[y.id] = r
@@ -668,6 +678,15 @@ class Sim:
             y.queue[self.lane(y, z)].append(r)
         if targets:
             self.start_uploads(y)
+
+    def unstarted(self, z: Node, c: int, pusher: Node) -> Req | None:
+        """z's one request out for chunk c, if no byte of it has come and it went to another node than
+        the pusher (the daemon's ``Swarm._unstarted``: a push takes its place)."""
+        reqs = z.fetching.get(c)
+        if not reqs or len(reqs) != 1 or pusher.id in reqs:
+            return None
+        (r,) = reqs.values()
+        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled and not r.src.trainer else None
 
     def tell(self, y: Node, c: int, have: bool = True) -> None:
         """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer

@@ -1294,12 +1294,16 @@ class Swarm:
 
     def _unstarted(self, key: Key, i: int, pusher: str) -> asyncio.Task | None:
         """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet and it went
-        to another peer than ``pusher``."""
+        to another peer than ``pusher``, and not to the trainer (whose super-seeding counts it as a
+        first copy given: replaced, a chunk could go without one until the node shows it, and in the
+        simulator with churn a chunk waited 30 s for it)."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
         if len(tasks) != 1 or part is None or part.got or pusher in tasks:
             return None
-        (t,) = tasks.values()
+        ((peer, t),) = tasks.items()
+        if (ps := self.peers.get(peer)) is None or ps.role == "trainer":
+            return None
         return None if t in self._taking else t
 
     async def handle_push(self, request: web.Request) -> web.Response:
