@@ -397,6 +397,8 @@ class Sim:
             while x.active[lane] < CONCURRENT[x.trainer] and queue:
                 r = queue.popleft()
                 if r.cancelled:
+                    if x.superseed is not None:  # the daemon's: it hung up before a byte (a push replaced it)
+                        x.superseed.unclaim(r.chunk, r.dst.id)
                     x.known[r.dst.id].uploads -= 1
                     self.dropped(r)
                     continue
@@ -686,7 +688,7 @@ class Sim:
         if not reqs or len(reqs) != 1 or pusher.id in reqs:
             return None
         (r,) = reqs.values()
-        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled and not r.src.trainer else None
+        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled else None
 
     def tell(self, y: Node, c: int, have: bool = True) -> None:
         """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer

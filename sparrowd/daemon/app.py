@@ -247,6 +247,7 @@ class Daemon:
                                           trainer_key=signer.public, identities=Identities(self._store),
                                           credentials=CredentialBook(self._store), sign=signer.sign_bytes)
             self.tracker.on_change = self._tracker_touched
+            self.tracker.on_join = self.swarm.wake
             latest = self.swarm.latest()
             if latest is not None:
                 table.set_latest_version(latest)

@@ -32,10 +32,10 @@ import aiohttp
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import pack, unpack
 from ..swarm.identity import NodeKey, Refused, SessionKey, SessionUnknown, seal, seal_session
-from ..swarm.leases import DEFAULT_PEER_LIMIT, GATEWAYS, LeaseGone
+from ..swarm.leases import DEFAULT_PEER_LIMIT, GATEWAYS, LeaseGone, head_score
 from .bodies import read_limited
 from .logs import event
-from .tracker import TrackerService
+from .tracker import JOIN_NEWS, TrackerService
 
 __all__ = [
     "Membership",
@@ -52,6 +52,8 @@ log = logging.getLogger("sparrowd.membership")
 MSGPACK = "application/msgpack"
 MAX_TRACKER_MESSAGE = 256 << 10
 MAX_REGIONS = 256  # regions whose heads a reply may name (more are dropped)
+MAX_LEARNED_PEERS = 4 * DEFAULT_PEER_LIMIT  # a peer list grown by news of joins (learn) stops there
+ENTRY_FIELDS = ("node_id", "role", "region", "address")  # a member's entry's text fields (and ``key``, bytes)
 
 
 class TrackerUnavailable(SparrowError):
@@ -236,6 +238,35 @@ class Membership:
                     return e
         at, entry = self.members.get(node_id, (0.0, None))
         return entry if time.monotonic() - at < self.PEER_REFRESH else None  # then asked again
+
+    def learn(self, entries: list) -> None:
+        """Nodes that joined lately, as the trainer's exchange replies tell (``TrackerService.joined_since``,
+        a swarm that fits a peer list): known at once, and peers from now on, rather than at the next
+        renewal. A node that joined again (a new key) replaces its old entry."""
+        peers = {p.get("node_id"): i for i, p in enumerate(self.state.peers)}
+        changed = False
+        heads = self.state.heads
+        for e in entries[:JOIN_NEWS]:
+            if not (isinstance(e, dict) and all(isinstance(e.get(f), str) for f in ENTRY_FIELDS)
+                    and isinstance(e.get("key", b""), bytes)) or e["node_id"] == self.me["node_id"]:
+                continue
+            self.members[e["node_id"]] = (time.monotonic(), e)
+            if e["role"] == "rollout" and len(heads) < MAX_REGIONS:
+                # A head iff it ranks among its region's top GATEWAYS, as the tracker ranks (so its
+                # region is pushed to at once); the next list with the heads sets them right.
+                mine = [h for h in heads.get(e["region"], []) if h["node_id"] != e["node_id"]] + [e]
+                heads[e["region"]] = sorted(mine, key=lambda h: head_score(h["region"], h["node_id"]),
+                                            reverse=True)[:GATEWAYS]
+                self.state.heads_tag = None  # the next renewal gets the tracker's heads whole
+            if (i := peers.get(e["node_id"])) is not None:
+                if self.state.peers[i] != e:
+                    self.state.peers[i], changed = e, True
+            elif len(self.state.peers) < MAX_LEARNED_PEERS:
+                peers[e["node_id"]] = len(self.state.peers)
+                self.state.peers.append(e)
+                changed = True
+        if changed:
+            self.peers_changed.set()
 
     def ask(self, node_id: str) -> None:
         """Ask the tracker about a node that contacted this one, with the next (early) renewal."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from ..errors import FormatError, InputError
@@ -39,6 +39,7 @@ log = logging.getLogger("sparrowd.tracker")
 MAX_MESSAGE = 256 << 10
 MAX_ASK = 64  # node ids one renewal may ask the tracker about (strangers that contacted the node)
 MAX_REVOKED_LISTED = 10_000
+JOIN_NEWS = 64  # joins the tracker remembers to tell the swarm of (TrackerService.joined_since)
 JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str, "key": Bytes, "ts": Num, "kx": Opt(Bytes)}
 RENEW = {
     "node_id": Str,
@@ -85,6 +86,8 @@ class TrackerService:
         self.clock = clock
         self.rng = rng or random.Random()
         self.on_change: Callable[[], None] | None = None  # the table changed: waiters look again
+        self.on_join: Callable[[], None] | None = None  # a node joined (``joined_since``)
+        self._joins: deque[Node] = deque(maxlen=JOIN_NEWS)  # the latest joins, oldest first
         self._wires: dict[tuple[str, int], dict] = {}
         self.refused: Counter = Counter()  # (operation, reason): messages refused, for metrics
 
@@ -155,9 +158,25 @@ class TrackerService:
         event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
               address=node.address, epoch=node.epoch, credential=binding.credential)
         self._changed()
+        self._joins.append(node)
+        if self.on_join is not None and len(self.table) <= self.peer_limit + 1:
+            self.on_join()  # the trainer's long polls answer now, with the news (joined_since)
         reply = self._lease_reply(node, now)
         self._session(reply, node, m["kx"])
         return reply
+
+    def joined_since(self, epoch: int, now: float) -> tuple[int, list[dict]]:
+        """News of joins for a swarm that fits a peer list: (the latest join's epoch, the entries of the
+        live nodes that joined with a later epoch than ``epoch``). The trainer's exchange replies carry
+        it, so that every node knows a newcomer within a round trip, not at its next renewal (a swarm
+        just formed, or a box added mid-run, relayed poorly until then). Nothing in a larger swarm,
+        where a newcomer is on few lists anyway and is learned when it first asks."""
+        latest = self._joins[-1].epoch if self._joins else 0
+        if len(self.table) > self.peer_limit + 1 or epoch >= latest:
+            return latest, []
+        return latest, [self.entry(n) for n in self._joins
+                        if n.epoch > epoch and (cur := self.table.get(n.node_id, now)) is not None
+                        and cur.epoch == n.epoch]
 
     def _session(self, reply: dict, node: Node, kx: bytes | None) -> None:
         """A signed join or renewal that carries an exchange key sets up the lease's session: its

@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_TTL",
     "DEFAULT_PEER_LIMIT",
     "GATEWAYS",
+    "head_score",
     "heads_tag",
     "MAX_VERSIONS_REPORTED",
     "check_name",
@@ -407,8 +408,13 @@ def heads_tag(heads: dict[str, list[Node]]) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
 
+def head_score(region: str, node_id: str) -> bytes:
+    """A rollout's rank among its region's nodes for heads and gateways (the highest first)."""
+    return hashlib.blake2b(f"{region}/{node_id}".encode(), digest_size=8).digest()
+
+
 def _gateway_score(node: Node) -> bytes:
-    return hashlib.blake2b(f"{node.region}/{node.node_id}".encode(), digest_size=8).digest()
+    return head_score(node.region, node.node_id)
 
 
 def _sample(items: list[str], k: int, pick, rng: random.Random) -> list[Node]:

@@ -215,6 +215,20 @@ def test_super_seed_gives_distinct_chunks_before_repeating_any():
     assert s.offer(6.0, "n0", offers[0], held) <= {8, 9}
 
 
+def test_a_first_copy_asked_for_and_hung_up_on_is_given_again_after_the_claim_wait():
+    """A push took the place of the request (the node hung up before a byte came), then the pushed
+    copy's feed left: the chunk must not wait ``regive_after`` for its first copy."""
+    s = SuperSeed(chunks=1, per_peer=1, claim_within=1.0, regive_after=30.0, rng=random.Random(0))
+    assert s.offer(0.0, "a", set(), {}) == {0}
+    s.claim(0, "a")
+    assert s.offer(2.0, "b", set(), {}) == set()  # claimed: given again only after regive_after
+    s.unclaim(0, "b")  # not its to drop
+    assert s.offer(2.0, "b", set(), {}) == set()
+    s.unclaim(0, "a")
+    assert s.offer(2.0, "b", set(), {}) == {0}
+    assert s.offer(2.5, "a", set(), {}) == set()  # a's assignment went to b
+
+
 def test_rate_estimate_tracks_a_steady_flow_and_decays():
     r = Rate(half_life=1.0)
     for i in range(200):

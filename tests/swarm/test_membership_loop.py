@@ -202,3 +202,48 @@ async def test_every_node_learns_every_regions_heads_and_gets_them_again_only_wh
     assert "u3" in [e["node_id"] for e in replies[-1]["heads"]["us"]] and len(m.state.heads["us"]) == 4
     await m._renew()
     assert "heads" not in replies[-1]
+
+
+def test_the_tracker_tells_of_joins_while_the_swarm_fits_a_peer_list():
+    """The trainer's exchange replies carry ``joined_since``: the entries of live nodes that joined
+    after the last join a node heard of, and its long polls are woken on a join (``on_join``); in a
+    swarm larger than a peer list, nothing (a newcomer is on few lists; it is learned when it asks)."""
+    service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=4)
+    woken = []
+    service.on_join = lambda: woken.append(True)
+    keys = {n: new_key() for n in "abcdefg"}
+    epoch_a = service.join(members.join(keys["a"], "a", address="127.0.0.1:2"))["epoch"]
+    latest, news = service.joined_since(0, time.time())
+    assert latest == epoch_a and [e["node_id"] for e in news] == ["a"] and len(woken) == 1
+    epoch_b = service.join(members.join(keys["b"], "b", region="us", address="127.0.0.1:3"))["epoch"]
+    latest, news = service.joined_since(epoch_a, time.time())
+    assert latest == epoch_b
+    assert [(e["node_id"], e["region"], e["key"]) for e in news] == [("b", "us", keys["b"].public)]
+    assert service.joined_since(epoch_b, time.time()) == (epoch_b, [])
+    service.leave(members.leave(keys["b"], "b", epoch_b))
+    assert service.joined_since(epoch_a, time.time())[1] == []  # gone: not news any more
+    for n in "cdefg":
+        service.join(members.join(keys[n], n, address=f"127.0.0.1:{ord(n)}"))
+    assert len(service.table) == 6 and len(woken) == 6  # g's join made it larger than a list (and 4 peers)
+    assert service.joined_since(epoch_a, time.time())[1] == []
+
+
+@pytest.mark.asyncio
+async def test_news_of_a_join_makes_the_newcomer_a_peer_and_a_head_at_once():
+    service = TrackerService(LeaseTable(60.0, now=time.time()), tracker_id="t", peer_limit=32)
+    m = Membership(LocalTrackerClient(service), me("a"), new_key(), report=dict)
+    await m._join()
+    m.peers_changed.clear()
+    key = new_key()
+    new = service.join(members.join(key, "n", region="us", address="127.0.0.1:7"))["epoch"]
+    _, news = service.joined_since(0, time.time())
+    m.learn([*news, "junk", {"node_id": 5}, {**news[0], "node_id": "a"}])  # itself and junk are passed over
+    assert m.peers_changed.is_set() and [p["node_id"] for p in m.state.peers] == ["n"]
+    assert m.member("n")["address"] == "127.0.0.1:7" and [h["node_id"] for h in m.state.heads["us"]] == ["n"]
+    assert m.state.heads_tag is None  # the next renewal brings the tracker's heads whole
+    await m._renew()
+    assert [h["node_id"] for h in m.state.heads["us"]] == ["n"] and m.state.heads_tag is not None
+    # It joined again (a restart on another port: a new epoch): its entry is replaced, not doubled.
+    service.join(members.join(key, "n", region="us", address="127.0.0.1:8"))
+    m.learn(service.joined_since(new, time.time())[1])
+    assert [(p["node_id"], p["address"]) for p in m.state.peers] == [("n", "127.0.0.1:8")]
