@@ -683,12 +683,12 @@ class Sim:
 
     def unstarted(self, z: Node, c: int, pusher: Node) -> Req | None:
         """z's one request out for chunk c, if no byte of it has come and it went to another node than
-        the pusher (the daemon's ``Swarm._unstarted``: a push takes its place)."""
+        the pusher, and not to the trainer (the daemon's ``Swarm._unstarted``: a push takes its place)."""
         reqs = z.fetching.get(c)
         if not reqs or len(reqs) != 1 or pusher.id in reqs:
             return None
         (r,) = reqs.values()
-        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled else None
+        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled and not r.src.trainer else None
 
     def tell(self, y: Node, c: int, have: bool = True) -> None:
         """Have messages (or, ``have=False``, the exchange reply that shows a chunk y relays): every peer

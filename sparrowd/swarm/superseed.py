@@ -62,10 +62,11 @@ class SuperSeed:
             self.lapsed.pop(peer, None)
 
     def unclaim(self, index: int, peer: str) -> None:
-        """``peer`` hung up on its request for chunk ``index`` before it had it (a push took the
-        request's place): the assignment counts as never asked for, so that if the chunk reaches
+        """``peer`` hung up on its request for chunk ``index`` before it had it (its daemon restarted
+        without leaving, say): the assignment counts as never asked for, so that if the chunk reaches
         nobody it is given again after ``claim_within``, not ``regive_after`` (``sparrowd bench sim``,
-        10% of 40 nodes leaving: the pushed copy's feed left, and the chunk waited 30 s)."""
+        10% of 40 nodes leaving, when pushes replaced requests to the trainer: the pushed copy's feed
+        left, and the chunk waited 30 s)."""
         if self.owner.get(index) == peer:
             self.claimed.discard(index)
 
