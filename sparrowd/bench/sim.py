@@ -397,7 +397,7 @@ class Sim:
             while x.active[lane] < CONCURRENT[x.trainer] and queue:
                 r = queue.popleft()
                 if r.cancelled:
-                    if x.superseed is not None:  # the daemon's: it hung up before a byte (a push replaced it)
+                    if x.superseed is not None:  # as the daemon's trainer: its node hung up before a byte
                         x.superseed.unclaim(r.chunk, r.dst.id)
                     x.known[r.dst.id].uploads -= 1
                     self.dropped(r)

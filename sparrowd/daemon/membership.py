@@ -242,7 +242,8 @@ class Membership:
     def learn(self, entries: list) -> None:
         """Nodes that joined lately, as the trainer's exchange replies tell (``TrackerService.joined_since``,
         a swarm that fits a peer list): known at once, and peers from now on, rather than at the next
-        renewal. A node that joined again (a new key) replaces its old entry."""
+        renewal. A node that joined again (a restart: a new epoch, maybe another address) replaces
+        its old entry."""
         peers = {p.get("node_id"): i for i, p in enumerate(self.state.peers)}
         changed = False
         heads = self.state.heads

@@ -733,7 +733,7 @@ class Swarm:
         finally:
             remote.uploads -= 1
         if not sent:
-            if key in self.superseed:  # it hung up (a push took the request's place, say): give it again soon
+            if key in self.superseed:  # it hung up before it had the chunk: give it again soon if need be
                 self.superseed[key].unclaim(i, remote.node_id)
             return resp
         remote.rate_to.add(time.monotonic(), size)
