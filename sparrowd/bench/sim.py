@@ -75,7 +75,10 @@ block checked out, or whole) also sends it unasked to the peers
 its region that neither hold nor fetch it, and the crosser of up to CROSS
 other regions where it knows nobody with the chunk: the head that region
 designates (``LeaseTable.heads``), from any head, or from a node that knows
-every head of that region. The pushed node takes the stream as if it had
+every head of that region; or, where the relay knows the region the chunk
+entered the swarm in (from the trainer, or from the stream it got it by, as
+the daemons' ``X-Sparrowd-Root``), the one region the chunk's region tree
+gives it (``swarm.push.region_tree``). The pushed node takes the stream as if it had
 asked for it (its picker then leaves the chunk alone: the daemon's exchange
 reply tells it of the push as the push starts). A push to a node already
 fetching the chunk is not sent (a daemon declines it at once), unless the
@@ -118,7 +121,7 @@ from ..daemon.swarm import (
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import DEFAULT_PUSH, PushPeer, push_heads, push_targets
+from ..swarm.push import DEFAULT_PUSH, PushPeer, push_heads, push_targets, region_tree
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed
 from ..swarm.versions import block_for
@@ -230,6 +233,7 @@ class Node:
         self.held_by: dict[int, int] = {}  # the trainer: how many peers it knows hold each chunk
         self.planned_at = -1.0
         self.pushed: dict[int, list[int]] = {}  # chunk -> [local, cross] pushes sent (``Config.push``)
+        self.root: dict[int, str] = {}  # chunk -> the region it entered the swarm in (its tree's root)
 
 
 class Sim:
@@ -384,6 +388,10 @@ class Sim:
                 or k.uploads >= UPLOADS_PER_PEER:
             return self.at(self.now + self.owd(x, y), self.refused, r)  # the daemon's 404 (not a lie) or 503
         k.uploads += 1
+        if x.trainer:
+            y.root.setdefault(r.chunk, y.rname)  # it enters the swarm here
+        elif r.chunk in x.root:
+            y.root.setdefault(r.chunk, x.root[r.chunk])  # (the reply's headers say so)
         if feed is not None:
             r.feed = feed
             feed.readers.append(r)
@@ -656,8 +664,9 @@ class Sim:
         views = [PushPeer(z.id, z.rname, c in z.have or (bool(z.fetching.get(c)) and self.unstarted(z, c, y) is None))
                  for z in known]
         idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
+        tree = region_tree(self.version, c, y.root[c], self.heads) if y.root.get(c) in self.heads else None
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
-                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle)
+                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree)
         sent[0] += len(near)
         sent[1] += len(far)
         targets = [self.by_id[i] for i in near + far]
@@ -671,6 +680,8 @@ class Sim:
             z.fetching.setdefault(c, {})[y.id] = r
             z.partial.setdefault(c, r)
             z.aware = True  # a push carries the version's statements
+            if c in y.root:
+                z.root.setdefault(c, y.root[c])  # and the chunk's tree's root
             z.known.setdefault(y.id, Known(y)).inflight += 1
             y.known.setdefault(z.id, Known(z)).uploads += 1
             if feed is not None:
@@ -843,6 +854,7 @@ class Sim:
             n.have, n.fetching, n.partial, n.available_since, n.counted, n.done_at = set(), {}, {}, {}, None, None
             n.counted_known = frozenset()
             n.pushed = {}
+            n.root = {}
             n.aware = False
             if n.alive:
                 self.pending.add(n)

@@ -67,7 +67,7 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import PushPeer, push_heads, push_targets
+from ..swarm.push import PushPeer, push_heads, push_targets, region_tree
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed
@@ -96,6 +96,7 @@ MSGPACK = "application/msgpack"
 MAX_CHUNK = 64 << 20
 MAX_EXCHANGE = 16 << 20
 NODE_HEADER, REGION_HEADER, PROOF_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region", "X-Sparrowd-Proof"
+ROOT_HEADER = "X-Sparrowd-Root"  # on a chunk's stream: the region it entered the swarm in (swarm.push.region_tree)
 QUICK_REPLIES, QUICK_PACE = 5, 0.25  # early exchange replies in a row with nothing new: then poll that peer
 # at most every QUICK_PACE seconds
 EXCHANGE_WAIT = 5.0
@@ -729,7 +730,7 @@ class Swarm:
         remote.uploads += 1
         try:
             async with self._upload_slot(self._lane(remote)):
-                resp, sent = await self._send(request, source, size, wan)
+                resp, sent = await self._send(request, source, size, wan, vs.roots.get(i))
         finally:
             remote.uploads -= 1
         if not sent:
@@ -775,19 +776,20 @@ class Swarm:
             yield piece
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
-                    wan: bool) -> tuple[web.StreamResponse, bool]:
+                    wan: bool, root: str | None = None) -> tuple[web.StreamResponse, bool]:
         """The chunk's bytes, from its file or, cut-through, from a fetch in progress, paced by the
         rate limits; False when the peer hung up (an endgame loser cancelled: not an error) or the
         fetch it was fed by failed (the connection is cut: the requester must not take what it got
         for the whole chunk)."""
+        headers = {"Content-Type": "application/octet-stream", **({ROOT_HEADER: root} if root else {})}
         if isinstance(source, Path) and not (self.up.rate or (wan and self.wan_up.rate)):
-            resp = web.FileResponse(source, headers={"Content-Type": "application/octet-stream"})
+            resp = web.FileResponse(source, headers=headers)
             try:
                 await resp.prepare(request)  # sendfile where the event loop supports it
             except ConnectionError:
                 return resp, False
             return resp, True
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        resp = web.StreamResponse(headers={**headers, "Content-Length": str(size)})
         try:
             await resp.prepare(request)
             async for piece in self._paced(source, wan):
@@ -1108,6 +1110,8 @@ class Swarm:
                     return
                 if r.status != 200:
                     return
+                self._take_root(vs, index, self.daemon.settings.region if ps.role == "trainer"
+                                else r.headers.get(ROOT_HEADER))
                 yield None  # served: what follows is the chunk
                 async for piece in r.content.iter_chunked(PIECE):
                     yield piece
@@ -1237,9 +1241,10 @@ class Swarm:
                  for p in rollouts]
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
+        tree = region_tree(k.tag, index, root, named) if (root := vs.roots.get(index)) in named else None
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
-                                 idle=idle)
+                                 idle=idle, tree=tree)
         for pid in near + far:
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
@@ -1269,7 +1274,8 @@ class Swarm:
                         f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
                         # a first piece of one block: what a push declined at once has cost the limits
                         data=self._paced(source, wan, first=vs.block or PIECE),
-                        headers={"Content-Type": "application/octet-stream", **self._proof_for(ps)},
+                        headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
+                                 **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {})},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
                     await r.read()
                     outcome = "taken" if r.status == 200 else "refused"
@@ -1279,9 +1285,19 @@ class Swarm:
             self.pushing_to.discard((ps.node_id, vs.key, index))
         self.pushes[outcome] += 1
         event(log, logging.DEBUG, "pushed a chunk", peer=ps.node_id, object=str(vs.key), index=index, outcome=outcome,
-              contact=ps.node_id not in self.peers)  # contact: a head of another region this node does not peer with
+              contact=ps.node_id not in self.peers,  # contact: a head of another region this node does not peer with
+              root=vs.roots.get(index))
         if outcome == "taken":
             self.daemon.count_bytes("up", size, wan)
+
+    def _take_root(self, vs: VersionState, index: int, root: str | None) -> None:
+        """Where chunk ``index`` entered the swarm (a stream's ``ROOT_HEADER``, or this node's region for
+        a chunk from the trainer), kept when it names a region whose heads this node knows: its pushes
+        then follow the chunk's region tree. A stream that names none, or a false one, leaves the
+        greedy choice (a false root can only make a chunk cross later, by pull)."""
+        m = self.daemon.membership
+        if root and index not in vs.roots and m is not None and root in m.state.heads:
+            vs.roots[index] = root
 
     def _peer(self, node_id: str) -> PeerState | None:
         """A peer's state, or for a head of another region this node does not peer with (heads push
@@ -1368,6 +1384,7 @@ class Swarm:
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
         ps, vs = self._peer(remote.node_id), self.versions[key]
+        self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             del self.partials[(key, i)]  # the request's: nothing served from it (no block had checked out)
             pull.cancel()

@@ -133,6 +133,7 @@ class VersionState:
     have: set[int] = field(default_factory=set)
     block: int | None = None  # the block size its announcements hash (None: announced without blocks)
     blocks: dict[int, bytes] = field(default_factory=dict)  # chunk -> its blocks' hashes (``block_hashes``)
+    roots: dict[int, str] = field(default_factory=dict)  # chunk -> the region it entered the swarm in (push tree)
     _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
     _sigs: set[bytes] = field(default_factory=set, repr=False)  # the statements' signatures, to drop repeats
 

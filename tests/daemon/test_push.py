@@ -68,7 +68,12 @@ def test_heads_push_across_to_the_heads_of_regions_they_do_not_peer_with(cluster
     rollouts, up = one_chunk_to_all(cluster, tmp_path, 3, ("eu", "us", "ap", "sa"),
                                     trainer_extra=("--peer-limit", "2"), extra=("--log-level", "debug"))
     logs = "".join(d.log() for d in rollouts)
-    assert "outcome=taken contact=True" in logs, [ln for ln in logs.splitlines() if "pushed a chunk" in ln]
+    taken = [ln for ln in logs.splitlines() if "pushed a chunk" in ln and "outcome=taken" in ln]
+    assert any("contact=True" in ln for ln in taken), taken
+    # Every stream carried the region the chunk entered the swarm in (X-Sparrowd-Root), so every push
+    # followed the chunk's region tree from it.
+    roots = {ln.split("root=")[1].split()[0] for ln in taken}
+    assert len(roots) == 1 and roots <= {"eu", "us", "ap", "sa"}, taken
     assert up < 1.9, up
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparrowd.swarm.picker import designated
-from sparrowd.swarm.push import PushPeer, parse_push, push_heads, push_targets
+from sparrowd.swarm.push import PushPeer, parse_push, push_heads, push_targets, region_tree
 
 REGIONS = {"eu": ["e1", "e2", "e3"], "us": ["u1", "u2"], "ap": ["a1", "a2", "a3"]}
 
@@ -95,3 +95,44 @@ def test_pushes_take_only_the_upload_slots_requests_leave_idle():
     near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 2))
     assert near == [] and len(far) == 2
     assert push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 0)) == ([], [])
+
+
+def _depths(tree: dict[str, str], heads: dict[str, list[str]], root: str) -> dict[str, int]:
+    region_of = {h: r for r, hs in heads.items() for h in hs}
+    depth = {root: 0}
+    for _ in heads:
+        for h, r in tree.items():
+            if region_of[h] in depth:
+                depth.setdefault(r, depth[region_of[h]] + 1)
+    return depth
+
+
+def test_a_chunks_region_tree_gives_each_head_at_most_one_crossing_as_shallow_as_the_heads_allow():
+    many = {f"r{j}": [f"r{j}h{i}" for i in range(8)] for j in range(8)}  # 100 nodes in 8 regions
+    few = {f"r{j}": [f"r{j}h{i}" for i in range(2)] for j in range(8)}  # 16 nodes
+    for heads, deepest in ((many, 1), (few, 3)):
+        for c in range(16):
+            tree = region_tree(7, c, "r3", heads)
+            assert sorted(tree.values()) == sorted(r for r in heads if r != "r3")  # every other region, once
+            depth = _depths(tree, heads, "r3")
+            assert len(depth) == 8 and max(depth.values()) == deepest, depth
+            assert tree == region_tree(7, c, "r3", {r: list(reversed(hs)) for r, hs in heads.items()})  # same for all
+    # Which heads cross, and where, changes from chunk to chunk: no head carries every chunk across.
+    assert len({h for c in range(16) for h in region_tree(7, c, "r3", many)}) == 8
+    assert region_tree(7, 0, "r3", {"r3": ["a"]}) == {}
+
+
+def test_with_a_tree_a_node_crosses_only_where_the_tree_says_and_feeds_its_regions_crossers_first():
+    heads = {"eu": ["e1", "e2"], "us": ["u1", "u2"], "ap": ["a1", "a2"]}
+    ps = [PushPeer(n, r, False) for r, ns in {**heads, "eu": ["e1", "e2", "e3", "e4"]}.items() for n in ns]
+    for c in range(16):
+        tree = region_tree(5, c, "eu", heads)
+        for me in ("e1", "e2"):
+            mine = [p for p in ps if p.node_id != me]
+            near, far = push_targets(5, c, me, "eu", mine, heads, local=1, cross=2, tree=tree)
+            assert far == ([designated(5, c, heads[tree[me]])] if me in tree else [])
+            other = "e2" if me == "e1" else "e1"
+            if other in tree:
+                assert near == [other]  # the region's other crosser gets it first
+        _, far = push_targets(5, c, "e3", "eu", ps, heads, local=0, cross=2, tree=tree)
+        assert far == []  # not a head: no crossing of its own in the tree
