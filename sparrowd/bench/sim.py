@@ -299,7 +299,7 @@ class Sim:
             table.join(n.id, "trainer" if n.trainer else "rollout", n.rname, n.id, 0.0)
         rng = random.Random(self.cfg.seed + 1)
         for n in self.nodes:
-            n.gateways = [g.node_id for g in table.gateways(n.rname, 0.0, limit=self.cfg.peer_limit)]
+            n.gateways = [g.node_id for g in table.gateways(n.rname, 0.0)]
             for p in table.peers(n.id, n.rname, 0.0, limit=self.cfg.peer_limit, rng=rng):
                 m = self.by_id[p.node_id]
                 n.known.setdefault(m.id, Known(m))

@@ -232,12 +232,18 @@ class Membership:
         for p in self.state.peers:
             if p.get("node_id") == node_id:
                 return p
-        for es in self.state.heads.values():  # the heads push across regions to each other (swarm.push)
+        if (e := self.head(node_id)) is not None:  # the heads push across regions to each other (swarm.push)
+            return e
+        at, entry = self.members.get(node_id, (0.0, None))
+        return entry if time.monotonic() - at < self.PEER_REFRESH else None  # then asked again
+
+    def head(self, node_id: str) -> dict | None:
+        """The entry of a region's head (``LeaseState.heads``), if ``node_id`` is one."""
+        for es in self.state.heads.values():
             for e in es:
                 if e["node_id"] == node_id:
                     return e
-        at, entry = self.members.get(node_id, (0.0, None))
-        return entry if time.monotonic() - at < self.PEER_REFRESH else None  # then asked again
+        return None
 
     def learn(self, entries: list) -> None:
         """Nodes that joined lately, as the trainer's exchange replies tell (``TrackerService.joined_since``,

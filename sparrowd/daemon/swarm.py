@@ -1305,17 +1305,15 @@ class Swarm:
         if (ps := self.peers.get(node_id)) is not None:
             return ps
         m = self.daemon.membership
-        for es in (m.state.heads if m is not None else {}).values():
-            for e in es:
-                if e["node_id"] == node_id and e.get("role") == "rollout" and node_id not in self.banned:
-                    c = self.contacts.get(node_id)
-                    if c is None or c.address != e.get("address"):
-                        if len(self.contacts) > 1024:  # heads of regions long gone
-                            self.contacts.clear()
-                        c = self.contacts[node_id] = PeerState(node_id, str(e.get("address")), str(e.get("region")),
-                                                               "rollout")
-                    return c
-        return None
+        e = m.head(node_id) if m is not None else None
+        if e is None or e.get("role") != "rollout" or node_id in self.banned:
+            return None
+        c = self.contacts.get(node_id)
+        if c is None or c.address != e.get("address"):
+            if len(self.contacts) > 1024:  # heads of regions long gone
+                self.contacts.clear()
+            c = self.contacts[node_id] = PeerState(node_id, str(e.get("address")), str(e.get("region")), "rollout")
+        return c
 
     def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
         """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:

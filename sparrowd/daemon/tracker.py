@@ -128,7 +128,7 @@ class TrackerService:
         if peers:  # most of a reply's bytes and of a renewal's work in a large swarm
             listed = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
             reply["peers"] = [self.entry(p) for p in listed]
-            if gateways := self.table.gateways(node.region, now, limit=self.peer_limit):
+            if gateways := self.table.gateways(node.region, now):
                 reply["gateways"] = [g.node_id for g in gateways]
             heads = self.table.all_heads(now)  # where other regions push chunks to (swarm.push)
             reply["heads_tag"] = tag = heads_tag(heads)

@@ -264,7 +264,7 @@ class LeaseTable:
         k = limit - len(trainers)
         region_ix = self._regions.get(region, _Index())
         far = min(k // 4, len(self._all.items) - len(region_ix.items))
-        gateways = [n for n in self.gateways(region, now, limit=limit) if n.node_id != node_id][:k - far]
+        gateways = [n for n in self.gateways(region, now) if n.node_id != node_id][:k - far]
         named = {n.node_id for n in gateways}
         same = gateways + _sample(region_ix.items, k - far - len(gateways),
                                   lambda i: live_rollout(i) if i not in named else None, rng)
@@ -275,9 +275,9 @@ class LeaseTable:
     def heads(self, region: str, now: float) -> list[Node]:
         """The region's heads: its ``GATEWAYS`` live rollout nodes with the highest score (a hash of
         region and node id; all of them in a region of no more), the same for every asker. Other
-        regions push chunks to them (``swarm.push``): every peer list of a head names the heads of
-        every other region, and every reply names each region's heads (``all_heads``), so that a
-        pusher designates among the nodes the region itself designates among (its gateways)."""
+        regions push chunks to them (``swarm.push``): every reply that carries a peer list names each
+        region's heads (``all_heads``), so that a pusher designates among the nodes the region itself
+        designates among (its gateways), and a head admits a push from another region's head."""
         out = []
         for _, i in reversed(self._ranked.get(region, ())):
             n = self._nodes.get(i)
@@ -291,7 +291,7 @@ class LeaseTable:
         """Every region's heads: O(regions x GATEWAYS)."""
         return {r: hs for r in self._ranked if (hs := self.heads(r, now))}
 
-    def gateways(self, region: str, now: float, *, limit: int = DEFAULT_PEER_LIMIT) -> list[Node]:
+    def gateways(self, region: str, now: float) -> list[Node]:
         """The region's gateways when it has more than ``GATEWAYS`` rollout nodes, else none: its
         heads, named to every node of the region. They head every peer list of the region and share
         its cross-region fetches (``Picker``'s rendezvous designation among them), so that nodes that
