@@ -62,14 +62,19 @@ def test_a_one_chunk_patch_is_pushed_on_by_the_relays(cluster, tmp_path, push):
 
 
 def test_heads_push_across_to_the_heads_of_regions_they_do_not_peer_with(cluster, tmp_path):
-    """Peer lists of one rollout each (--peer-limit 2: the trainer and one node), four regions of one
-    node: every node is its region's head, learns every region's heads from the tracker, and pushes
-    across to those it has no exchanges with; they admit it (the tracker named it to them as a head)."""
+    """Peer lists of the trainer alone (--peer-limit 1), four regions of one node: every node is its
+    region's head, learns every region's heads from the tracker, and pushes across to those it has no
+    exchanges with; they admit it (the tracker named it to them as a head).
+
+    With no rollout on any peer list, a rollout can have the chunk only from the trainer or from a
+    push; the trainer's super-seeding hands out one copy, so the others come by pushes to contacts.
+    (With two-entry lists a node sometimes pulled from its one rollout peer first, and then the only
+    push was to a peer: flaky.)"""
     rollouts, up = one_chunk_to_all(cluster, tmp_path, 3, ("eu", "us", "ap", "sa"),
-                                    trainer_extra=("--peer-limit", "2"), extra=("--log-level", "debug"))
+                                    trainer_extra=("--peer-limit", "1"), extra=("--log-level", "debug"))
     logs = "".join(d.log() for d in rollouts)
     taken = [ln for ln in logs.splitlines() if "pushed a chunk" in ln and "outcome=taken" in ln]
-    assert any("contact=True" in ln for ln in taken), taken
+    assert taken and all("contact=True" in ln for ln in taken), taken
     # Every stream carried the region the chunk entered the swarm in (X-Sparrowd-Root), so every push
     # followed the chunk's region tree from it.
     roots = {ln.split("root=")[1].split()[0] for ln in taken}
