@@ -730,7 +730,7 @@ class Swarm:
         remote.uploads += 1
         try:
             async with self._upload_slot(self._lane(remote)):
-                resp, sent = await self._send(request, source, size, wan, vs.roots.get(i))
+                resp, sent = await self._send(request, source, size, wan, vs.roots.get(i), vs.block or PIECE)
         finally:
             remote.uploads -= 1
         if not sent:
@@ -762,11 +762,18 @@ class Swarm:
             if waiting:
                 self._waiting[lane] -= 1
 
-    async def _paced(self, source: Path | Partial, wan: bool, first: int = PIECE):
+    async def _paced(self, source: Path | Partial, wan: bool, block: int = PIECE):
         """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
-        when they come from a chunk still arriving."""
+        when they come from a chunk still arriving.
+
+        Under a limit the pieces are ``block`` bytes (the version's hashing block): a relay hands a
+        chunk on from its first block checked out, and a bucket that let one 256 KiB piece go only
+        once it had the tokens for all of it held every block of that piece back. At 1 MiB/s that was
+        a quarter of a second before a relay saw its first block of a one-chunk version, per hop
+        (found by ``bench swarm --log-level debug`` at 16 nodes; the simulator sends fluidly)."""
         relayed = isinstance(source, Partial)
-        async for piece in _pieces(source, first):
+        paced = bool(self.up.rate or (wan and self.wan_up.rate))
+        async for piece in _pieces(source, block, block if paced else PIECE):
             if relayed:
                 self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
             now = time.monotonic()
@@ -776,7 +783,7 @@ class Swarm:
             yield piece
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
-                    wan: bool, root: str | None = None) -> tuple[web.StreamResponse, bool]:
+                    wan: bool, root: str | None = None, block: int = PIECE) -> tuple[web.StreamResponse, bool]:
         """The chunk's bytes, from its file or, cut-through, from a fetch in progress, paced by the
         rate limits; False when the peer hung up (an endgame loser cancelled: not an error) or the
         fetch it was fed by failed (the connection is cut: the requester must not take what it got
@@ -792,7 +799,7 @@ class Swarm:
         resp = web.StreamResponse(headers={**headers, "Content-Length": str(size)})
         try:
             await resp.prepare(request)
-            async for piece in self._paced(source, wan):
+            async for piece in self._paced(source, wan, block):
                 await resp.write(piece)
             await resp.write_eof()
         except ConnectionError:
@@ -1270,10 +1277,12 @@ class Swarm:
                     source = part
                 else:
                     return  # its fetch failed while this push waited for a slot
+                event(log, logging.DEBUG, "pushing a chunk", peer=ps.node_id, object=str(vs.key), index=index,
+                      whole=index in vs.have)
                 async with self._session.post(
                         f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
                         # a first piece of one block: what a push declined at once has cost the limits
-                        data=self._paced(source, wan, first=vs.block or PIECE),
+                        data=self._paced(source, wan, vs.block or PIECE),
                         headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
                                  **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {})},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
@@ -1420,15 +1429,15 @@ class _Cut(Exception):
     """The fetch a cut-through stream was fed by failed."""
 
 
-async def _pieces(source: Path | Partial, first: int = PIECE):
-    """A chunk's bytes in pieces of at most ``PIECE`` (the first of at most ``first``): from its file,
+async def _pieces(source: Path | Partial, first: int = PIECE, most: int = PIECE):
+    """A chunk's bytes in pieces of at most ``most`` (the first of at most ``first``): from its file,
     or from a fetch in progress as its blocks check out (``_Cut`` if that fetch fails first)."""
     if isinstance(source, Path):
         with open(source, "rb") as f:
             piece = f.read(first)
             while piece:
                 yield piece
-                piece = f.read(PIECE)
+                piece = f.read(most)
         return
     mv, sent = memoryview(source.buf), 0
     while sent < source.size:
@@ -1436,6 +1445,6 @@ async def _pieces(source: Path | Partial, first: int = PIECE):
         if source.failed:
             raise _Cut()
         end = min(source.ready, first) if sent == 0 else source.ready
-        for o in range(sent, end, PIECE):
-            yield mv[o : min(o + PIECE, end)]
+        for o in range(sent, end, most):
+            yield mv[o : min(o + most, end)]
         sent = end
