@@ -90,6 +90,9 @@ def register_swarm(bs) -> None:
     s.add_argument("--regions", type=int, default=4, help="regions (default 4)")
     s.add_argument("--patch-mib", type=float, default=64, help="patch size in MiB (default 64)")
     s.add_argument("--versions", type=int, default=2, help="versions to publish (default 2)")
+    s.add_argument("--interval", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds between one version held everywhere and the next publish, as an RL step's "
+                        "length (default 0: back to back)")
     s.add_argument("--chunk", default="auto",
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
                         "256K and 2M)")
@@ -104,11 +107,15 @@ def register_swarm(bs) -> None:
 
 def cmd_swarm(args) -> int:
     from sparrowd.bench.swarm import run
+    from sparrowd.errors import InputError
 
+    if args.interval < 0:
+        raise InputError(f"--interval {args.interval}: give seconds, 0 or more")
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
-               star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level)
+               star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level,
+               interval=args.interval)
 
 
 def register_sim(bs) -> None:

@@ -123,7 +123,7 @@ from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_in
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.push import DEFAULT_PUSH, PushPeer, push_heads, push_targets, region_tree
 from ..swarm.rate import Rate
-from ..swarm.superseed import SuperSeed
+from ..swarm.superseed import SuperSeed, first_copies_near
 from ..swarm.versions import block_for
 from ..units import format_bytes
 
@@ -267,6 +267,8 @@ class Sim:
         # join, less the nodes that leave (the pushers learn of replacements only at their renewals).
         self.heads: dict[str, list[str]] = {}
         self._join()
+        # The trainer's peers in its own region (for first_copies_near), less those that leave.
+        self.near_trainer = sum(1 for n in self.nodes if not n.trainer and n.region == self.trainer.region)
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
         self.flows: list[Req] = []
         self.f_src = np.zeros(1024, np.int64)
@@ -360,7 +362,12 @@ class Sim:
             return set()
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
-        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known)) & x.have
+        near = self.near_trainer
+        if y.region != x.region and self.choking_active(x):  # the near peers it may serve now
+            near = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
+        fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near)
+        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
+                                 fresh=fresh) & x.have
 
     def choke(self, x: Node) -> None:
         peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),
@@ -795,6 +802,7 @@ class Sim:
     def leave(self, gone: list[Node]) -> None:
         for g in gone:
             g.alive = False
+            self.near_trainer -= g.region == self.trainer.region
             g.fetching, g.partial = {}, {}  # its peers learn it fetches nothing when their requests to it fail
             self.pending.discard(g)
             self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)

@@ -188,7 +188,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
-        json_path: str | None = None, keep: bool = False, log_level: str = "warning") -> int:
+        json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0) -> int:
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
@@ -253,24 +253,33 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         def _trainer_up() -> float:
             return metric(direct, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + metric(
                 direct, token, 'sparrowd_bytes_total{direction="up",region_class="other"}')
-        for p in patches:
+        for n, p in enumerate(patches):
+            if n and interval > 0:
+                time.sleep(interval)  # an RL step's length between publishes: connections idle meanwhile
             view = parse_patch(p.read_bytes())
             m = view.manifest
             # Published from this process (as `sparrowd publish` does it): a command's own start-up,
             # a few tenths of a second on this machine, is not the swarm's time.
-            t0, cpu0 = time.monotonic(), _cpu_seconds(procs.procs)
+            t0, wall0, cpu0 = time.monotonic(), time.time(), _cpu_seconds(procs.procs)
             publish_file(p, direct, token)
             trainer_done = None
+            held_at: dict[str, float] = {}
 
             def everyone_holds() -> bool:
                 nonlocal trainer_done
                 if trainer_done is None and _trainer_up() - up_before >= m.patch_bytes:
                     trainer_done = time.monotonic() - t0
-                # Asked of the nodes themselves: the tracker hears of versions only at renewals.
-                return all(m.version in json.loads(_get(f"{u}/v1/node", token))["versions"] for u in node_urls)
+                # Asked of the nodes themselves, each saying when it came to hold the version (the
+                # tracker hears of versions only at renewals; polling alone would add up to a poll's
+                # period, a third of a one-chunk version's bound).
+                for u in node_urls:
+                    if u not in held_at and (t := json.loads(_get(f"{u}/v1/node", token)).get("held_at", {}).get(
+                            str(m.version))) is not None:
+                        held_at[u] = t
+                return len(held_at) == len(node_urls)
 
             _wait(everyone_holds, 600, f"every node to hold version {m.version}", every=0.05)
-            elapsed = time.monotonic() - t0
+            elapsed = max(held_at.values()) - wall0
             busy = (_cpu_seconds(procs.procs) - cpu0) / (elapsed * (os.cpu_count() or 1))
             time.sleep(0.5)  # endgame losers end
             up = _trainer_up()

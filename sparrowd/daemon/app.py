@@ -677,7 +677,8 @@ class Daemon:
             "peers": [{**p, "key": p["key"].hex()} if isinstance(p.get("key"), bytes) else p
                       for p in (m.state.peers if m else [])],
             "key_id": self.key.id if self.key else None,
-            "versions": self.versions_held(), "error": self.swarm.error if self.swarm else None,
+            "versions": self.versions_held(), "held_at": self.swarm.held_at() if self.swarm else {},
+            "error": self.swarm.error if self.swarm else None,
             "current": self.keeper.info() if self.keeper else None,
         })
 

@@ -70,7 +70,7 @@ from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.push import PushPeer, push_heads, push_targets, region_tree
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
-from ..swarm.superseed import SuperSeed
+from ..swarm.superseed import SuperSeed, first_copies_near
 from ..swarm.versions import (
     ChunkRef,
     StatementPage,
@@ -200,7 +200,7 @@ class Swarm:
         self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
-        self._live_at, self._live_count = float("-inf"), 0  # _live(): peers heard from lately, and when counted
+        self._live_at, self._live_count = float("-inf"), (0, 0, 0)  # _live(): peers heard from lately, when counted
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
@@ -346,6 +346,11 @@ class Swarm:
     def held(self) -> list[int]:
         """Versions this node holds whole (a patch, or an anchor)."""
         return sorted({k.version for k, vs in self.versions.items() if vs.complete})
+
+    def held_at(self) -> dict[str, float]:
+        """When this node came to hold each patch it fetched in this run, whole: wall-clock seconds."""
+        return {str(k.version): vs.held_at for k, vs in sorted(self.versions.items())
+                if vs.held_at is not None and not k.anchor}
 
     def position(self) -> int:
         """The newest version this node can produce: from the base model (or an anchor) through
@@ -580,8 +585,13 @@ class Swarm:
         # Assignments go to peers that show chunks in their have-maps (a member that never fetches
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not self._showing
+        live, near, regions = self._live()
+        here = self.daemon.settings.region
+        if remote.region != here and self._choking_active():  # the near peers it may serve now
+            near = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
+        fresh = remote.region == here or not first_copies_near(vs.total, regions, near)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
-                        self.held_by.get(vs.key, {}), trusted=trusted, peers=self._live()) & vs.have
+                        self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
 
     def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
         """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers
@@ -655,17 +665,19 @@ class Swarm:
                 reply["joined"] = joined
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
-    def _live(self) -> int:
-        """How many peers were heard from in the last 30 s, counted at most once a second: the trainer
-        asks on every exchange it answers, and every node of the swarm polls it."""
+    def _live(self) -> tuple[int, int, int]:
+        """The peers heard from in the last 30 s: how many, how many of them in this node's region, and
+        how many regions they are in; counted at most once a second: the trainer asks on every
+        exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
         if now - self._live_at >= 1.0:
             self._live_at = now
-            self._live_count = sum(1 for r in self.remotes.values() if now - r.last_seen < 30)
+            live = [r.region for r in self.remotes.values() if now - r.last_seen < 30]
+            self._live_count = (len(live), live.count(self.daemon.settings.region), len(set(live)))
         return self._live_count
 
     def _choking_active(self) -> bool:
-        return self._live() > self.choker.slots
+        return self._live()[0] > self.choker.slots
 
     def _wants(self, remote: Remote) -> bool:
         """Whether this node holds a chunk the peer lacks (as far as its last exchange told)."""
@@ -1187,6 +1199,7 @@ class Swarm:
                 if pid != ps.node_id:
                     t.cancel()
             if vs.complete:
+                vs.held_at = time.time()
                 event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
                       chunks=vs.total, position=self.position())
                 self.retire()
@@ -1350,10 +1363,12 @@ class Swarm:
         first copy taken, and if the push's feed then failed the chunk waited for it (``bench sim``,
         10% of 40 nodes leaving: 2.67x the bound with such requests replaced, the trainer giving the
         copy again ``claim_within`` after its node hung up; 1.19x keeping them; on 8 daemons without
-        churn the two were alike)."""
+        churn the two were alike). A request whose response has not begun has no partial yet: it is
+        the most unstarted of all (it was not replaced, and a swarm's first version saw the pushes into
+        two of three regions declined as their nodes' first requests went out, 1.5-2.2x the bound)."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
-        if len(tasks) != 1 or part is None or part.got or pusher in tasks:
+        if len(tasks) != 1 or (part is not None and part.got) or pusher in tasks:
             return None
         ((peer, t),) = tasks.items()
         if (ps := self.peers.get(peer)) is None or ps.role == "trainer":
@@ -1393,7 +1408,7 @@ class Swarm:
         ps, vs = self._peer(remote.node_id), self.versions[key]
         self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
-            del self.partials[(key, i)]  # the request's: nothing served from it (no block had checked out)
+            self.partials.pop((key, i), None)  # the request's, if its response began: nothing served from it
             pull.cancel()
         ps.inflight += 1
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False),

@@ -34,7 +34,17 @@ import random
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
-__all__ = ["SuperSeed"]
+__all__ = ["SuperSeed", "first_copies_near"]
+
+
+def first_copies_near(chunks: int | None, regions: int, near: int) -> bool:
+    """Whether a version's first copies go only to peers in the seed's own region: when it has fewer
+    chunks than the swarm has regions with peers (``regions``, the seed's own counted) and the seed's
+    region has a peer for every chunk (``near``). A first copy given into another region must then
+    cross back into the seed's region: a one-chunk version to 4 regions crossed 1.33x (R-1) x patch
+    on the daemons whenever the first long poll to answer was a remote peer's. With more chunks than
+    regions, first copies in every region are what lets each region trade (module docstring)."""
+    return chunks is not None and 0 < chunks < regions and near >= chunks
 
 
 @dataclass
@@ -97,9 +107,12 @@ class SuperSeed:
                    for c, t in self.given_at.items())
 
     def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int], *,
-              trusted: bool = True, peers: int = 0) -> set[int]:
+              trusted: bool = True, peers: int = 0, fresh: bool = True) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``;
-        ``peers``: how many peers the seed serves (from ``single_from`` on, one chunk each at a time)."""
+        ``peers``: how many peers the seed serves (from ``single_from`` on, one chunk each at a time);
+        ``fresh``: whether it may be given a chunk never given before (``first_copies_near``: not a
+        peer of another region, while those go to the seed's own); one given and lost may still go
+        to it, so that a chunk whose near peer stalls is not held up."""
         pending = {c for c in self.assigned.get(peer, ()) if c not in holds}
         want = (1 if peers >= self.single_from else self.per_peer) - len(pending)
         if want > 0:
@@ -111,9 +124,9 @@ class SuperSeed:
                     self.lapsed[self.owner[c]] = now
             if not trusted or now - self.lapsed.get(peer, float("-inf")) < self.regive_after:
                 want = 0
-            fresh = [c for c in range(self.chunks) if c not in self.given_at and c not in holds]
-            self.rng.shuffle(fresh)
-            for c in (fresh + sorted(lost, key=self.given_at.get))[:want]:
+            new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
+            self.rng.shuffle(new)
+            for c in (new + sorted(lost, key=self.given_at.get))[:want]:
                 before = self.owner.get(c)
                 if before is not None and before != peer:
                     self.assigned.get(before, set()).discard(c)  # it is this peer's to fetch now

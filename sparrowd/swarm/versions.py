@@ -134,6 +134,7 @@ class VersionState:
     block: int | None = None  # the block size its announcements hash (None: announced without blocks)
     blocks: dict[int, bytes] = field(default_factory=dict)  # chunk -> its blocks' hashes (``block_hashes``)
     roots: dict[int, str] = field(default_factory=dict)  # chunk -> the region it entered the swarm in (push tree)
+    held_at: float | None = None  # when this node came to hold it whole, wall clock (None: before this run)
     _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
     _sigs: set[bytes] = field(default_factory=set, repr=False)  # the statements' signatures, to drop repeats
 

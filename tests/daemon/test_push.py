@@ -36,12 +36,14 @@ def one_chunk_to_all(cluster, tmp_path, seed: int, regions: tuple[str, ...], *, 
     rollouts = [cluster.rollout(f"r{i}", region, extra=extra) for i, region in enumerate(regions)]
     wait_for(lambda: len(cluster.nodes()) == len(regions) + 1, 15, f"{len(regions) + 1} nodes")
     time.sleep(2.5)
+    before = time.time()
     publish(cluster, path)
     wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1",
              detail=lambda: held(cluster))
     for d in rollouts:
         check_store(d, m)
         assert "peer banned" not in d.log()
+        assert before < d.node(cluster.token)["held_at"]["1"] < time.time()  # when it came to hold it
     up = sum(metric(trainer, cluster.token, f'sparrowd_bytes_total{{direction="up",region_class="{rc}"}}')
              for rc in ("same", "other"))
     return rollouts, up / m.patch_bytes

@@ -142,3 +142,34 @@ def test_small_chunks_are_hashed_in_small_blocks():
     for size in (1, 5000, 300 << 10, 1 << 20, 3 << 20):
         b = block_for(size)
         assert b & (b - 1) == 0 and RELAY_BLOCK_MIN <= b <= BLOCK
+
+
+@pytest.mark.asyncio
+async def test_a_paced_stream_goes_in_blocks_so_the_first_leaves_at_once(tmp_path):
+    """Under an upload limit a chunk leaves in pieces of the version's block: a relay downstream
+    checks its first block and hands the chunk on while the rest is paced out. (In 256 KiB pieces the
+    bucket held the first piece back until it could pay for all of it: a quarter of a second at
+    1 MiB/s before the next relay saw a byte.) Unlimited, a file goes in large pieces."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import PIECE, Swarm
+    from sparrowd.swarm.bucket import TokenBucket
+
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(256 << 10))
+    block = 16 << 10
+
+    async def pieces(rate: int | None) -> list[tuple[float, int]]:
+        me = SimpleNamespace(up=TokenBucket(rate, burst=block), wan_up=TokenBucket(None), cut_through_bytes=0)
+        loop = asyncio.get_running_loop()
+        t0, out = loop.time(), []
+        async for piece in Swarm._paced(me, path, False, block):
+            out.append((loop.time() - t0, len(piece)))
+        return out
+
+    paced = await pieces(4 << 20)  # 64 ms for the chunk
+    assert all(n <= block for _, n in paced) and sum(n for _, n in paced) == 256 << 10
+    assert paced[0][0] < 0.01 and paced[-1][0] > 0.04, paced
+    free = await pieces(None)
+    # The first piece a block (all that a push declined at once costs), then the rest in large ones.
+    assert [n for _, n in free] == [block, min(PIECE, (256 << 10) - block)]

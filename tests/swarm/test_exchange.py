@@ -10,7 +10,7 @@ from sparrowd.swarm import versions
 from sparrowd.swarm.choker import Choker, ChokerPeer
 from sparrowd.swarm.picker import PeerView, Picker, designated, slots_for_rate
 from sparrowd.swarm.rate import Rate
-from sparrowd.swarm.superseed import SuperSeed
+from sparrowd.swarm.superseed import SuperSeed, first_copies_near
 from sparrowd.swarm.versions import from_bitmap, to_bitmap
 
 
@@ -407,6 +407,21 @@ def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
     ss = SuperSeed(8, per_peer=2, single_from=4)
     assert len(ss.offer(0.0, "a", set(), {}, peers=16)) == 1
     assert len(ss.offer(1.0, "a", {next(iter(ss.assigned["a"]))}, {}, peers=16)) == 1  # the next once it holds it
+
+
+def test_a_version_of_fewer_chunks_than_regions_starts_in_the_seeds_region():
+    """With fewer chunks than regions, a first copy given into another region would cross back into
+    the seed's: such first copies go to the seed's own region while it has a peer for each chunk. A
+    chunk given to a near peer that never asks goes, once lost, to anyone: nothing waits on it."""
+    assert first_copies_near(1, 4, 1) and first_copies_near(3, 4, 3)
+    assert not first_copies_near(4, 4, 8)  # as many chunks as regions: first copies everywhere
+    assert not first_copies_near(2, 4, 1)  # too few near peers to take them all at once
+    assert not first_copies_near(None, 4, 8) and not first_copies_near(0, 4, 8)  # no manifest yet
+    ss = SuperSeed(1, single_from=4, claim_within=3.0)
+    assert ss.offer(0.0, "far", set(), {}, peers=16, fresh=False) == set()
+    assert ss.offer(0.1, "near", set(), {}, peers=16) == {0}
+    assert ss.offer(1.0, "far", set(), {}, peers=16, fresh=False) == set()  # given, not yet lost
+    assert ss.offer(3.2, "far", set(), {}, peers=16, fresh=False) == {0}  # near never asked: lost, anyone's
 
 
 def test_the_trainers_counts_of_holders_follow_every_change_of_have_maps():

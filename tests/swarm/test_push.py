@@ -136,3 +136,32 @@ def test_with_a_tree_a_node_crosses_only_where_the_tree_says_and_feeds_its_regio
                 assert near == [other]  # the region's other crosser gets it first
         _, far = push_targets(5, c, "e3", "eu", ps, heads, local=0, cross=2, tree=tree)
         assert far == []  # not a head: no crossing of its own in the tree
+
+
+def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_response_began():
+    """``Swarm._unstarted``: the one request out for the chunk, to a rollout other than the pusher,
+    that has had no byte back; a request whose response has not begun has no partial yet and is the
+    most unstarted of all (a swarm's first version declined pushes as the nodes' first requests went
+    out). Requests to the trainer, with bytes back, or to the pusher itself stay."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.cutthrough import Partial
+    from sparrowd.daemon.swarm import PeerState, Swarm
+    from sparrowd.swarm.chain import Key
+
+    key, task = Key(3, False), object()
+    me = SimpleNamespace(inflight={(key, 0): {"r1": task}}, partials={}, _taking=set(),
+                         peers={"r1": PeerState("r1", "a:1", "eu", "rollout"),
+                                "trainer": PeerState("trainer", "a:2", "eu", "trainer")})
+    assert Swarm._unstarted(me, key, 0, "r2") is task  # asked, no response yet
+    me.partials[(key, 0)] = part = Partial(1 << 16, 1 << 14, None)
+    assert Swarm._unstarted(me, key, 0, "r2") is task  # its response began, no byte yet
+    part.feed(b"x" * 100)
+    assert Swarm._unstarted(me, key, 0, "r2") is None  # bytes back: it goes on
+    del me.partials[(key, 0)]
+    assert Swarm._unstarted(me, key, 0, "r1") is None  # the pusher is whom it asked
+    me.inflight[(key, 0)] = {"trainer": task}
+    assert Swarm._unstarted(me, key, 0, "r2") is None  # super-seeding counted it as a first copy taken
+    me.inflight[(key, 0)] = {"r1": task}
+    me._taking.add(task)
+    assert Swarm._unstarted(me, key, 0, "r2") is None  # that one is a push being taken
