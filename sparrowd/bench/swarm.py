@@ -315,9 +315,11 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
             print(f"   daemons' folders and logs kept in {root}")
     worst = {k: max(r[k] for r in results) for k in ("time_over_bound", "trainer_upload_over_patch",
                                                      "cross_region_over_r_minus_1")}
-    targets = [("time to all / lower bound", worst["time_over_bound"], 1.5, True),
-               ("trainer upload / patch", worst["trainer_upload_over_patch"], 1.3, True),
-               ("cross-region bytes / ((R-1) x patch)", worst["cross_region_over_r_minus_1"], 1.3, True)]
+    # Swarm v2's targets (issue 19), for every patch size from one chunk up; the first wave's were
+    # 1.5, 1.3 and 1.3 at 64 MiB.
+    targets = [("time to all / lower bound", worst["time_over_bound"], 1.25, True),
+               ("trainer upload / patch", worst["trainer_upload_over_patch"], 1.1, True),
+               ("cross-region bytes / ((R-1) x patch)", worst["cross_region_over_r_minus_1"], 1.1, True)]
     if star_row:
         targets.append(("star time / swarm time", star_row["over_swarm"], 4.0, False))
     print("\n   targets (worst version)")

@@ -780,9 +780,10 @@ class Swarm:
 
         Under a limit the pieces are ``block`` bytes (the version's hashing block): a relay hands a
         chunk on from its first block checked out, and a bucket that let one 256 KiB piece go only
-        once it had the tokens for all of it held every block of that piece back. At 1 MiB/s that was
-        a quarter of a second before a relay saw its first block of a one-chunk version, per hop
-        (found by ``bench swarm --log-level debug`` at 16 nodes; the simulator sends fluidly)."""
+        once it had the tokens for all of it held every block of that piece back: at 1 MiB/s the
+        trainer's first holder saw its first block of a one-chunk version 0.15 s after the version's
+        manifest, and every paced hop after it waited so again (``bench swarm --log-level debug``
+        at 16 nodes; the simulator sends fluidly)."""
         relayed = isinstance(source, Partial)
         paced = bool(self.up.rate or (wan and self.wan_up.rate))
         async for piece in _pieces(source, block, block if paced else PIECE):
@@ -1364,8 +1365,8 @@ class Swarm:
         10% of 40 nodes leaving: 2.67x the bound with such requests replaced, the trainer giving the
         copy again ``claim_within`` after its node hung up; 1.19x keeping them; on 8 daemons without
         churn the two were alike). A request whose response has not begun has no partial yet: it is
-        the most unstarted of all (it was not replaced, and a swarm's first version saw the pushes into
-        two of three regions declined as their nodes' first requests went out, 1.5-2.2x the bound)."""
+        the most unstarted of all (it was not replaced: in a swarm's first version the pushes into two
+        of three regions were declined, their nodes' first requests having gone out a moment before)."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
         if len(tasks) != 1 or (part is not None and part.got) or pusher in tasks:

@@ -409,13 +409,14 @@ def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
     assert len(ss.offer(1.0, "a", {next(iter(ss.assigned["a"]))}, {}, peers=16)) == 1  # the next once it holds it
 
 
-def test_a_version_of_fewer_chunks_than_regions_starts_in_the_seeds_region():
-    """With fewer chunks than regions, a first copy given into another region would cross back into
-    the seed's: such first copies go to the seed's own region while it has a peer for each chunk. A
-    chunk given to a near peer that never asks goes, once lost, to anyone: nothing waits on it."""
-    assert first_copies_near(1, 4, 1) and first_copies_near(3, 4, 3)
-    assert not first_copies_near(4, 4, 8)  # as many chunks as regions: first copies everywhere
-    assert not first_copies_near(2, 4, 1)  # too few near peers to take them all at once
+def test_first_copies_stay_in_the_seeds_region_while_it_has_peers_to_take_them():
+    """A first copy given into another region crosses once more than (R-1) per chunk: first copies
+    go to the seed's own region while it has a peer the seed may serve for a one-chunk version, two
+    for a larger one. A chunk given to a near peer that never asks goes, once lost, to anyone."""
+    assert first_copies_near(1, 4, 1) and first_copies_near(16, 4, 2) and first_copies_near(3, 8, 5)
+    assert not first_copies_near(16, 4, 1)  # one near peer: the seed's uplink would wait on it
+    assert not first_copies_near(1, 4, 0)  # nobody near
+    assert not first_copies_near(4, 1, 8)  # one region: nothing to cross
     assert not first_copies_near(None, 4, 8) and not first_copies_near(0, 4, 8)  # no manifest yet
     ss = SuperSeed(1, single_from=4, claim_within=3.0)
     assert ss.offer(0.0, "far", set(), {}, peers=16, fresh=False) == set()
