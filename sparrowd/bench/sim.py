@@ -363,8 +363,10 @@ class Sim:
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
         near = self.near_trainer
-        if y.region != x.region and self.choking_active(x):  # the near peers it may serve now
-            near = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
+        if y.region != x.region and self.choking_active(x):  # the near peers it may serve now (unchoked,
+            # or to be admitted to a free slot), as the daemon's ``_shown``
+            unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
+            near = unchoked + max(0, min(x.choker.slots - len(x.unchoked), near - unchoked))
         fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
                                  fresh=fresh) & x.have

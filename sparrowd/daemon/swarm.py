@@ -201,6 +201,7 @@ class Swarm:
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self._live_at, self._live_count = float("-inf"), (0, 0, 0)  # _live(): peers heard from lately, when counted
+        self._live_known = 0  # how many remotes there were then
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
@@ -587,8 +588,10 @@ class Swarm:
         trusted = any(remote.have.values()) or not self._showing
         live, near, regions = self._live()
         here = self.daemon.settings.region
-        if remote.region != here and self._choking_active():  # the near peers it may serve now
-            near = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
+        if remote.region != here and self._choking_active():  # the near peers it may serve now: unchoked,
+            # or to be admitted to a slot left free (``Choker.admit``) when they ask
+            unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
+            near = unchoked + max(0, min(self.choker.slots - len(self.unchoked), near - unchoked))
         fresh = remote.region == here or not first_copies_near(vs.total, regions, near)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
@@ -670,8 +673,8 @@ class Swarm:
         how many regions they are in; counted at most once a second: the trainer asks on every
         exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
-        if now - self._live_at >= 1.0:
-            self._live_at = now
+        if now - self._live_at >= 1.0 or len(self.remotes) != self._live_known:  # and when a peer is new
+            self._live_at, self._live_known = now, len(self.remotes)
             live = [r.region for r in self.remotes.values() if now - r.last_seen < 30]
             self._live_count = (len(live), live.count(self.daemon.settings.region), len(set(live)))
         return self._live_count
