@@ -20,7 +20,8 @@ def test_sixteen_nodes_get_every_version_near_the_bound_and_the_same_run_twice()
         assert r["seconds"] >= cfg.bound  # nothing beats the trainer's uplink
         assert r["time_over_bound"] < 2.0, r
         assert r["trainer_upload_over_patch"] <= 1.1, r  # super-seeding: one copy, then the peers trade
-        assert 1.0 <= r["cross_region_over_r_minus_1"] <= 1.6, r
+        # Each region takes each chunk in once, about (first copies start in the trainer's region).
+        assert 1.0 - 1e-9 <= r["cross_region_over_r_minus_1"] <= 1.3, r
     assert simulate(cfg) == rows  # a seed fixes the run
 
 

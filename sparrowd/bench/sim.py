@@ -362,18 +362,19 @@ class Sim:
             return set()
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
-        near = self.near_trainer
+        near = servable = self.near_trainer
         if y.region != x.region and self.choking_active(x):  # the near peers it may serve now (unchoked,
             # or to be admitted to a free slot), as the daemon's ``_shown``
             unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
-            near = unchoked + max(0, min(x.choker.slots - len(x.unchoked), near - unchoked))
-        fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near)
+            servable = unchoked + max(0, min(x.choker.slots - len(x.unchoked), near - unchoked))
+        fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
                                  fresh=fresh) & x.have
 
     def choke(self, x: Node) -> None:
         peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),
-                            rate_to=k.rate_to.rate(self.now)) for pid, k in x.known.items()]
+                            rate_to=k.rate_to.rate(self.now), near=k.node.region == x.region)
+                 for pid, k in x.known.items()]
         seed = len(x.have) == self.chunks
         unchoked = x.choker.decide(self.now, peers, seed=seed)
         if unchoked != x.unchoked:

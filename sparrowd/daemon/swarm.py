@@ -587,12 +587,12 @@ class Swarm:
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not self._showing
         live, near, regions = self._live()
-        here = self.daemon.settings.region
+        here, servable = self.daemon.settings.region, near
         if remote.region != here and self._choking_active():  # the near peers it may serve now: unchoked,
             # or to be admitted to a slot left free (``Choker.admit``) when they ask
             unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
-            near = unchoked + max(0, min(self.choker.slots - len(self.unchoked), near - unchoked))
-        fresh = remote.region == here or not first_copies_near(vs.total, regions, near)
+            servable = unchoked + max(0, min(self.choker.slots - len(self.unchoked), near - unchoked))
+        fresh = remote.region == here or not first_copies_near(vs.total, regions, near, servable)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
 
@@ -835,7 +835,7 @@ class Swarm:
                     continue
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, self._wants(r), rate_from=p.rate.rate(now) if p else 0.0,
-                                        rate_to=r.rate_to.rate(now)))
+                                        rate_to=r.rate_to.rate(now), near=r.region == self.daemon.settings.region))
             seed = all(vs.complete for vs in self.versions.values())
             unchoked = self.choker.decide(now, peers, seed=seed)
             if any(ss.lapsing(now, self.held_by.get(k, {}).keys())

@@ -2,8 +2,9 @@
 
 A node has a few upload slots. Regular slots go to the interested peers that
 give it the most (measured download rate from them); a node that already
-holds everything (a seed) gives them to the peers it uploads to fastest,
-which finishes them soonest. One more slot, the optimistic unchoke, goes to a
+holds everything (a seed) gives them to the peers of its own region first
+(``near``: the trainer's first copies start there, ``first_copies_near``),
+then to those it uploads to fastest, which finishes them soonest. One more slot, the optimistic unchoke, goes to a
 random other interested peer and moves every ``optimistic_interval``
 seconds, so newcomers with nothing to give get a start and faster partners
 are found. Between decisions, a slot left free (fewer peers were interested)
@@ -25,6 +26,7 @@ class ChokerPeer:
     interested: bool
     rate_from: float = 0.0  # bytes/s we download from it
     rate_to: float = 0.0  # bytes/s we upload to it
+    near: bool = False  # in this node's region: a seed's regular slots go to such peers first
 
 
 @dataclass
@@ -52,8 +54,10 @@ class Choker:
         interested = [p for p in peers if p.interested]
         if len(interested) <= self.slots:
             return {p.peer_id for p in interested}
-        key = (lambda p: p.rate_to) if seed else (lambda p: p.rate_from)
-        ranked = sorted(interested, key=lambda p: (-key(p), p.peer_id))
+        if seed:
+            ranked = sorted(interested, key=lambda p: (not p.near, -p.rate_to, p.peer_id))
+        else:
+            ranked = sorted(interested, key=lambda p: (-p.rate_from, p.peer_id))
         regular = {p.peer_id for p in ranked[: self.slots - 1]}
         rest = [p.peer_id for p in ranked if p.peer_id not in regular]
         if self._optimistic not in rest or now - self._optimistic_since >= self.optimistic_interval:

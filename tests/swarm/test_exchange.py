@@ -163,6 +163,13 @@ def test_choker_tit_for_tat_and_a_rotating_optimistic_unchoke():
     seed = Choker(slots=4, rng=random.Random(0)).decide(0.0, peers, seed=True)
     assert {"p0", "p1", "p2"} <= seed  # a seed favours the peers it uploads to fastest
     assert Choker(slots=4).decide(0.0, peers[:3], seed=False) == {"p0", "p1", "p2"}
+    # ... of its own region first: first copies start there (``first_copies_near``)
+    near = [ChokerPeer(p.peer_id, True, rate_to=p.rate_to, near=p.peer_id in ("p8", "p9")) for p in peers[:10]]
+    assert {"p8", "p9", "p0"} <= Choker(slots=4, rng=random.Random(0)).decide(0.0, near, seed=True)
+    # A peer that is not a seed ranks by what it gets, wherever the peer is.
+    assert {"p9", "p8", "p7"} <= Choker(slots=4, rng=random.Random(0)).decide(
+        0.0, [ChokerPeer(p.peer_id, True, rate_from=p.rate_from, near=p.peer_id == "p0") for p in peers[:10]],
+        seed=False)
 
 
 def test_a_slot_left_free_goes_to_the_first_peer_that_asks_before_the_next_decision():
@@ -411,13 +418,16 @@ def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
 
 def test_first_copies_stay_in_the_seeds_region_while_it_has_peers_to_take_them():
     """A first copy given into another region crosses once more than (R-1) per chunk: first copies
-    go to the seed's own region while it has a peer the seed may serve for a one-chunk version, two
-    for a larger one. A chunk given to a near peer that never asks goes, once lost, to anyone."""
-    assert first_copies_near(1, 4, 1) and first_copies_near(16, 4, 2) and first_copies_near(3, 8, 5)
-    assert not first_copies_near(16, 4, 1)  # one near peer: the seed's uplink would wait on it
-    assert not first_copies_near(1, 4, 0)  # nobody near
-    assert not first_copies_near(4, 1, 8)  # one region: nothing to cross
-    assert not first_copies_near(None, 4, 8) and not first_copies_near(0, 4, 8)  # no manifest yet
+    go to the seed's own region while it may serve a peer there for a one-chunk version, two for a
+    larger one, and (for a larger one) the region has a node for every two other regions. A chunk
+    given to a near peer that never asks goes, once lost, to anyone."""
+    assert first_copies_near(1, 8, 1, 1)  # one chunk: one near peer it may serve, whatever the regions
+    assert first_copies_near(16, 4, 2, 2) and first_copies_near(16, 8, 12, 3)
+    assert not first_copies_near(16, 4, 4, 1)  # one it may serve: the seed's uplink would wait on it
+    assert not first_copies_near(16, 8, 2, 2)  # two near nodes to start 7 regions' crossings: spread
+    assert not first_copies_near(1, 4, 0, 0)  # nobody near
+    assert not first_copies_near(4, 1, 8, 8)  # one region: nothing to cross
+    assert not first_copies_near(None, 4, 8, 8) and not first_copies_near(0, 4, 8, 8)  # no manifest yet
     ss = SuperSeed(1, single_from=4, claim_within=3.0)
     assert ss.offer(0.0, "far", set(), {}, peers=16, fresh=False) == set()
     assert ss.offer(0.1, "near", set(), {}, peers=16) == {0}
