@@ -344,7 +344,14 @@ class Sim:
     def may_download(self, x: Node, y: Node) -> bool:
         if not x.trainer:
             return len(x.queue[self.lane(x, y)]) < QUEUE_ADMIT  # a relay admits by its lane's queue depth
-        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id)
+        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near_waiting(x, y))
+
+    def near_waiting(self, x: Node, y: Node) -> int:
+        """As the daemon's ``_near_waiting``: for a peer of another region, the trainer's peers in its
+        own region it does not unchoke now, for whom free slots are kept."""
+        if y.region == x.region:
+            return 0
+        return max(0, self.near_trainer - sum(1 for i in x.unchoked if self.by_id[i].region == x.region))
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""
@@ -365,8 +372,8 @@ class Sim:
         near = servable = self.near_trainer
         if y.region != x.region and self.choking_active(x):  # the near peers it may serve now (unchoked,
             # or to be admitted to a free slot), as the daemon's ``_shown``
-            unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
-            servable = unchoked + max(0, min(x.choker.slots - len(x.unchoked), near - unchoked))
+            waiting = self.near_waiting(x, y)
+            servable = near - waiting + min(x.choker.slots - len(x.unchoked), waiting)
         fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
                                  fresh=fresh) & x.have

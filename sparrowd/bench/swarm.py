@@ -273,9 +273,10 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                 # tracker hears of versions only at renewals; polling alone would add up to a poll's
                 # period, a third of a one-chunk version's bound).
                 for u in node_urls:
-                    if u not in held_at and (t := json.loads(_get(f"{u}/v1/node", token)).get("held_at", {}).get(
-                            str(m.version))) is not None:
-                        held_at[u] = t
+                    if u not in held_at:
+                        info = json.loads(_get(f"{u}/v1/node", token))
+                        if m.version in info["versions"]:  # when it said so, or failing that, now
+                            held_at[u] = info.get("held_at", {}).get(str(m.version)) or time.time()
                 return len(held_at) == len(node_urls)
 
             _wait(everyone_holds, 600, f"every node to hold version {m.version}", every=0.05)

@@ -417,6 +417,16 @@ class Swarm:
                   base_version=vs.base_version)
         return new
 
+    def _complete(self, vs: VersionState) -> None:
+        """This node came to hold ``vs`` whole: by its last chunk, or by its manifest when every chunk
+        it names was here first (a pushed chunk can outrun the manifest, which then completed the
+        version unannounced: no event, no prompt report, no ``held_at``)."""
+        vs.held_at = time.time()
+        event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
+              chunks=vs.total, position=self.position())
+        self.retire()
+        self.daemon.report_changed()
+
     def retire(self) -> None:
         """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every
         patch after it. Of what is not complete, what this node will never want goes too."""
@@ -590,8 +600,8 @@ class Swarm:
         here, servable = self.daemon.settings.region, near
         if remote.region != here and self._choking_active():  # the near peers it may serve now: unchoked,
             # or to be admitted to a slot left free (``Choker.admit``) when they ask
-            unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
-            servable = unchoked + max(0, min(self.choker.slots - len(self.unchoked), near - unchoked))
+            waiting = self._near_waiting(remote)
+            servable = near - waiting + min(self.choker.slots - len(self.unchoked), waiting)
         fresh = remote.region == here or not first_copies_near(vs.total, regions, near, servable)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
@@ -700,7 +710,19 @@ class Swarm:
                 return True
             self._told_choked[lane] = True  # woken when the lane has room again
             return False
-        return not self._choking_active() or self.choker.admit(self.unchoked, remote.node_id)
+        if not self._choking_active():
+            return True
+        return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near_waiting(remote))
+
+    def _near_waiting(self, remote: Remote) -> int:
+        """For a peer of another region, the trainer's live peers in its own region that it does not
+        unchoke now: free slots are kept for them (``Choker.admit``), as first copies start there."""
+        here = self.daemon.settings.region
+        if remote.region == here:
+            return 0
+        near = self._live()[1]
+        return max(0, near - sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None
+                                 and r.region == here))
 
     def _lane(self, remote: Remote) -> bool:
         """A relay's upload lane for this peer: True for another region. Uploads across regions are held
@@ -968,6 +990,7 @@ class Swarm:
         now = time.monotonic()
         seen = set()
         took = False
+        done = []  # versions whose manifest came after their last chunk
         for e in reply["versions"][:4096]:
             e = fields(e, _VERSION_REP, what="exchange reply version")
             k = Key(e["version"], bool(e.get("anchor")))
@@ -975,12 +998,15 @@ class Swarm:
             if k.version <= at and k not in self.versions:
                 continue  # nothing older than this node's position is of use to it
             vs = self.versions.get(k) or VersionState(k.version, k.anchor)
+            was = vs.complete
             for raw in e["statements"][:1 << 16]:
                 if not isinstance(raw, bytes):
                     raise FormatError("statement must be bytes")
                 if self._take_statement(vs, Signed.from_bytes(raw)):
                     self._touch()
                     took = True
+            if vs.complete and not was and self.signer is None:
+                done.append(vs)
             if not vs.statements:
                 continue  # nothing signed yet: not an object this node knows
             self.versions.setdefault(k, vs)
@@ -1002,6 +1028,8 @@ class Swarm:
         if took:  # pushes waiting for these block hashes look again (handle_push)
             self._announced.set()
             self._announced = asyncio.Event()
+        for vs in done:
+            self._complete(vs)
         if ps.role == "trainer":
             self.trainer_heard = True  # the trainer lists everything it retains
             if isinstance(joins := reply.get("joins"), int):
@@ -1203,11 +1231,7 @@ class Swarm:
                 if pid != ps.node_id:
                     t.cancel()
             if vs.complete:
-                vs.held_at = time.time()
-                event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
-                      chunks=vs.total, position=self.position())
-                self.retire()
-                self.daemon.report_changed()
+                self._complete(vs)
             self._push_out(vs, index)  # tops up what was pushed from the partial (peers that lack it since)
             await self.notify()
             self._tell_peers()

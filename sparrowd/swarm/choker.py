@@ -37,15 +37,18 @@ class Choker:
     _optimistic: str | None = None
     _optimistic_since: float = float("-inf")
 
-    def admit(self, unchoked: set[str], peer_id: str) -> bool:
+    def admit(self, unchoked: set[str], peer_id: str, *, reserved: int = 0) -> bool:
         """Whether ``peer_id`` may download now: it is unchoked, or a slot is free (the last decision
         found fewer interested peers than slots), which it then takes (added to ``unchoked``). A
         peer that became interested since the last decision (this node just got a chunk it lacks)
         is served at once rather than at the next one: waiting a decision period per hop is what
-        made small patches slow in swarms of more than ``slots`` peers."""
+        made small patches slow in swarms of more than ``slots`` peers. ``reserved`` free slots are
+        kept for others (a seed's, for its own region's peers: a peer of another region that took
+        one as a version began was given no first copy and kept the near peer that would have
+        taken it waiting)."""
         if peer_id in unchoked:
             return True
-        if len(unchoked) < self.slots:
+        if len(unchoked) + reserved < self.slots:
             unchoked.add(peer_id)
             return True
         return False

@@ -165,3 +165,50 @@ def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_r
     me.inflight[(key, 0)] = {"r1": task}
     me._taking.add(task)
     assert Swarm._unstarted(me, key, 0, "r2") is None  # that one is a push being taken
+
+
+def test_a_manifest_after_the_last_chunk_completes_the_version_like_the_chunk_would(tmp_path):
+    """A pushed chunk can outrun the version's manifest: every chunk is here before the manifest
+    names them. The exchange reply that brings the manifest completes the version then, as the
+    last chunk would have (``Swarm._complete``: the event, the prompt report, ``held_at``); it once
+    completed it unannounced, and ``bench swarm`` waited for a time that never came."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import blake3
+    import numpy as np
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sparrowd.bench.swarm import _write_patch
+    from sparrowd.codec.patchfile import parse_patch
+    from sparrowd.daemon.swarm import PeerState, Swarm
+    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.signing import Signer, Verifier, announce_kind, manifest_kind
+    from sparrowd.swarm.versions import ChunkRef, VersionState, announce_body, block_for, block_hashes, to_bitmap
+
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, (256 << 10) - 4096, 256 << 10, np.random.default_rng(0))
+    view = parse_patch(path.read_bytes())
+    data = bytes(view.chunks[0])
+    signer = Signer(Ed25519PrivateKey.generate())
+    block = block_for(len(data))
+    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
+    announce = signer.sign(announce_kind(False), 1, announce_body(0, [ref], [block_hashes(data, block)], block))
+    manifest = signer.sign(manifest_kind(False), 1, view.manifest.to_bytes())
+    vs = VersionState(1)
+    vs.add(announce, Verifier(signer.public))
+    vs.have.add(0)  # the pushed chunk, stored
+    assert not vs.complete
+    completed = []
+    me = SimpleNamespace(versions={Key(1, False): vs}, floor=lambda: 0, signer=None, available_since={},
+                         _touch=lambda: None, _announced=asyncio.Event(), _changed=asyncio.Event(),
+                         trainer_heard=False, _complete=completed.append,
+                         verifier=Verifier(signer.public), store=SimpleNamespace(add_statement=lambda vs, s: None))
+    me._take_statement = lambda v, s: Swarm._take_statement(me, v, s)
+    trainer = PeerState("trainer", "a:1", "eu", "trainer")
+    reply = {"gen": 1, "versions": [{"version": 1, "statements": [manifest.to_bytes()],
+                                     "have": to_bitmap({0}, 1), "fetching": to_bitmap(set(), 1)}]}
+    Swarm._ingest(me, trainer, reply)
+    assert vs.complete and completed == [vs]
+    Swarm._ingest(me, trainer, reply)  # the same reply again: nothing new completes
+    assert completed == [vs]
