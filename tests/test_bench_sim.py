@@ -228,9 +228,9 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
     # Pulling only: a push takes the place of a request with no byte back, which breaks such circles too.
-    # Of seeds 0-24 only 22 circles since first copies stay in the trainer's region (first_copies_near);
-    # seeds 1 and 10 did before.
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=22, push=(0, 0))
+    # Seeds 13 and 23 of 0-39 circle since first copies start in the trainer's region
+    # (first_copies_near); seeds 1 and 10 of 1-12 did before.
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=13, push=(0, 0))
     early = _Watched(Config(relay_after_block=False, **cfg))
     assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
     later = _Watched(Config(**cfg))

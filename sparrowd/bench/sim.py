@@ -878,6 +878,7 @@ class Sim:
                 self.pending.add(n)
             if t.id in n.known:  # the trainer's long poll answers with the version's statements
                 self.at(self.now + self.owd(t, n), self._aware, n)
+        self.choke(t)  # a new version: every peer wants it, and the trainer decides whom it serves at once
         self.at(self.now + self.rng.random() * CHOKE_EVERY, self._choke_tick, t)  # only the trainer chokes
 
     def _choke_tick(self, n: Node) -> None:

@@ -209,6 +209,10 @@ class Swarm:
         self.contacts: dict[str, PeerState] = {}  # other regions' heads met only through pushes (``_peer``)
         self._joins_seen = 0  # the latest join the trainer told of (its exchange replies' ``joins``)
         self._announced = asyncio.Event()  # set, and replaced, as peers' statements arrive (``handle_push``)
+        # Set when a new version begins (the trainer's first chunk of it): every peer is interested
+        # again, and slots held by peers of other regions since the last version would keep the first
+        # copies from the trainer's own region for up to a second (``first_copies_near``).
+        self._rechoke = asyncio.Event()
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
         self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
         self.lies = 0  # chunks peers advertised and did not serve
@@ -468,6 +472,8 @@ class Swarm:
                              announce_body(index, [ref], [block_hashes(data, block)], block))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
+        if not vs.have:
+            self._rechoke.set()  # a new version: every peer wants it; decide whom to serve now
         vs.have.add(index)
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         await self.notify()
@@ -858,8 +864,9 @@ class Swarm:
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, self._wants(r), rate_from=p.rate.rate(now) if p else 0.0,
                                         rate_to=r.rate_to.rate(now), near=r.region == self.daemon.settings.region))
-            seed = all(vs.complete for vs in self.versions.values())
-            unchoked = self.choker.decide(now, peers, seed=seed)
+            # Only the trainer chokes, and it is a seed even while a version is being published: it
+            # downloads nothing, so it ranks peers by what it sends them (its own region's first).
+            unchoked = self.choker.decide(now, peers, seed=True)
             if any(ss.lapsing(now, self.held_by.get(k, {}).keys())
                    for k, ss in self.superseed.items()):
                 await self.notify()  # an assignment lapsed: the peers' long polls answer, one gets it now
@@ -869,7 +876,9 @@ class Swarm:
                         ss.forget(pid, unclaimed_only=True)
                 self.unchoked = unchoked
                 await self.notify()  # peers waiting in an exchange learn their new choke state now
-            await asyncio.sleep(1.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rechoke.wait(), 1.0)
+            self._rechoke.clear()
 
     # ------------------------------------------------------------ fetching side
 

@@ -48,7 +48,7 @@ def first_copies_near(chunks: int | None, regions: int, near: int, servable: int
     larger one (with one, the seed's uplink waits on it), and, for a larger one, when the region
     has a node for every two other regions: its WAN uplinks then start every chunk's way out
     (16 nodes in 8 regions, two a region, took 6 MiB in 1.20x the bound near against 1.11x spread,
-    and 2 MiB in 1.36x against 1.28x; with 8 nodes in 4 regions, 16 in 4 and 100 in 8 the time
+    and 2 MiB in 1.36x against 1.22x; with 8 nodes in 4 regions, 16 in 4 and 100 in 8 the time
     was within a few hundredths either way)."""
     if chunks is None or chunks <= 0 or regions <= 1:
         return False
