@@ -269,6 +269,7 @@ class Sim:
         self._join()
         # The trainer's peers in its own region (for first_copies_near), less those that leave.
         self.near_trainer = sum(1 for n in self.nodes if not n.trainer and n.region == self.trainer.region)
+        self.near_wanting = 0  # of them, those still short of the version (set at each publish)
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
         self.flows: list[Req] = []
         self.f_src = np.zeros(1024, np.int64)
@@ -344,14 +345,16 @@ class Sim:
     def may_download(self, x: Node, y: Node) -> bool:
         if not x.trainer:
             return len(x.queue[self.lane(x, y)]) < QUEUE_ADMIT  # a relay admits by its lane's queue depth
-        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near_waiting(x, y))
+        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near(x, y)[1])
 
-    def near_waiting(self, x: Node, y: Node) -> int:
-        """As the daemon's ``_near_waiting``: for a peer of another region, the trainer's peers in its
-        own region it does not unchoke now, for whom free slots are kept."""
+    def near(self, x: Node, y: Node) -> tuple[int, int]:
+        """As the daemon's ``_near``: for a peer of another region, the trainer's own region's peers
+        it unchokes now, and those still short of the version and not unchoked, for whom free slots
+        are kept."""
         if y.region == x.region:
-            return 0
-        return max(0, self.near_trainer - sum(1 for i in x.unchoked if self.by_id[i].region == x.region))
+            return 0, 0
+        unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
+        return unchoked, max(0, self.near_wanting - unchoked)
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""
@@ -372,8 +375,8 @@ class Sim:
         near = servable = self.near_trainer
         if y.region != x.region and self.choking_active(x):  # the near peers it may serve now (unchoked,
             # or to be admitted to a free slot), as the daemon's ``_shown``
-            waiting = self.near_waiting(x, y)
-            servable = near - waiting + min(x.choker.slots - len(x.unchoked), waiting)
+            unchoked, waiting = self.near(x, y)
+            servable = unchoked + min(x.choker.slots - len(x.unchoked), waiting)
         fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
                                  fresh=fresh) & x.have
@@ -659,6 +662,7 @@ class Sim:
             self.cancel_pending = True
         if len(y.have) == self.chunks:
             y.done_at = self.now
+            self.near_wanting -= y.region == self.trainer.region
             self.pending.discard(y)
         self.tell(y, r.chunk)
         if any(self.cfg.push):
@@ -813,6 +817,7 @@ class Sim:
         for g in gone:
             g.alive = False
             self.near_trainer -= g.region == self.trainer.region
+            self.near_wanting -= g.region == self.trainer.region and g in self.pending
             g.fetching, g.partial = {}, {}  # its peers learn it fetches nothing when their requests to it fail
             self.pending.discard(g)
             self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)
@@ -878,6 +883,7 @@ class Sim:
                 self.pending.add(n)
             if t.id in n.known:  # the trainer's long poll answers with the version's statements
                 self.at(self.now + self.owd(t, n), self._aware, n)
+        self.near_wanting = sum(1 for n in self.pending if n.region == t.region)
         self.choke(t)  # a new version: every peer wants it, and the trainer decides whom it serves at once
         self.at(self.now + self.rng.random() * CHOKE_EVERY, self._choke_tick, t)  # only the trainer chokes
 

@@ -200,7 +200,7 @@ class Swarm:
         self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
-        self._live_at, self._live_count = float("-inf"), (0, 0, 0)  # _live(): peers heard from lately, when counted
+        self._live_at, self._live_count = float("-inf"), (0, 0, 0, 0)  # _live(): peers heard from lately, when
         self._live_known = 0  # how many remotes there were then
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
@@ -472,8 +472,9 @@ class Swarm:
                              announce_body(index, [ref], [block_hashes(data, block)], block))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
-        if not vs.have:
-            self._rechoke.set()  # a new version: every peer wants it; decide whom to serve now
+        if not vs.have:  # a new version: every peer wants it; decide whom to serve now, and count again
+            self._rechoke.set()
+            self._live_at = float("-inf")
         vs.have.add(index)
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         await self.notify()
@@ -602,12 +603,12 @@ class Swarm:
         # Assignments go to peers that show chunks in their have-maps (a member that never fetches
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not self._showing
-        live, near, regions = self._live()
+        live, near, regions, _ = self._live()
         here, servable = self.daemon.settings.region, near
         if remote.region != here and self._choking_active():  # the near peers it may serve now: unchoked,
             # or to be admitted to a slot left free (``Choker.admit``) when they ask
-            waiting = self._near_waiting(remote)
-            servable = near - waiting + min(self.choker.slots - len(self.unchoked), waiting)
+            unchoked, waiting = self._near(remote)
+            servable = unchoked + min(self.choker.slots - len(self.unchoked), waiting)
         fresh = remote.region == here or not first_copies_near(vs.total, regions, near, servable)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
@@ -684,15 +685,19 @@ class Swarm:
                 reply["joined"] = joined
         return web.Response(body=pack(reply), content_type=MSGPACK)
 
-    def _live(self) -> tuple[int, int, int]:
-        """The peers heard from in the last 30 s: how many, how many of them in this node's region, and
-        how many regions they are in; counted at most once a second: the trainer asks on every
-        exchange it answers, and every node of the swarm polls it."""
+    def _live(self) -> tuple[int, int, int, int]:
+        """The peers heard from in the last 30 s: how many, how many of them in this node's region, how
+        many regions they are in, and how many of this region's lack a chunk this node holds; counted
+        at most once a second (and when a peer is new, or a version begins): the trainer asks on
+        every exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
-        if now - self._live_at >= 1.0 or len(self.remotes) != self._live_known:  # and when a peer is new
+        if now - self._live_at >= 1.0 or len(self.remotes) != self._live_known:
             self._live_at, self._live_known = now, len(self.remotes)
-            live = [r.region for r in self.remotes.values() if now - r.last_seen < 30]
-            self._live_count = (len(live), live.count(self.daemon.settings.region), len(set(live)))
+            here = self.daemon.settings.region
+            live = [r for r in self.remotes.values() if now - r.last_seen < 30]
+            near = [r for r in live if r.region == here]
+            self._live_count = (len(live), len(near), len({r.region for r in live}),
+                                sum(1 for r in near if self._wants(r)))
         return self._live_count
 
     def _choking_active(self) -> bool:
@@ -718,17 +723,18 @@ class Swarm:
             return False
         if not self._choking_active():
             return True
-        return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near_waiting(remote))
+        return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near(remote)[1])
 
-    def _near_waiting(self, remote: Remote) -> int:
-        """For a peer of another region, the trainer's live peers in its own region that it does not
-        unchoke now: free slots are kept for them (``Choker.admit``), as first copies start there."""
+    def _near(self, remote: Remote) -> tuple[int, int]:
+        """For a peer of another region: the trainer's own region's peers it unchokes now, and those
+        that want a chunk from it and are not unchoked, for whom free slots are kept (``Choker.admit``)
+        as first copies start there (a region that holds everything keeps none). (0, 0) for a peer
+        of the trainer's region."""
         here = self.daemon.settings.region
         if remote.region == here:
-            return 0
-        near = self._live()[1]
-        return max(0, near - sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None
-                                 and r.region == here))
+            return 0, 0
+        unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
+        return unchoked, max(0, self._live()[3] - unchoked)
 
     def _lane(self, remote: Remote) -> bool:
         """A relay's upload lane for this peer: True for another region. Uploads across regions are held
