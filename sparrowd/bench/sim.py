@@ -13,7 +13,9 @@ or over its per-peer cap; a server sends at most two chunks at once
 region and to other regions are separate lanes, as in the daemon) and queues
 the rest; a node that stores a chunk tells
 its peers (a have message, one one-way delay later); the trainer shows each
-peer its super-seed offer.
+peer its super-seed offer (first copies in its own region where
+``first_copies_near`` says so), unchokes its own region's peers first, and
+decides again as each version begins.
 
 The link model is fluid. Every upload shares its node's uplink with the
 node's other uploads, an upload to another region is further held to the
