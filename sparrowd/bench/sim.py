@@ -350,13 +350,12 @@ class Sim:
         return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near(x, y)[1])
 
     def near(self, x: Node, y: Node) -> tuple[int, int]:
-        """As the daemon's ``_near``: for a peer of another region, the trainer's own region's peers
-        it unchokes now, and those still short of the version and not unchoked, for whom free slots
-        are kept."""
+        """As the daemon's ``_near``: for a peer of another region, the trainer's own region's peers it
+        may serve now, and the free slots it keeps for those still short of the version."""
         if y.region == x.region:
             return 0, 0
         unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
-        return unchoked, max(0, self.near_wanting - unchoked)
+        return x.choker.near_room(x.unchoked, unchoked, self.near_wanting)
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""
@@ -374,11 +373,8 @@ class Sim:
             return set()
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
-        near = servable = self.near_trainer
-        if y.region != x.region and self.choking_active(x):  # the near peers it may serve now (unchoked,
-            # or to be admitted to a free slot), as the daemon's ``_shown``
-            unchoked, waiting = self.near(x, y)
-            servable = unchoked + min(x.choker.slots - len(x.unchoked), waiting)
+        near = self.near_trainer
+        servable = self.near(x, y)[0] if self.choking_active(x) else near  # as the daemon's ``_shown``
         fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
                                  fresh=fresh) & x.have

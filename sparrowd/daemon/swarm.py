@@ -201,7 +201,6 @@ class Swarm:
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self._live_at, self._live_count = float("-inf"), (0, 0, 0, 0)  # _live(): peers heard from lately, when
-        self._live_known = 0  # how many remotes there were then
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
@@ -604,12 +603,9 @@ class Swarm:
         # gets none to sit on), once any peer does.
         trusted = any(remote.have.values()) or not self._showing
         live, near, regions, _ = self._live()
-        here, servable = self.daemon.settings.region, near
-        if remote.region != here and self._choking_active():  # the near peers it may serve now: unchoked,
-            # or to be admitted to a slot left free (``Choker.admit``) when they ask
-            unchoked, waiting = self._near(remote)
-            servable = unchoked + min(self.choker.slots - len(self.unchoked), waiting)
-        fresh = remote.region == here or not first_copies_near(vs.total, regions, near, servable)
+        servable = self._near(remote)[0] if self._choking_active() else near
+        fresh = remote.region == self.daemon.settings.region or not first_copies_near(vs.total, regions, near,
+                                                                                     servable)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
 
@@ -688,11 +684,11 @@ class Swarm:
     def _live(self) -> tuple[int, int, int, int]:
         """The peers heard from in the last 30 s: how many, how many of them in this node's region, how
         many regions they are in, and how many of this region's lack a chunk this node holds; counted
-        at most once a second (and when a peer is new, or a version begins): the trainer asks on
+        at most once a second, and again when a version begins: the trainer asks on
         every exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
-        if now - self._live_at >= 1.0 or len(self.remotes) != self._live_known:
-            self._live_at, self._live_known = now, len(self.remotes)
+        if now - self._live_at >= 1.0:
+            self._live_at = now
             here = self.daemon.settings.region
             live = [r for r in self.remotes.values() if now - r.last_seen < 30]
             near = [r for r in live if r.region == here]
@@ -726,15 +722,14 @@ class Swarm:
         return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near(remote)[1])
 
     def _near(self, remote: Remote) -> tuple[int, int]:
-        """For a peer of another region: the trainer's own region's peers it unchokes now, and those
-        that want a chunk from it and are not unchoked, for whom free slots are kept (``Choker.admit``)
-        as first copies start there (a region that holds everything keeps none). (0, 0) for a peer
-        of the trainer's region."""
+        """For a peer of another region: the trainer's own region's peers it may serve now, and the
+        free slots it keeps for those of them that want a chunk (``Choker.near_room``), as first copies
+        start there; (0, 0) for a peer of its own region."""
         here = self.daemon.settings.region
         if remote.region == here:
             return 0, 0
         unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
-        return unchoked, max(0, self._live()[3] - unchoked)
+        return self.choker.near_room(self.unchoked, unchoked, self._live()[3])
 
     def _lane(self, remote: Remote) -> bool:
         """A relay's upload lane for this peer: True for another region. Uploads across regions are held

@@ -4,8 +4,8 @@ A node has a few upload slots. Regular slots go to the interested peers that
 give it the most (measured download rate from them); a node that already
 holds everything (a seed) gives them to the peers of its own region first
 (``near``: the trainer's first copies start there, ``first_copies_near``),
-then to those it uploads to fastest, which finishes them soonest. One more slot, the optimistic unchoke, goes to a
-random other interested peer and moves every ``optimistic_interval``
+then to those it uploads to fastest, which finishes them soonest. One more
+slot, the optimistic unchoke, goes to a random other interested peer and moves every ``optimistic_interval``
 seconds, so newcomers with nothing to give get a start and faster partners
 are found. Between decisions, a slot left free (fewer peers were interested)
 goes to the first peer that asks (``admit``). Pure: ``decide(now, ...)``
@@ -52,6 +52,14 @@ class Choker:
             unchoked.add(peer_id)
             return True
         return False
+
+    def near_room(self, unchoked: set[str], near_unchoked: int, near_wanting: int) -> tuple[int, int]:
+        """For a seed that serves its own region first, facing a peer of another region: how many of
+        its region's peers it may serve now (``near_unchoked`` of ``unchoked``, and as many of the
+        others of the ``near_wanting`` that want a chunk as free slots admit when they ask), and how
+        many free slots ``admit`` keeps for them (``reserved``)."""
+        waiting = max(0, near_wanting - near_unchoked)
+        return near_unchoked + min(max(0, self.slots - len(unchoked)), waiting), waiting
 
     def decide(self, now: float, peers: list[ChokerPeer], *, seed: bool) -> set[str]:
         interested = [p for p in peers if p.interested]

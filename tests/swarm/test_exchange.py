@@ -172,6 +172,18 @@ def test_choker_tit_for_tat_and_a_rotating_optimistic_unchoke():
         seed=False)
 
 
+def test_a_seed_keeps_free_slots_for_its_own_regions_peers_that_want_a_chunk():
+    """``near_room``: the near peers a seed may serve now (unchoked, or admitted to a free slot when
+    they ask) and the free slots kept from other regions' peers for them (``admit``'s ``reserved``)."""
+    c = Choker(slots=4)
+    assert c.near_room(set(), 0, 3) == (3, 3)  # a version begins: three near peers want it, four slots free
+    assert c.near_room({"n1", "f1"}, 1, 3) == (3, 2)  # one near unchoked; two free slots, kept for the two
+    assert c.near_room({"n1", "f1", "f2", "f3"}, 1, 3) == (1, 2)  # no slot free: only the unchoked one
+    assert c.near_room({"f1"}, 0, 0) == (0, 0)  # the near region holds everything: nothing kept
+    unchoked = {"n1", "f1"}
+    assert not c.admit(unchoked, "f2", reserved=2) and c.admit(unchoked, "n2", reserved=0)
+
+
 def test_a_slot_left_free_goes_to_the_first_peer_that_asks_before_the_next_decision():
     c = Choker(slots=3)
     # Nobody was interested at the last decision (the version had just started): nobody unchoked.
