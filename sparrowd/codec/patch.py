@@ -137,7 +137,7 @@ class PatchEncoder:
         if history is not None and values != ULP2:
             raise InputError("a change history is for ulp2 patches only")
         self.history = history if history is not None and history.versions else None
-        self._moved: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ulp2: what the next history holds
+        self._moved: dict[str, tuple[np.ndarray, np.ndarray]] | None = {}  # ulp2: what the next history holds
         self._reset: set[str] = set()
         self._ratio = 0.6  # compressed bytes / estimated raw bytes, recalibrated after every chunk
         self._finished = False
@@ -335,11 +335,16 @@ class PatchEncoder:
     def next_history(self, pool: Executor | None = None) -> History:
         """After :meth:`finish`: the change history once this patch is applied, for the next ulp2
         patch of the chain (a patch without a base starts one afresh). ``pool``: as for
-        ``History.after``."""
+        ``History.after``. Called once: the encoder lets go of the changes' positions here (they
+        may be views of a caller's page-locked buffer, which must be free for reuse as soon as the
+        merge is done, not when whoever ran this drops the encoder)."""
         if not self._finished:
             raise RuntimeError("PatchEncoder.next_history before finish")
+        if self._moved is None:
+            raise RuntimeError("PatchEncoder.next_history called twice")
+        moved, self._moved = self._moved, None
         start = History() if self.base_version is None or self.history is None else self.history
-        return start.after(self.version, self._moved, self._reset, pool=pool)
+        return start.after(self.version, moved, self._reset, pool=pool)
 
 
 DIFFS_AHEAD = 2  # tensors encode_patch has queued for diffing ahead of the one it cuts, per thread

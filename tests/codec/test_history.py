@@ -207,3 +207,26 @@ def test_history_classes_read_from_a_kept_copy_are_the_base_s():
     assert not np.array_equal(history_classes(kept, "BF16", lo, hpos, idx, None), want)
     with pytest.raises(ValueError, match="outside the base"):
         history_classes(base, "BF16", lo, np.array([base.size]), idx, None)
+
+
+def test_the_next_history_lets_go_of_the_changes_positions_once_merged():
+    """The Publisher merges the next history on a thread after ``publish`` returns; the positions
+    are views of its page-locked buffer, so the encoder must let go of them once merged, not when
+    the thread that ran the merge drops it. The merge is taken once."""
+    import weakref
+
+    from sparrowd.codec.patch import PatchEncoder
+
+    rng = np.random.default_rng(5)
+    old, new = momentum_chain(rng, 1 << 16, 1)
+    idx = np.flatnonzero(old["w"].bits != new["w"].bits).astype(np.int64)
+    enc = PatchEncoder(version=1, base_version=0, values="ulp2", chunk_size=MIN_CHUNK_SIZE)
+    enc.add_extract("w", new["w"], new["w"], idx, b"f" * 16, b"g" * 16, old["w"].bits[idx], new["w"].bits[idx])
+    enc.finish()
+    ref = weakref.ref(idx)
+    del idx
+    assert ref() is not None  # the encoder holds the positions until the merge
+    merged = enc.next_history()
+    assert ref() is None and merged.get("w").positions.size > 0
+    with pytest.raises(RuntimeError, match="twice"):
+        enc.next_history()
