@@ -228,9 +228,10 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
     # Pulling only: a push takes the place of a request with no byte back, which breaks such circles too.
-    # Seeds 13 and 23 of 0-39 circle since first copies start in the trainer's region
-    # (first_copies_near); seeds 1 and 10 of 1-12 did before.
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=13, push=(0, 0))
+    # Seed 37 of 0-39 circles since relays stream a chunk still arriving to no more peers than their
+    # uplink carries (relay_fanout) and the simulator steps under half a block's time; seeds 13 and
+    # 23 did before, and seeds 1 and 10 of 1-12 before first copies started in the trainer's region.
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=37, push=(0, 0))
     early = _Watched(Config(relay_after_block=False, **cfg))
     assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
     later = _Watched(Config(**cfg))
@@ -318,3 +319,44 @@ def test_a_push_takes_the_place_of_a_request_with_no_byte_back():
     assert waited["all_done"] and replaced["all_done"]
     assert replaced["seconds"] < 0.9 * waited["seconds"], (waited["seconds"], replaced["seconds"])
     assert replaced["cross_region_over_r_minus_1"] <= 1.0 + 1e-9 and replaced["trainer_upload_over_patch"] <= 1.0 + 1e-9
+
+
+class _FanWatched(Sim):
+    """Counts, every step, the streams each relay serves of a chunk still arriving to it."""
+
+    most_over = 0
+
+    def step_flows(self, dt):
+        from sparrowd.swarm.push import relay_fanout
+
+        feeds: dict[int, list] = {}
+        for r in self.flows:
+            if r.feed is not None and r.chunk not in r.src.have and not r.src.trainer:
+                feeds.setdefault(id(r.feed), [r.feed, 0])[1] += 1
+        for feed, n in feeds.values():
+            most = relay_fanout(self.up[feed.dst.idx], feed.declared)
+            self.most_over = max(self.most_over, n - (most if most is not None else n))
+        super().step_flows(dt)
+
+
+def test_relays_stream_a_chunk_still_arriving_to_no_more_peers_than_their_uplink_carries():
+    """One 256 KiB chunk to 100 nodes in 8 regions, the relays' uplinks twice the trainer's. Streamed
+    on to whoever asked or was pushed to, a head that crossed and fed two neighbours sent each a
+    third of its uplink, and the heads those fed crossed slower again; held to ``relay_fanout``,
+    every hop runs at the rate the chunk leaves the trainer."""
+    cfg = dict(nodes=100, regions=8, patch=256 << 10, versions=1, seed=0)
+    held = _FanWatched(Config(**cfg))
+    free = _FanWatched(Config(fanout=False, **cfg))
+    h, f = held.run()[0], free.run()[0]
+    assert h["all_done"] and f["all_done"]
+    assert held.most_over == 0 and free.most_over > 0
+    assert h["time_over_bound"] < 1.05 and f["time_over_bound"] > 1.1, (h, f)
+    assert h["cross_region_over_r_minus_1"] <= 1.01 and h["trainer_upload_over_patch"] <= 1.01, h
+
+
+def test_the_step_is_under_half_a_blocks_time():
+    """A hop costs a block's time; the simulator's step stays under half of it (at most 5 ms)."""
+    assert Config(patch=256 << 10).step == 0.001  # 16 KiB blocks, 2 ms at 8 MiB/s
+    assert 0.003 < Config(patch=64 * MB).step < 0.004  # 64 KiB blocks
+    assert Config(patch=256 << 10, node_rate=MB, trainer_rate=MB).step == 0.005
+    assert Config(patch=256 << 10, dt=0.002).step == 0.002

@@ -11,7 +11,10 @@ every block it completes (``IntegrityError`` names the first bad one), and
 registers its ``Partial``, served (and shown to peers) once its first block
 has checked out (``Swarm._fetching`` says why); streams served from it wait in
 ``wait`` for more, and end when it fails (the requester goes back to its
-picker) or is whole. A chunk announced without block hashes is buffered the
+picker) or is whole. While it arrives it is streamed to no more peers at once
+than the node's uplink carries at the rate it comes in (``rate``, as its
+sender declared it; ``swarm.push.relay_fanout``): ``streams`` counts them,
+and a request beyond them waits its ``turn``. A chunk announced without block hashes is buffered the
 same way and checked whole, as before, and never served before it is stored.
 """
 
@@ -34,6 +37,8 @@ class Partial:
         self.got = 0  # bytes received
         self.ready = 0  # bytes checked against their block hashes: what may be served on
         self.failed = False
+        self.rate: float | None = None  # bytes a second, as the sender declared it paces the stream
+        self.streams = 0  # streams served from it now, or about to be
         self._moved = asyncio.Event()
 
     @property
@@ -79,6 +84,17 @@ class Partial:
 
     def abort(self) -> None:
         self.failed = True
+        self._pulse()
+
+    async def turn(self, most: int | None) -> None:
+        """Return once fewer than ``most`` streams are served from it (None: at once), or it is
+        whole, or its fetch failed."""
+        while most is not None and self.streams >= most and not self.whole and not self.failed:
+            await self._moved.wait()
+
+    def leave(self) -> None:
+        """A stream served from it ended: one waiting may go."""
+        self.streams -= 1
         self._pulse()
 
     async def wait(self, past: int) -> None:

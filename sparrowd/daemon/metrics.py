@@ -75,6 +75,11 @@ class DaemonMetrics:
                                           "it was still fetching them (cut-through: each block as it checked out)")
             relayed.add_metric([], d.swarm.cut_through_bytes)
             yield relayed
+            turns = CounterMetricFamily("sparrowd_relay_turns_waited", "Requests for a chunk still arriving here that "
+                                        "waited for a stream to end: it was streamed to as many peers as this node's "
+                                        "upload limit carries at the rate the chunk comes in")
+            turns.add_metric([], d.swarm.turns_waited)
+            yield turns
             pushes = CounterMetricFamily("sparrowd_pushes", "Chunks pushed (sent unasked): sent and taken, refused "
                                          "or failed (this node pushing); received or declined (pushed to it)",
                                          labels=["outcome"])

@@ -21,7 +21,10 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   against the block hashes the trainer's announcement signed as it arrives,
   and a relay serves the chunks it is fetching as well as those it holds,
   block by block, so a chunk moves down a chain of nodes a block behind the
-  first instead of a chunk behind at each hop. Exchange replies say
+  first instead of a chunk behind at each hop. While a chunk arrives, a relay
+  streams it to no more peers at once than its upload limit carries at the
+  rate it comes in (every stream declares its rate, ``RATE_HEADER``;
+  ``swarm.push.relay_fanout``); the rest wait until it is whole. Exchange replies say
   ``cut_through``, and a node's ``fetching`` map is then a source for its
   peers' pickers; starting a fetch wakes the peers' long polls so they learn
   it at once. A stream whose feeding fetch fails is cut, and the requester
@@ -50,6 +53,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +71,7 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import PushPeer, push_heads, push_targets, region_tree
+from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, relay_fanout, stream_rate
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed, first_copies_near
@@ -226,6 +230,7 @@ class Swarm:
         self.available_since: dict[tuple[Key, int], float] = {}
         self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
+        self.turns_waited = 0  # requests for a chunk still arriving that waited for a stream of it to end
         self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
         self._background: set[asyncio.Task] = set()  # pushes being sent, wake-ups: stop() ends them
@@ -771,10 +776,22 @@ class Swarm:
             self.superseed[key].claim(i, remote.node_id)
         size = vs.chunks[i].size
         wan = remote.region != self.daemon.settings.region
+        part = source if isinstance(source, Partial) else None
         remote.uploads += 1
         try:
-            async with self._upload_slot(self._lane(remote)):
-                resp, sent = await self._send(request, source, size, wan, vs.roots.get(i), vs.block or PIECE)
+            if part is not None:  # still arriving: its turn among the streams the uplink carries at its rate
+                if (room := self._room(part)) is not None and room <= 0:
+                    self.turns_waited += 1
+                await part.turn(relay_fanout(self.up.rate, part.rate))
+                if part.failed:
+                    return web.json_response({"error": "not held"}, status=404)
+                part.streams += 1
+            try:
+                async with self._upload_slot(self._lane(remote)):
+                    resp, sent = await self._send(request, source, size, wan, vs.roots.get(i), vs.block or PIECE)
+            finally:
+                if part is not None:
+                    part.leave()
         finally:
             remote.uploads -= 1
         if not sent:
@@ -827,13 +844,23 @@ class Swarm:
                 await asyncio.sleep(delay)
             yield piece
 
+    def _rate_header(self, wan: bool, source: Path | Partial) -> dict[str, str]:
+        """``RATE_HEADER`` for a stream this node starts now (in its upload slot): its share of the
+        limits, no faster than the chunk arrives if it still does (``swarm.push.stream_rate``); none
+        where nothing limits it."""
+        arriving = source.rate if isinstance(source, Partial) and not source.whole else None
+        rate = stream_rate(self.up.rate, self.wan_up.rate, self._busy[False] + self._busy[True], self._busy[True],
+                           wan=wan, arriving=arriving)
+        return {RATE_HEADER: str(round(rate))} if rate else {}
+
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
                     wan: bool, root: str | None = None, block: int = PIECE) -> tuple[web.StreamResponse, bool]:
         """The chunk's bytes, from its file or, cut-through, from a fetch in progress, paced by the
         rate limits; False when the peer hung up (an endgame loser cancelled: not an error) or the
         fetch it was fed by failed (the connection is cut: the requester must not take what it got
         for the whole chunk)."""
-        headers = {"Content-Type": "application/octet-stream", **({ROOT_HEADER: root} if root else {})}
+        headers = {"Content-Type": "application/octet-stream", **({ROOT_HEADER: root} if root else {}),
+                   **self._rate_header(wan, source)}
         if isinstance(source, Path) and not (self.up.rate or (wan and self.wan_up.rate)):
             resp = web.FileResponse(source, headers=headers)
             try:
@@ -1173,7 +1200,7 @@ class Swarm:
                     return
                 self._take_root(vs, index, self.daemon.settings.region if ps.role == "trainer"
                                 else r.headers.get(ROOT_HEADER))
-                yield None  # served: what follows is the chunk
+                yield _Served(_declared_rate(r.headers))  # what follows is the chunk
                 async for piece in r.content.iter_chunked(PIECE):
                     yield piece
 
@@ -1182,10 +1209,11 @@ class Swarm:
     async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool) -> bool:
         """One stream of a chunk from ``ps``, asked for (``_fetch``) or pushed (``handle_push``): each
         block checked as it arrives, the chunk served on cut-through once a block has checked out (and
-        pushed on), stored once whole. ``pieces`` yields None once the stream is served (nothing
-        before: refused), then the bytes. ``whole``: the sender holds it whole, so a failed or short
-        stream counts against it; a stream fed by a fetch in progress there (or pushed) may be cut
-        without its fault. The caller has registered it in ``inflight``. Whether it stored the chunk."""
+        pushed on), stored once whole. ``pieces`` yields ``_Served`` once the stream is served
+        (nothing before: refused), with the rate its sender declared, then the bytes. ``whole``: the
+        sender holds it whole, so a failed or short stream counts against it; a stream fed by a fetch
+        in progress there (or pushed) may be cut without its fault. The caller has registered it in
+        ``inflight``. Whether it stored the chunk."""
         key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
@@ -1196,8 +1224,8 @@ class Swarm:
         try:
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
-                    if piece is None:
-                        served = True
+                    if isinstance(piece, _Served):
+                        served, buf.rate = True, piece.rate
                         continue
                     first = buf.ready == 0
                     buf.feed(piece)  # each block checked as it completes
@@ -1300,21 +1328,32 @@ class Swarm:
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
         tree = region_tree(k.tag, index, root, named) if (root := vs.roots.get(index)) in named else None
+        part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
-                                 idle=idle, tree=tree)
+                                 idle=idle, tree=tree, most=None if part is None else self._room(part))
         for pid in near + far:
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
             self._spawned[done[pid]] += 1  # its slot, kept from the next decision until the task takes it
-            task = asyncio.create_task(self._push_to(self._peer(pid), vs, index), name=f"push-{k.tag}-{index}")
+            if part is not None:
+                part.streams += 1  # its stream, counted from now
+            task = asyncio.create_task(self._push_to(self._peer(pid), vs, index, part), name=f"push-{k.tag}-{index}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _push_to(self, ps: PeerState, vs: VersionState, index: int) -> None:
+    def _room(self, part: Partial) -> int | None:
+        """How many more streams this node may serve now of a chunk still arriving: as many as its
+        upload limit carries at the rate the chunk comes in (``relay_fanout``), less those served or
+        about to be; None for no limit."""
+        most = relay_fanout(self.up.rate, part.rate)
+        return None if most is None or part.whole else most - part.streams
+
+    async def _push_to(self, ps: PeerState, vs: VersionState, index: int, counted: Partial | None = None) -> None:
         """One push: the chunk's stream, from its file or from the fetch in progress, paced and in its
         lane like an upload asked for. The receiver refuses (409) what it holds, fetches or cannot
-        check; a stream from a partial that fails is cut short, and the receiver drops it."""
+        check; a stream from a partial that fails is cut short, and the receiver drops it.
+        ``counted``: the partial whose ``streams`` count this push, released when it ends."""
         key = (vs.key, index)
         wan = ps.region != self.daemon.settings.region
         size = vs.chunks[index].size
@@ -1335,7 +1374,8 @@ class Swarm:
                         # a first piece of one block: what a push declined at once has cost the limits
                         data=self._paced(source, wan, vs.block or PIECE),
                         headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
-                                 **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {})},
+                                 **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {}),
+                                 **self._rate_header(wan, source)},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
                     await r.read()
                     outcome = "taken" if r.status == 200 else "refused"
@@ -1343,6 +1383,8 @@ class Swarm:
             pass
         finally:
             self.pushing_to.discard((ps.node_id, vs.key, index))
+            if counted is not None:
+                counted.leave()
         self.pushes[outcome] += 1
         event(log, logging.DEBUG, "pushed a chunk", peer=ps.node_id, object=str(vs.key), index=index, outcome=outcome,
               contact=ps.node_id not in self.peers,  # contact: a head of another region this node does not peer with
@@ -1471,9 +1513,26 @@ def _superseed(chunks: int) -> SuperSeed:
     return SuperSeed(chunks, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM)
 
 
+@dataclass(frozen=True)
+class _Served:
+    """The start of a chunk stream's pieces (``Swarm._receive``): it is served, at the rate its sender
+    declared (None: not said)."""
+
+    rate: float | None
+
+
+def _declared_rate(headers) -> float | None:
+    """A stream's ``RATE_HEADER``: bytes a second, positive and finite, else None."""
+    try:
+        rate = float(headers.get(RATE_HEADER, ""))
+    except ValueError:
+        return None
+    return rate if math.isfinite(rate) and rate > 0 else None
+
+
 async def _body(request: web.Request):
-    """A request's body in pieces, as ``_receive`` reads them (an async generator, which it closes)."""
-    yield None
+    """A push's body in pieces, as ``_receive`` reads them (an async generator, which it closes)."""
+    yield _Served(_declared_rate(request.headers))
     async for piece in request.content.iter_chunked(PIECE):
         yield piece
 

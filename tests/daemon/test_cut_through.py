@@ -49,6 +49,31 @@ def test_a_chunk_moves_on_from_a_node_still_fetching_it(cluster, tmp_path, cut):
     print(f"cut-through {cut}: all three nodes in {elapsed:.1f} s")
 
 
+@pytest.mark.parametrize("limited", [True, False])
+def test_a_relay_streams_a_chunk_still_arriving_to_no_more_peers_than_its_uplink_carries(cluster, tmp_path,
+                                                                                         limited):
+    # One 1 MiB chunk from a trainer sending at 256 KiB/s, which its stream declares. The node it goes to
+    # first shows the others it is fetching it, and both ask it at once. With an upload limit of that same
+    # rate, it streams the chunk to one of them at a time while it arrives (relay_fanout), and the other
+    # waits its turn; with no upload limit it serves both at once.
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, CHUNK - 4096, CHUNK, np.random.default_rng(2))
+    m = parse_patch(path.read_bytes()).manifest
+    cluster.trainer(extra=("--upload-rate", "256K"))
+    extra = ("--push", "off", *(("--upload-rate", "256K") if limited else ()))
+    rollouts = [cluster.rollout(f"r{i}", "eu", extra=extra) for i in range(3)]
+    wait_for(lambda: len(cluster.nodes()) == 4, 15, "four nodes")
+    publish(cluster, path)
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1",
+             detail=lambda: held(cluster))
+    for d in rollouts:
+        check_store(d, m)
+    waited = sum(metric(d, cluster.token, "sparrowd_relay_turns_waited_total") for d in rollouts)
+    relayed = sum(metric(d, cluster.token, "sparrowd_cut_through_bytes_total") for d in rollouts)
+    assert relayed >= m.patch_bytes, relayed  # the others took it from a node still fetching it
+    assert (waited >= 1) if limited else (waited == 0), waited
+
+
 def test_a_relay_that_dies_mid_chunk_cuts_its_streams_and_the_others_fetch_it_elsewhere(cluster, tmp_path):
     path = tmp_path / "v1.sprw"
     _write_patch(path, 1, CHUNK - 4096, CHUNK, np.random.default_rng(1))

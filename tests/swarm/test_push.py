@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from sparrowd.swarm.picker import designated
-from sparrowd.swarm.push import PushPeer, parse_push, push_heads, push_targets, region_tree
+from sparrowd.swarm.push import (
+    PushPeer,
+    parse_push,
+    push_heads,
+    push_targets,
+    region_tree,
+    relay_fanout,
+    stream_rate,
+)
 
 REGIONS = {"eu": ["e1", "e2", "e3"], "us": ["u1", "u2"], "ap": ["a1", "a2", "a3"]}
 
@@ -95,6 +103,80 @@ def test_pushes_take_only_the_upload_slots_requests_leave_idle():
     near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 2))
     assert near == [] and len(far) == 2
     assert push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, idle=(0, 0)) == ([], [])
+
+
+def test_a_chunk_still_arriving_has_its_crossing_first_then_the_locals_its_room_leaves():
+    """``most``: the streams a chunk still arriving may have more of (``relay_fanout`` less those
+    served): a crossing first (it seeds a whole region), then neighbours, up to ``most`` in all."""
+    h = heads()
+    whole = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2)
+    assert len(whole[0]) == 2 and len(whole[1]) == 2
+    near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, most=3)
+    assert far == whole[1] and near == whole[0][:1]
+    near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, most=1)
+    assert near == [] and far == whole[1][:1]
+    assert push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, most=0) == ([], [])
+    assert push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=2, most=-1) == ([], [])
+    near, far = push_targets(5, 0, "e0", "eu", peers(), h, local=2, cross=0, most=2)
+    assert near == whole[0] and far == []  # no crossing to make: the room goes to neighbours
+
+
+def test_a_relay_serves_a_chunk_arriving_to_as_many_as_its_uplink_carries_at_that_rate():
+    assert relay_fanout(8e6, 4e6) == 2
+    assert relay_fanout(8e6, 2.7e6) == 2 and relay_fanout(8e6, 2.6e6) == 3
+    assert relay_fanout(4e6, 4e6) == 1 and relay_fanout(1e6, 4e6) == 1  # at least one
+    assert relay_fanout(8e6, 8e6 / 3) == 3  # a share that divides it exactly, despite rounding
+    for uplink, arriving in ((None, 4e6), (0, 4e6), (8e6, None), (8e6, 0.0), (8e6, -1.0)):
+        assert relay_fanout(uplink, arriving) is None  # either unknown: no limit
+
+
+def test_a_stream_declares_its_share_of_the_limits_and_no_more_than_its_chunk_arrives_at():
+    assert stream_rate(8e6, 4e6, 2, 1, wan=False) == 4e6  # half the uplink, the WAN limit not its concern
+    assert stream_rate(8e6, 4e6, 2, 2, wan=True) == 2e6  # half the WAN limit, under half the uplink
+    assert stream_rate(8e6, None, 1, 1, wan=True) == 8e6
+    assert stream_rate(8e6, 4e6, 1, 0, wan=False, arriving=3e6) == 3e6  # relayed as the chunk comes in
+    assert stream_rate(None, None, 3, 0, wan=False, arriving=3e6) == 3e6
+    assert stream_rate(None, None, 3, 3, wan=True) is None  # nothing paces it
+    assert stream_rate(None, 4e6, 0, 0, wan=True) == 4e6  # a count of 0 read as this one alone
+
+
+def test_a_partial_gives_a_stream_its_turn_when_one_ends_or_it_is_whole_or_failed():
+    """``Partial.turn`` and ``leave``, and the driver's ``Swarm._room``: how many more streams may
+    start now of a chunk still arriving."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.cutthrough import Partial
+    from sparrowd.daemon.swarm import Swarm
+    from sparrowd.swarm.bucket import TokenBucket
+
+    async def main():
+        part = Partial(4 << 14, 1 << 14, None)
+        me = SimpleNamespace(up=TokenBucket(8e6))
+        assert Swarm._room(me, part) is None  # the rate it arrives at is unknown: no limit
+        part.rate = 4e6
+        assert Swarm._room(me, part) == 2
+        part.streams = 2
+        assert Swarm._room(me, part) == 0
+        waiting = asyncio.ensure_future(part.turn(2))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        part.leave()
+        await asyncio.wait_for(waiting, 1)
+        assert Swarm._room(me, part) == 1 and Swarm._room(SimpleNamespace(up=TokenBucket(None)), part) is None
+        part.streams = 2
+        for end in (lambda: part.fill(b"x" * part.size), lambda: part.abort()):
+            waiting = asyncio.ensure_future(part.turn(2))
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+            end()
+            await asyncio.wait_for(waiting, 1)
+            part = Partial(4 << 14, 1 << 14, None)
+            part.rate, part.streams = 4e6, 2
+        await asyncio.wait_for(part.turn(None), 1)  # no limit: at once
+        assert part.streams == 2
+
+    asyncio.run(main())
 
 
 def _depths(tree: dict[str, str], heads: dict[str, list[str]], root: str) -> dict[str, int]:
