@@ -782,6 +782,8 @@ class Swarm:
             if part is not None:  # still arriving: its turn among the streams the uplink carries at its rate
                 if (room := self._room(part)) is not None and room <= 0:
                     self.turns_waited += 1
+                    event(log, logging.DEBUG, "a request waits its turn", peer=remote.node_id, object=str(key),
+                          index=i, streams=part.streams)
                 await part.turn(relay_fanout(self.up.rate, part.rate))
                 if part.failed:
                     return web.json_response({"error": "not held"}, status=404)
@@ -1464,13 +1466,7 @@ class Swarm:
         if isinstance(asked, web.Response):
             return asked
         key, i, remote = asked
-        ps = self._peer(remote.node_id)
-        why = self._declines(key, i, ps)
-        # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes the
-        # request's place (declined, it held the pusher's slot for a round trip for nothing).
-        pull = self._unstarted(key, i, remote.node_id) if why == "being fetched" else None
-        if pull is not None:
-            why = self._declines(key, i, ps, replacing=True)
+        why = self._declines(key, i, self._peer(remote.node_id))
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and (left := give_up - time.monotonic()) > 0:
             # The push outran the trainer's announcement (the pusher had it first): wait for it. (On
@@ -1481,6 +1477,14 @@ class Swarm:
                 async with asyncio.timeout(left):
                     await announced.wait()
             why = self._declines(key, i, self._peer(remote.node_id))
+        # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes the
+        # request's place (declined, it held the pusher's slot for a round trip for nothing). Looked
+        # for after the wait too: the announcement that ends it also starts this node's own request,
+        # and a swarm's first version declined the pushes into its other regions so, each region's
+        # nodes then pulling across from the trainer's first holder at a share of its uplink.
+        pull = self._unstarted(key, i, remote.node_id) if why == "being fetched" else None
+        if pull is not None:
+            why = self._declines(key, i, self._peer(remote.node_id), replacing=True)
         if why is not None:
             self.pushes["declined"] += 1
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
