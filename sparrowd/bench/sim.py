@@ -44,6 +44,13 @@ streams are cut and their requesters, hearing one one-way delay later, pick
 again without holding it against the peer; if the node gets the chunk whole
 by another request, its streams go on from that copy.
 
+While a chunk is still arriving, a relay streams it to no more peers at
+once, pushed or asked for, than its uplink carries at the rate the chunk
+comes in (``fanout``; ``swarm.push.relay_fanout`` of the uplink and the
+rate the stream's server declared, ``stream_rate``, as on the daemons); a
+request beyond waits outside the lanes (``Node.held``, the daemon's
+``Partial.turn``) until a stream of it ends or it is whole.
+
 A node serves a partial, and shows its peers it is fetching the chunk, only
 once a block of it has checked out (``relay_after_block``): a partial that
 has had data is fed, hop by hop, from a whole copy. Without that rule the
