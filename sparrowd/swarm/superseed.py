@@ -39,17 +39,18 @@ __all__ = ["SuperSeed", "first_copies_near"]
 
 
 def first_copies_near(chunks: int | None, regions: int, near: int, servable: int) -> bool:
-    """Whether a version's first copies go only to peers in the seed's own region: ``near`` live
-    peers there, ``servable`` of them the seed may serve now; ``regions`` with peers, the seed's own
-    counted. A first copy given into another region must still reach the seed's region, so it
-    crosses a region boundary once more than (R-1) per chunk: first copies spread over every region
-    cost 1/R of the patch more, 1.25x (R-1) x patch at 4 regions (``sparrowd bench sim``: 1.00x
-    near). They stay near when the seed may serve a near peer for a one-chunk version, or two for a
-    larger one (with one, the seed's uplink waits on it), and, for a larger one, when the region
-    has a node for every two other regions: its WAN uplinks then start every chunk's way out
-    (16 nodes in 8 regions, two a region, took 6 MiB in 1.20x the bound near against 1.11x spread,
-    and 2 MiB in 1.36x against 1.22x; with 8 nodes in 4 regions, 16 in 4 and 100 in 8 the time
-    was within a few hundredths either way)."""
+    """Whether a version's first copies go only to peers in the seed's own region: ``near`` live peers
+    there, ``servable`` of them the seed may serve now; ``regions`` with peers, the seed's own
+    counted; ``chunks`` the version's chunks (before its manifest, those announced so far). A
+    first copy given into another region must still reach the seed's region, so it crosses a
+    region boundary once more than (R-1) per chunk: first copies spread over every region cost
+    1/R of the patch more, 1.25x (R-1) x patch at 4 regions (``sparrowd bench sim``: 1.00x
+    near). They stay near when the seed may serve a near peer for a one-chunk version, or two
+    for a larger one (with one, the seed's uplink waits on it), and, for a larger one, when the
+    region has a node for every two other regions: its WAN uplinks then start every chunk's way
+    out (16 nodes in 8 regions, two a region, took 6 MiB in 1.20x the bound near against 1.11x
+    spread, and 2 MiB in 1.36x against 1.22x; with 8 nodes in 4 regions, 16 in 4 and 100 in 8
+    the time was within a few hundredths either way)."""
     if chunks is None or chunks <= 0 or regions <= 1:
         return False
     return servable >= min(chunks, 2) and (chunks == 1 or 2 * near >= regions - 1)

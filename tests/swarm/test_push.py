@@ -294,3 +294,38 @@ def test_a_manifest_after_the_last_chunk_completes_the_version_like_the_chunk_wo
     assert vs.complete and completed == [vs]
     Swarm._ingest(me, trainer, reply)  # the same reply again: nothing new completes
     assert completed == [vs]
+
+
+def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_trainers_region():
+    """Chunks go out as they are published, before the manifest: the trainer's super-seed then
+    counts the chunks announced so far (``first_copies_near``). Taken as unknown, a one-chunk
+    version's only chunk went to whoever asked first, in any region, and crossed once more than
+    (R-1) times."""
+    from types import SimpleNamespace
+
+    import blake3
+    import numpy as np
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sparrowd.daemon.swarm import Remote, Swarm, _superseed
+    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.signing import Signer, Verifier, announce_kind
+    from sparrowd.swarm.versions import ChunkRef, VersionState, announce_body, block_for, block_hashes
+
+    data = np.random.default_rng(0).bytes(256 << 10)
+    signer = Signer(Ed25519PrivateKey.generate())
+    block = block_for(len(data))
+    announce = signer.sign(announce_kind(False), 1, announce_body(0, [ChunkRef(blake3.blake3(data).digest(),
+                                                                              len(data))],
+                                                                 [block_hashes(data, block)], block))
+    vs = VersionState(1)
+    vs.add(announce, Verifier(signer.public))
+    vs.have.add(0)  # published; the manifest has not come
+    assert vs.total is None
+    me = SimpleNamespace(signer=signer, _may_download=lambda r: True, superseed={Key(1, False): _superseed(1)},
+                         daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
+                         _showing=0, held_by={}, _live=lambda: (6, 3, 3, 3), _choking_active=lambda: False,
+                         _near=lambda r: (3, 3))
+    assert Swarm._shown(me, Remote("u1", "us"), vs) == set()  # another region's peer: not a first copy
+    assert Swarm._shown(me, Remote("e1", "eu"), vs) == {0}
+    assert Swarm._shown(me, Remote("u1", "us"), vs) == set()
