@@ -329,3 +329,39 @@ def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_traine
     assert Swarm._shown(me, Remote("u1", "us"), vs) == set()  # another region's peer: not a first copy
     assert Swarm._shown(me, Remote("e1", "eu"), vs) == {0}
     assert Swarm._shown(me, Remote("u1", "us"), vs) == set()
+
+
+def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_count_asks():
+    """``Swarm._live`` counts the peers heard from at most once a second. A count taken as a swarm
+    formed, before any peer of another region was heard, said one region, and ``first_copies_near``
+    let first copies go anywhere until the next count (6 MiB to 8 daemons crossed 1.20x (R-1) x
+    patch). A peer of a region it did not count now has it counted again at once."""
+    import time
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import NODE_HEADER, Remote, Swarm
+
+    regions = {"e1": "eu", "e2": "eu", "u1": "us", "a1": "ap"}
+    me = SimpleNamespace(remotes={}, _live_regions=set(), _live_at=float("-inf"), _wants=lambda r: True,
+                         daemon=SimpleNamespace(member=lambda n: {"region": regions[n]}, membership=None,
+                                                settings=SimpleNamespace(region="eu")))
+
+    def ask(node):
+        r = Swarm._admit(me, SimpleNamespace(headers={NODE_HEADER: node}))
+        assert isinstance(r, Remote) and r.region == regions[node]
+
+    def live():
+        return Swarm._live(me)
+
+    ask("e1")
+    ask("e2")
+    assert live() == (2, 2, 1, 2)
+    ask("e1")
+    assert live() == (2, 2, 1, 2)  # cached: nothing new
+    ask("u1")
+    assert live() == (3, 2, 2, 2)  # counted again at once, not a second later
+    ask("u1")
+    me.remotes["x"] = Remote("x", "us", last_seen=time.monotonic())  # heard, of a counted region: still cached
+    assert live() == (3, 2, 2, 2)
+    ask("a1")
+    assert live() == (5, 2, 3, 2)
