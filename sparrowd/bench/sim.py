@@ -447,7 +447,7 @@ class Sim:
 
     def room(self, x: Node, feed: Req) -> int | None:
         """How many more streams x may serve now from its partial ``feed``, None for no limit (the
-        daemon's ``Swarm._room``): ``relay_fanout`` of x's uplink and the rate the chunk arrives at,
+        daemon's ``Partial.room``): ``relay_fanout`` of x's uplink and the rate the chunk arrives at,
         less the streams served or about to be served from it."""
         if feed.chunk in x.have or not self.cfg.fanout:
             return None

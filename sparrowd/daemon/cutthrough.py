@@ -14,8 +14,9 @@ has checked out (``Swarm._fetching`` says why); streams served from it wait in
 picker) or is whole. While it arrives it is streamed to no more peers at once
 than the node's uplink carries at the rate it comes in (``rate``, as its
 sender declared it; ``swarm.push.relay_fanout``): ``streams`` counts them,
-and a request beyond them waits its ``turn``. A chunk announced without block hashes is buffered the
-same way and checked whole, as before, and never served before it is stored.
+``room`` says how many more may start, and a request beyond them waits its
+``turn``. A chunk announced without block hashes is buffered the same way
+and checked whole, as before, and never served before it is stored.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import blake3
 
 from ..errors import IntegrityError
+from ..swarm.push import relay_fanout
 from ..swarm.versions import BLOCK_HASH
 
 __all__ = ["Partial"]
@@ -86,10 +88,16 @@ class Partial:
         self.failed = True
         self._pulse()
 
-    async def turn(self, most: int | None) -> None:
-        """Return once fewer than ``most`` streams are served from it (None: at once), or it is
-        whole, or its fetch failed."""
-        while most is not None and self.streams >= most and not self.whole and not self.failed:
+    def room(self, uplink: float | None) -> int | None:
+        """How many more streams may start from it now, for a node whose upload limit is ``uplink``:
+        as many as that carries at the rate it arrives (``relay_fanout``), less those served or about
+        to be; None for no limit (either rate unknown, or it is whole)."""
+        most = relay_fanout(uplink, self.rate)
+        return None if most is None or self.whole else most - self.streams
+
+    async def turn(self, uplink: float | None) -> None:
+        """Return once another stream may start from it (``room``), or its fetch failed."""
+        while (room := self.room(uplink)) is not None and room <= 0 and not self.failed:
             await self._moved.wait()
 
     def leave(self) -> None:

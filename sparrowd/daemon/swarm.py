@@ -71,7 +71,7 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, relay_fanout, stream_rate
+from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, stream_rate
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed, first_copies_near
@@ -792,11 +792,11 @@ class Swarm:
         remote.uploads += 1
         try:
             if part is not None:  # still arriving: its turn among the streams the uplink carries at its rate
-                if (room := self._room(part)) is not None and room <= 0:
+                if (room := part.room(self.up.rate)) is not None and room <= 0:
                     self.turns_waited += 1
                     event(log, logging.DEBUG, "a request waits its turn", peer=remote.node_id, object=str(key),
                           index=i, streams=part.streams)
-                await part.turn(relay_fanout(self.up.rate, part.rate))
+                await part.turn(self.up.rate)
                 if part.failed:
                     return web.json_response({"error": "not held"}, status=404)
                 part.streams += 1
@@ -1345,7 +1345,7 @@ class Swarm:
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
-                                 idle=idle, tree=tree, most=None if part is None else self._room(part))
+                                 idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate))
         for pid in near + far:
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
@@ -1355,13 +1355,6 @@ class Swarm:
             task = asyncio.create_task(self._push_to(self._peer(pid), vs, index, part), name=f"push-{k.tag}-{index}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-
-    def _room(self, part: Partial) -> int | None:
-        """How many more streams this node may serve now of a chunk still arriving: as many as its
-        upload limit carries at the rate the chunk comes in (``relay_fanout``), less those served or
-        about to be; None for no limit."""
-        most = relay_fanout(self.up.rate, part.rate)
-        return None if most is None or part.whole else most - part.streams
 
     async def _push_to(self, ps: PeerState, vs: VersionState, index: int, counted: Partial | None = None) -> None:
         """One push: the chunk's stream, from its file or from the fetch in progress, paced and in its

@@ -5,8 +5,8 @@ give it the most (measured download rate from them); a node that already
 holds everything (a seed) gives them to the peers of its own region first
 (``near``: the trainer's first copies start there, ``first_copies_near``),
 then to those it uploads to fastest, which finishes them soonest. One more
-slot, the optimistic unchoke, goes to a random other interested peer and moves every ``optimistic_interval``
-seconds, so newcomers with nothing to give get a start and faster partners
+slot, the optimistic unchoke, goes to a random other interested peer and
+moves every ``optimistic_interval`` seconds, so newcomers with nothing to give get a start and faster partners
 are found. Between decisions, a slot left free (fewer peers were interested)
 goes to the first peer that asks (``admit``). Pure: ``decide(now, ...)``
 returns the unchoked set.

@@ -141,32 +141,30 @@ def test_a_stream_declares_its_share_of_the_limits_and_no_more_than_its_chunk_ar
 
 
 def test_a_partial_gives_a_stream_its_turn_when_one_ends_or_it_is_whole_or_failed():
-    """``Partial.turn`` and ``leave``, and the driver's ``Swarm._room``: how many more streams may
-    start now of a chunk still arriving."""
+    """``Partial.room``, ``turn`` and ``leave``: how many more streams may start now of a chunk
+    still arriving, at a node whose upload limit is 8 MB/s."""
     import asyncio
-    from types import SimpleNamespace
 
     from sparrowd.daemon.cutthrough import Partial
-    from sparrowd.daemon.swarm import Swarm
-    from sparrowd.swarm.bucket import TokenBucket
+
+    uplink = 8e6
 
     async def main():
         part = Partial(4 << 14, 1 << 14, None)
-        me = SimpleNamespace(up=TokenBucket(8e6))
-        assert Swarm._room(me, part) is None  # the rate it arrives at is unknown: no limit
+        assert part.room(uplink) is None  # the rate it arrives at is unknown: no limit
         part.rate = 4e6
-        assert Swarm._room(me, part) == 2
+        assert part.room(uplink) == 2
         part.streams = 2
-        assert Swarm._room(me, part) == 0
-        waiting = asyncio.ensure_future(part.turn(2))
+        assert part.room(uplink) == 0
+        waiting = asyncio.ensure_future(part.turn(uplink))
         await asyncio.sleep(0.01)
         assert not waiting.done()
         part.leave()
         await asyncio.wait_for(waiting, 1)
-        assert Swarm._room(me, part) == 1 and Swarm._room(SimpleNamespace(up=TokenBucket(None)), part) is None
+        assert part.room(uplink) == 1 and part.room(None) is None
         part.streams = 2
         for end in (lambda: part.fill(b"x" * part.size), lambda: part.abort()):
-            waiting = asyncio.ensure_future(part.turn(2))
+            waiting = asyncio.ensure_future(part.turn(uplink))
             await asyncio.sleep(0.01)
             assert not waiting.done()
             end()
