@@ -360,3 +360,20 @@ def test_the_step_is_under_half_a_blocks_time():
     assert 0.003 < Config(patch=64 * MB).step < 0.004  # 64 KiB blocks
     assert Config(patch=256 << 10, node_rate=MB, trainer_rate=MB).step == 0.005
     assert Config(patch=256 << 10, dt=0.002).step == 0.002
+
+
+@pytest.mark.parametrize("rates", ["default", "fast"])
+def test_heads_cross_again_once_whole_where_that_beats_a_crossing_from_deeper_in_the_tree(rates):
+    """One 256 KiB chunk to 16 nodes in 8 regions, two nodes a region: breadth first, the chunk's region
+    tree is three crossings deep. Timed (``region_tree``'s send and hop, as each head computes them), a
+    root head crosses a second time once it holds the chunk, and the last region has it a crossing
+    sooner. With links 25 times faster (a send is 2.5 ms against a 40 ms one-way delay), more so."""
+    fast = dict(trainer_rate=100 * MB, node_rate=200 * MB, wan_rate=100 * MB, link_rate=800 * MB)
+    cfg = dict(nodes=16, regions=8, patch=256 << 10, versions=2, seed=0, **(fast if rates == "fast" else {}))
+    flat, timed = simulate(Config(timed_tree=False, **cfg)), simulate(Config(**cfg))
+    for a, b in zip(flat, timed):
+        assert a["all_done"] and b["all_done"]
+        assert b["cross_region_over_r_minus_1"] <= 1.01 and b["trainer_upload_over_patch"] <= 1.01, b
+    worst = max(r["time_over_bound"] for r in timed)
+    assert max(r["time_over_bound"] for r in flat) > 1.35 and worst < (1.3 if rates == "default" else 1.15), \
+        (flat, timed)

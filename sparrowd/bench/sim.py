@@ -163,6 +163,7 @@ class Config:
     seed: int = 0
     cut_through: bool = True  # relays serve chunks they are fetching, block by block (the trainer never fetches)
     relay_after_block: bool = True  # ...and shows it fetching, only once a block has checked out (False: at once)
+    timed_tree: bool = True  # crossings planned by when they start (``region_tree``'s send, hop; False: breadth first)
     fanout: bool = True  # ...to no more peers at once than its uplink carries (``relay_fanout``; False: as lanes take)
     trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
     push: tuple[int, int] = DEFAULT_PUSH  # relays push what they can serve to (local, cross) peers (daemons' --push)
@@ -736,10 +737,15 @@ class Sim:
         views = [PushPeer(z.id, z.rname, c in z.have or (bool(z.fetching.get(c)) and self.unstarted(z, c, y) is None))
                  for z in known]
         idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
-        tree = region_tree(self.version, c, y.root[c], self.heads) if y.root.get(c) in self.heads else None
+        tree = None
+        if y.root.get(c) in self.heads:  # timed as the trainer signs it (``Swarm._tree_timing``)
+            rate = self.cfg.trainer_rate
+            timed = dict(send=self.sizes[c] / rate, hop=self.cfg.rtt / 2 + self.block / rate) \
+                if self.cfg.timed_tree else {}
+            tree = region_tree(self.version, c, y.root[c], self.heads, **timed)
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
                                  cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree,
-                                 most=None if feed is None else self.room(y, feed))
+                                 most=None if feed is None else self.room(y, feed), whole=c in y.have)
         sent[0] += len(near)
         sent[1] += len(far)
         targets = [self.by_id[i] for i in near + far]
@@ -766,10 +772,10 @@ class Sim:
             self.start_uploads(y)
 
     def unstarted(self, z: Node, c: int, pusher: Node) -> Req | None:
-        """z's one request out for chunk c, if no byte of it has come and it went to another node than
-        the pusher, and not to the trainer (the daemon's ``Swarm._unstarted``: a push takes its place)."""
+        """z's one request out for chunk c, if no byte of it has come and it went to a rollout, the pusher
+        itself included, not to the trainer (the daemon's ``Swarm._unstarted``: a push takes its place)."""
         reqs = z.fetching.get(c)
-        if not reqs or len(reqs) != 1 or pusher.id in reqs:
+        if not reqs or len(reqs) != 1:
             return None
         (r,) = reqs.values()
         return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled and not r.src.trainer else None

@@ -80,6 +80,13 @@ class DaemonMetrics:
                                         "upload limit carries at the rate the chunk comes in")
             turns.add_metric([], d.swarm.turns_waited)
             yield turns
+            if (delay := d.swarm.delay()) is not None:
+                wd = GaugeMetricFamily("sparrowd_wan_delay_seconds", "The one-way delay between regions: on a "
+                                       "rollout, as it measured it (half the median shortest exchange round trip "
+                                       "to another region's peers); on the trainer, the median of the rollouts' "
+                                       "figures, which times the chunks' region trees")
+                wd.add_metric([], delay)
+                yield wd
             pushes = CounterMetricFamily("sparrowd_pushes", "Chunks pushed (sent unasked): sent and taken, refused "
                                          "or failed (this node pushing); received or declined (pushed to it)",
                                          labels=["outcome"])

@@ -50,10 +50,12 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,7 @@ from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed, first_copies_near
 from ..swarm.versions import (
+    MAX_TREE_US,
     ChunkRef,
     StatementPage,
     VersionState,
@@ -101,6 +104,9 @@ MAX_CHUNK = 64 << 20
 MAX_EXCHANGE = 16 << 20
 NODE_HEADER, REGION_HEADER, PROOF_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region", "X-Sparrowd-Proof"
 ROOT_HEADER = "X-Sparrowd-Root"  # on a chunk's stream: the region it entered the swarm in (swarm.push.region_tree)
+# On a push: the trainer's signed statement announcing the chunk (base64), so that a node that has not
+# heard of the version yet can check its blocks at once; left off above STATEMENT_HEADER_MAX characters.
+STATEMENT_HEADER, STATEMENT_HEADER_MAX = "X-Sparrowd-Statement", 6144
 QUICK_REPLIES, QUICK_PACE = 5, 0.25  # early exchange replies in a row with nothing new: then poll that peer
 # at most every QUICK_PACE seconds
 EXCHANGE_WAIT = 5.0
@@ -136,7 +142,8 @@ def store_pause(failures: int) -> float:
 
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List,
-                 "joined_after": Opt(Int)}  # to the trainer: the latest join it told of (TrackerService.joined_since)
+                 "joined_after": Opt(Int),  # to the trainer: the latest join it told of (TrackerService.joined_since)
+                 "delay_us": Opt(NonNegInt)}  # to the trainer: its one-way delay between regions (Swarm.wan_delay)
 _VERSION_REQ = {"version": NonNegInt, "anchor": Opt(Bool), "statements": NonNegInt, "have": Bytes, "fetching": Bytes}
 _VERSION_REP = {"version": NonNegInt, "anchor": Opt(Bool), "statements": List, "have": Bytes, "fetching": Bytes,
                 "pushing": Opt(Bytes)}
@@ -166,6 +173,7 @@ class PeerState:
     pushing_at: float = 0.0  # ...in the reply taken then (a claim kept for PUSH_CLAIM seconds at most)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
+    rtt: float | None = None  # the shortest exchange with it, seconds: the round trip (one answered at once)
 
 
 @dataclass
@@ -178,6 +186,7 @@ class Remote:
     last_seen: float = 0.0
     rate_to: Rate = field(default_factory=Rate)
     uploads: int = 0
+    delay: float | None = None  # its one-way delay between regions, as it measured it (to the trainer)
 
 
 def _view(ps: PeerState) -> tuple:
@@ -205,6 +214,7 @@ class Swarm:
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
         self._live_regions: set[str] = set()  # the regions of the peers _live() counted
+        self._live_delay: float | None = None  # the median one-way delay they measured (the trainer's, _live)
         self._live_at, self._live_count = float("-inf"), (0, 0, 0, 0)  # _live(): peers heard from lately, when
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
@@ -474,7 +484,8 @@ class Swarm:
             return {"index": index, "new": False}
         block = vs.block or block_for(len(data))  # one block size a version, from its first chunk
         s = self.signer.sign(announce_kind(key.anchor), key.version,
-                             announce_body(index, [ref], [block_hashes(data, block)], block))
+                             announce_body(index, [ref], [block_hashes(data, block)], block,
+                                           tree=self._tree_timing(len(data), block)))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         if not vs.have:  # a new version: every peer wants it; decide whom to serve now, and count again
@@ -484,6 +495,24 @@ class Swarm:
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         await self.notify()
         return {"index": index, "new": True}
+
+    def _tree_timing(self, size: int, block: int) -> tuple[float, float] | None:
+        """A chunk's region tree timing as the trainer signs it (``region_tree``'s send and hop): the
+        chunk's time at the trainer's upload limit, and the swarm's one-way delay between regions (the
+        median of what its nodes measured, ``wan_delay``) plus a block's time. None, and the tree is
+        breadth first, where either is unknown: no upload limit, or no node has measured yet."""
+        rate, delay = self.up.rate, self.delay()
+        if not rate or delay is None:
+            return None
+        return size / rate, delay + block / rate
+
+    def delay(self) -> float | None:
+        """The one-way delay between regions: on the trainer, the median of what the nodes it heard
+        from in the last 30 s measured; on a relay, its own measurement (``wan_delay``)."""
+        if self.signer is not None:
+            self._live()
+            return self._live_delay
+        return self.wan_delay()
 
     def published(self) -> dict:
         """The chain as published: the newest version, its manifest's BLAKE3, the newest anchor."""
@@ -660,6 +689,10 @@ class Swarm:
         remote = self._admit(request)
         if isinstance(remote, web.Response):
             return remote
+        if m.get("delay_us") is not None:
+            if remote.delay is None:
+                self._live_at = float("-inf")  # a first figure: the median is taken again at once
+            remote.delay = min(m["delay_us"], MAX_TREE_US) / 1e6
         new_have = {v: h for v, (_, h) in theirs.items()}
         wait = min(float(m["wait"] or 0), 15.0)
         if new_have != remote.have:
@@ -709,6 +742,8 @@ class Swarm:
             live = [r for r in self.remotes.values() if now - r.last_seen < 30]
             near = [r for r in live if r.region == here]
             self._live_regions = {r.region for r in live}
+            delays = [r.delay for r in live if r.delay is not None]
+            self._live_delay = statistics.median(delays) if delays else None
             self._live_count = (len(live), len(near), len(self._live_regions),
                                 sum(1 for r in near if self._wants(r)))
         return self._live_count
@@ -780,6 +815,8 @@ class Swarm:
             source = part  # being fetched: served block by block as the blocks check out (see _fetching)
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
+        if (remote.node_id, key, i) in self.pushing_to:  # it asked as the push went out: it takes the push
+            return web.json_response({"error": "being pushed to you"}, status=409)
         if not self._may_download(remote):
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
@@ -958,6 +995,9 @@ class Swarm:
                "wait": int(wait), "versions": self._my_versions()}
         if ps.role == "trainer":
             msg["joined_after"] = self._joins_seen
+            if (delay := self.wan_delay()) is not None:
+                msg["delay_us"] = round(delay * 1e6)
+        t0 = time.monotonic()
         async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
                                       headers={"Content-Type": MSGPACK, **self._proof_for(ps)},
                                       timeout=aiohttp.ClientTimeout(total=wait + 10)) as r:
@@ -966,6 +1006,8 @@ class Swarm:
                 raise FormatError(f"exchange reply from {ps.node_id}: over {MAX_EXCHANGE} bytes")
             if r.status != 200:
                 raise (NotYet if r.status == 503 else SparrowError)(f"exchange with {ps.node_id}: HTTP {r.status}")
+        took = time.monotonic() - t0  # a long poll held is longer; one answered at once is the round trip
+        ps.rtt = took if ps.rtt is None else min(ps.rtt, took)
         self._ingest(ps, unpack(body, what=f"exchange reply from {ps.node_id}", max_len=MAX_EXCHANGE))
 
     async def _peer_loop(self, ps: PeerState) -> None:
@@ -1341,11 +1383,15 @@ class Swarm:
                  for p in rollouts]
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
-        tree = region_tree(k.tag, index, root, named) if (root := vs.roots.get(index)) in named else None
+        tree = None
+        if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
+            send, hop = vs.trees.get(index, (None, None))
+            tree = region_tree(k.tag, index, root, named, send=send, hop=hop)
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
-                                 idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate))
+                                 idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate),
+                                 whole=index in vs.have)
         for pid in near + far:
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
@@ -1382,7 +1428,7 @@ class Swarm:
                         data=self._paced(source, wan, vs.block or PIECE),
                         headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
                                  **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {}),
-                                 **self._rate_header(wan, source)},
+                                 **_statement_header(vs, index), **self._rate_header(wan, source)},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
                     await r.read()
                     outcome = "taken" if r.status == 200 else "refused"
@@ -1408,6 +1454,17 @@ class Swarm:
         if root and index not in vs.roots and m is not None and root in m.state.heads:
             vs.roots[index] = root
 
+    def wan_delay(self) -> float | None:
+        """The one-way delay between regions as this node measured it, seconds: half the median, over
+        the other regions it peers with, of the shortest round trip to any of their nodes (its
+        exchanges, ``PeerState.rtt``); None before any. It times the chunks' region trees."""
+        me = self.daemon.settings.region
+        best: dict[str, float] = {}
+        for p in self.peers.values():
+            if p.rtt is not None and p.region != me:
+                best[p.region] = min(best.get(p.region, math.inf), p.rtt)
+        return statistics.median(best.values()) / 2 if best else None
+
     def _peer(self, node_id: str) -> PeerState | None:
         """A peer's state, or for a head of another region this node does not peer with (heads push
         to each other across regions), a contact's: no exchanges with it, only pushes."""
@@ -1423,6 +1480,41 @@ class Swarm:
                 self.contacts.clear()
             c = self.contacts[node_id] = PeerState(node_id, str(e.get("address")), str(e.get("region")), "rollout")
         return c
+
+    def _take_pushed_statement(self, request: web.Request, key: Key, i: int, pusher: str) -> str | None:
+        """The statement a push carries (``STATEMENT_HEADER``), taken where this node lacks chunk
+        ``i``'s block hashes, as an exchange reply's would be: a node that has not heard of the version
+        yet checks the push at once rather than waiting for the trainer's announcement (a swarm just
+        formed hears of its first version a long poll's round trip late: one chunk to 4 daemons in 4
+        regions over 200 ms round trips, 2.0-2.4x the bound, every region's push waiting for it). The
+        trainer's signature vouches for it, not the pusher; one that does not check bans the pusher,
+        as a forged statement in an exchange reply does. Why it does not hold, or None."""
+        raw = request.headers.get(STATEMENT_HEADER)
+        vs = self.versions.get(key)
+        if raw is None or self.signer is not None or (vs is not None and vs.blocks.get(i) is not None):
+            return None
+        if key.version <= self.floor() and vs is None:
+            return None  # older than this node's position: of no use to it (declined below)
+        try:
+            if len(raw) > STATEMENT_HEADER_MAX:
+                raise FormatError(f"over {STATEMENT_HEADER_MAX} characters")
+            st = Signed.from_bytes(base64.b64decode(raw, validate=True), what="pushed statement")
+            if st.kind != announce_kind(key.anchor) or st.version != key.version:
+                raise FormatError(f"not an announcement of {key}")
+            fresh = vs or VersionState(key.version, key.anchor)
+            self._take_statement(fresh, st)
+            if fresh.blocks.get(i) is None:
+                raise FormatError(f"announces no block hashes for chunk {i}")
+        except (FormatError, IntegrityError, ValueError) as e:
+            if isinstance(e, IntegrityError) and (ps := self._peer(pusher)) is not None:
+                self._ban(ps, f"pushed a statement that does not check: {e}")
+            return f"pushed statement: {e}"
+        if vs is None:
+            self.versions[key] = fresh
+        self._touch()
+        self._announced.set()  # pushes waiting for these block hashes look again
+        self._announced = asyncio.Event()
+        return None
 
     def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
         """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:
@@ -1446,16 +1538,21 @@ class Swarm:
 
     def _unstarted(self, key: Key, i: int, pusher: str) -> asyncio.Task | None:
         """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet and it went
-        to another peer than ``pusher`` and not to the trainer: super-seeding counts that request as a
-        first copy taken, and if the push's feed then failed the chunk waited for it (``bench sim``,
-        10% of 40 nodes leaving: 2.67x the bound with such requests replaced, the trainer giving the
-        copy again ``claim_within`` after its node hung up; 1.19x keeping them; on 8 daemons without
-        churn the two were alike). A request whose response has not begun has no partial yet: it is
-        the most unstarted of all (it was not replaced: in a swarm's first version the pushes into two
-        of three regions were declined, their nodes' first requests having gone out a moment before)."""
+        to a rollout, not to the trainer: super-seeding counts that request as a first copy taken, and
+        if the push's feed then failed the chunk waited for it (``bench sim``, 10% of 40 nodes leaving:
+        2.67x the bound with such requests replaced, the trainer giving the copy again ``claim_within``
+        after its node hung up; 1.19x keeping them; on 8 daemons without churn the two were alike). A
+        request whose response has not begun has no partial yet: it is the most unstarted of all (it
+        was not replaced: in a swarm's first version the pushes into two of three regions were
+        declined, their nodes' first requests having gone out a moment before). A request to the
+        pusher itself is replaced too: across regions it reaches the pusher a one-way delay after its
+        push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
+        (``handle_chunk``). Kept, it was served a round trip late: one chunk to 4 daemons in 4 regions
+        over 200 ms round trips, the second crossing of the chunk's region tree declined for the
+        request its target had just sent to the same head, 1.5x the bound."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
-        if len(tasks) != 1 or (part is not None and part.got) or pusher in tasks:
+        if len(tasks) != 1 or (part is not None and part.got):
             return None
         ((peer, t),) = tasks.items()
         if (ps := self.peers.get(peer)) is None or ps.role == "trainer":
@@ -1471,6 +1568,11 @@ class Swarm:
         if isinstance(asked, web.Response):
             return asked
         key, i, remote = asked
+        if (bad := self._take_pushed_statement(request, key, i, remote.node_id)) is not None:
+            self.pushes["declined"] += 1
+            event(log, logging.WARNING, "declined a push: its statement does not hold", peer=remote.node_id,
+                  object=str(key), index=i, reason=bad)
+            return web.json_response({"error": bad}, status=400)
         why = self._declines(key, i, self._peer(remote.node_id))
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and (left := give_up - time.monotonic()) > 0:
@@ -1537,6 +1639,13 @@ def _declared_rate(headers) -> float | None:
     except ValueError:
         return None
     return rate if math.isfinite(rate) and rate > 0 else None
+
+
+def _statement_header(vs: VersionState, index: int) -> dict[str, str]:
+    """A push's ``STATEMENT_HEADER``: the statement announcing chunk ``index``, if it fits."""
+    st = vs.announced.get(index)
+    raw = base64.b64encode(st.to_bytes()).decode() if st is not None else ""
+    return {STATEMENT_HEADER: raw} if raw and len(raw) <= STATEMENT_HEADER_MAX else {}
 
 
 async def _body(request: web.Request):

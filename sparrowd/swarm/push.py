@@ -65,6 +65,8 @@ better only where regions have a single node).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,39 +86,61 @@ class PushPeer:
     has: bool  # holds or fetches the chunk, or was pushed it, as far as this node knows (or is not to be pushed to)
 
 
-def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]]) -> dict[str, str]:
+def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]], *,
+                send: float | None = None, hop: float | None = None,
+                crossings: int = 2) -> dict[str, tuple[str, ...]]:
     """Chunk ``index``'s tree across regions, for a chunk that entered the swarm in region ``root``
-    (its first holder fetched it from the trainer there): head -> the region it pushes the chunk to.
-    Breadth first: the root region's heads (ranked for this chunk) each take one of the other regions
-    (in an order ranked for this chunk), then those regions' heads each take one of the rest, and so
-    on: every crossing runs at a head's whole WAN rate, and the tree is as shallow as the heads allow
-    (one level at 100 nodes in 8 regions, three at 16). Every node computes the same tree from the
-    same heads."""
+    (its first holder fetched it from the trainer there): head -> the regions it pushes the chunk to,
+    in order. Every node computes the same tree from the same heads and timings.
+
+    Without timings, breadth first: the root region's heads (ranked for this chunk) each take one of
+    the other regions (in an order ranked for this chunk), then those regions' heads each take one
+    of the rest, and so on: every crossing runs at a head's whole WAN rate, and the tree is as shallow
+    as the heads allow (one level at 100 nodes in 8 regions, three at 16).
+
+    With ``send`` (the seconds a head takes to send the chunk, at the rate it arrives) and ``hop``
+    (a crossing's latency: the one-way delay across regions and a block's time), earliest first: a
+    head may cross while the chunk arrives (cut-through, from the moment its region has it) and
+    again once it holds it whole (``send`` later), up to ``crossings`` times, and each region in turn
+    goes to the crossing that starts first (ties in breadth-first order). A region three crossings
+    deep is reached at three hops; a root head's second crossing at one send and one hop, sooner
+    where a chunk is sent in less than two hops (one 256 KiB chunk at 4 MiB/s, 62 ms, against
+    40 ms one-way delays). Where sending takes longer it is the breadth-first tree."""
     others = sorted((r for r in heads if r != root), key=lambda r: _score(tag, index, f"r{r}"))
-    tree: dict[str, str] = {}
-    level, pos = [root], 0
-    while level and pos < len(others):
-        nxt = []
-        for r in level:
-            for h in sorted(heads.get(r, ()), key=lambda h: _score(tag, index, h), reverse=True):
-                if pos >= len(others):
-                    break
-                tree[h] = others[pos]
-                nxt.append(others[pos])
-                pos += 1
-        level = nxt
-    return tree
+    tree: dict[str, list[str]] = {}
+    slots: list[tuple[float, int, int, str]] = []  # (when it may start, breadth-first order, crossing, head)
+    order = itertools.count()
+    timed = send is not None and hop is not None
+    most = max(1, crossings) if timed else 1
+
+    def reach(region: str, at: float) -> None:
+        for h in sorted(heads.get(region, ()), key=lambda h: _score(tag, index, h), reverse=True):
+            heapq.heappush(slots, (at, next(order), 0, h))
+
+    reach(root, 0.0)
+    for r in others:
+        if not slots:
+            break
+        at, _, k, h = heapq.heappop(slots)
+        tree.setdefault(h, []).append(r)
+        if k + 1 < most:
+            heapq.heappush(slots, (at + send, next(order), k + 1, h))
+        reach(r, at + hop if timed else at + 1.0)
+    return {h: tuple(rs) for h, rs in tree.items()}
 
 
 def push_targets(tag: int | str, index: int, me: str, region: str, peers: Iterable[PushPeer],
                  heads: Mapping[str, Sequence[str]], *, local: int, cross: int,
                  sent: tuple[int, int] = (0, 0), idle: tuple[int, int] = (8, 8),
-                 tree: Mapping[str, str] | None = None, most: int | None = None) -> tuple[list[str], list[str]]:
+                 tree: Mapping[str, Sequence[str]] | None = None, most: int | None = None,
+                 whole: bool = True) -> tuple[list[str], list[str]]:
     """The peers to push chunk ``index`` of version ``tag`` to now: (same region, other regions).
     ``peers`` are the rollout peers this node knows (not the trainer); ``heads`` each other region's
     crossers, for the regions this node knows whole (``push_heads``); ``idle`` the upload slots free
     in the (own region, other regions) lanes, nobody waiting: pushes only take what requests leave;
-    ``most`` the streams the chunk may have more of now (``relay_fanout``), those across first."""
+    ``most`` the streams the chunk may have more of now (``relay_fanout``), those across first;
+    ``whole`` whether this node holds the chunk whole (else it relays it as it arrives): a head's
+    crossings in the tree after its first wait until then."""
     peers = list(peers)
     most = local + cross if most is None else most
     far: list[str] = []
@@ -124,8 +148,8 @@ def push_targets(tag: int | str, index: int, me: str, region: str, peers: Iterab
     has = {p.node_id: p.has for p in peers}
     busy = {p.region for p in peers if p.has}
     order = sorted(heads, key=lambda r: _score(tag, index, f"{me}>r{r}")) if room > 0 else []
-    if tree is not None and room > 0:  # the chunk's tree: this node's one crossing, if it has one
-        order = [r for r in (tree.get(me),) if r in heads]
+    if tree is not None and room > 0:  # the chunk's tree: this node's crossings, the first while it arrives
+        order = [r for r in tree.get(me, ())[:None if whole else 1] if r in heads]
     for r in order:
         if len(far) >= room:
             break

@@ -37,7 +37,8 @@ RELAY_BLOCK_MIN, BLOCKS_PER_CHUNK = 16 << 10, 32  # ...or smaller ones, for smal
 BLOCK_HASH = 16  # bytes of BLAKE3 per block (the chunk's own hash, 32 bytes, is checked too before storing)
 MIN_BLOCK, MAX_BLOCK = 4 << 10, 64 << 20
 PAGE_STATEMENTS, PAGE_BYTES = 1024, 8 << 20  # what one exchange reply carries of the signed statements at most
-_ANNOUNCE = {"first": NonNegInt, "chunks": List, "block": Opt(NonNegInt), "blocks": Opt(List)}
+_ANNOUNCE = {"first": NonNegInt, "chunks": List, "block": Opt(NonNegInt), "blocks": Opt(List),
+             "tree": Opt(List)}  # [send, hop] in microseconds: the timing of the chunks' region trees
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,24 @@ def block_hashes(data, block: int = BLOCK) -> bytes:
     return b"".join(blake3.blake3(mv[o : o + block]).digest(length=BLOCK_HASH) for o in range(0, len(mv), block))
 
 
-def announce_body(first: int, chunks: list[ChunkRef], blocks: list[bytes] | None = None, block: int = BLOCK) -> bytes:
-    """An announcement of chunks ``first``.., with their blocks' hashes (``block_hashes``) when given."""
+def announce_body(first: int, chunks: list[ChunkRef], blocks: list[bytes] | None = None, block: int = BLOCK,
+                  tree: tuple[float, float] | None = None) -> bytes:
+    """An announcement of chunks ``first``.., with their blocks' hashes (``block_hashes``) when given,
+    and the timing of their region trees, ``tree`` = (send, hop) in seconds (``swarm.push.region_tree``),
+    when the trainer knows it: signed with the chunks, every node plans the same tree."""
     body = {"first": first, "chunks": [[c.hash, c.size] for c in chunks]}
     if blocks is not None:
         body["block"], body["blocks"] = block, list(blocks)
+    if tree is not None:
+        body["tree"] = [round(t * 1e6) for t in tree]
     return pack(body)
 
 
-def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef], int | None, list[bytes] | None]:
+MAX_TREE_US = 60_000_000  # a tree's send or hop above a minute is not a timing
+
+
+def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef], int | None, list[bytes] | None,
+                                          tuple[float, float] | None]:
     m = fields(unpack(body, what="chunk announcement", max_len=64 << 20), _ANNOUNCE, what="chunk announcement")
     out = []
     for item in m["chunks"]:
@@ -93,7 +103,12 @@ def _parse_announce(body: bytes) -> tuple[int, list[ChunkRef], int | None, list[
         if len(blocks) != len(out) or not all(
                 Bytes(b) and len(b) == BLOCK_HASH * -(-c.size // block) for b, c in zip(blocks, out)):
             raise FormatError(f"chunk announcement: blocks must give {BLOCK_HASH} bytes per block of each chunk")
-    return m["first"], out, block, blocks
+    tree = m["tree"]
+    if tree is not None:
+        if not (len(tree) == 2 and all(NonNegInt(t) and 0 < t <= MAX_TREE_US for t in tree)):
+            raise FormatError("chunk announcement: tree must be [send, hop], microseconds, 1 to 60,000,000")
+        tree = (tree[0] / 1e6, tree[1] / 1e6)
+    return m["first"], out, block, blocks, tree
 
 
 class StatementPage:
@@ -134,6 +149,8 @@ class VersionState:
     block: int | None = None  # the block size its announcements hash (None: announced without blocks)
     blocks: dict[int, bytes] = field(default_factory=dict)  # chunk -> its blocks' hashes (``block_hashes``)
     roots: dict[int, str] = field(default_factory=dict)  # chunk -> the region it entered the swarm in (push tree)
+    trees: dict[int, tuple[float, float]] = field(default_factory=dict)  # chunk -> its tree's (send, hop), signed
+    announced: dict[int, Signed] = field(default_factory=dict, repr=False)  # chunk -> the statement announcing it
     held_at: float | None = None  # when this node came to hold it whole, wall clock (None: before this run)
     _by_hash: dict[bytes, int] = field(default_factory=dict, repr=False)
     _sigs: set[bytes] = field(default_factory=set, repr=False)  # the statements' signatures, to drop repeats
@@ -173,7 +190,7 @@ class VersionState:
             return []
         verifier.verify(s)
         if not s.is_manifest:
-            first, refs, block, blocks = _parse_announce(s.body)
+            first, refs, block, blocks, tree = _parse_announce(s.body)
             if blocks is not None:
                 if self.block is not None and block != self.block:
                     raise FormatError(f"version {self.version}: announced with blocks of {self.block} and {block}")
@@ -182,6 +199,10 @@ class VersionState:
                         raise IntegrityError(f"version {self.version}: chunk {i} announced twice with different "
                                              "block hashes")
             new = self._merge(dict(enumerate(refs, start=first)))
+            for i in range(first, first + len(refs)):
+                self.announced.setdefault(i, s)
+                if tree is not None:
+                    self.trees.setdefault(i, tree)
             if blocks is not None:
                 self.block = block
                 self.blocks.update(enumerate(blocks, start=first))

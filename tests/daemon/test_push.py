@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
+import blake3
 import numpy as np
 import pytest
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sparrowd.bench.swarm import _write_patch
 from sparrowd.codec.patchfile import parse_patch
@@ -167,3 +170,97 @@ def test_a_push_takes_the_place_of_a_request_that_has_had_no_byte_back(cluster, 
         wait_for(lambda: held(cluster).get("honest") == [1], 60, "the node to complete the version",
                  detail=lambda: held(cluster))
         check_store(honest, m)
+
+
+def test_a_push_carries_the_chunks_signed_statement_so_a_node_that_has_not_heard_of_the_version_checks_it(
+        cluster, tmp_path):
+    """A push names the trainer's statement announcing its chunk (``X-Sparrowd-Statement``): a node that
+    has not heard of the version yet takes it and checks the blocks at once, where it waited for the
+    trainer's announcement (a swarm just formed hears of its first version a long poll's round trip
+    late). The trainer's signature vouches for it, not the pusher's: one it did not sign, or one for
+    another version, is refused; without one the push cannot be checked and is declined."""
+    import base64
+
+    from sparrowd.swarm.signing import ANNOUNCE, Signer, load_or_create_key
+    from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
+
+    trainer = cluster.trainer()
+    r0 = cluster.rollout("r0", "eu", extra=("--push", "off"))
+    mallory = Member(cluster, "m1", "eu")
+    wait_for(lambda: mallory.known_to(r0), 20, "r0 to know the member")
+    data = np.random.default_rng(5).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+    block = 16 << 10
+    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
+
+    def statement(signer, version: int) -> str:
+        st = signer.sign(ANNOUNCE, version, announce_body(0, [ref], [block_hashes(data, block)], block))
+        return base64.b64encode(st.to_bytes()).decode()
+
+    real = load_or_create_key(trainer.data_dir / "trainer.key")
+
+    def push(headers: dict) -> tuple[int, dict]:
+        code, body = get(f"{r0.url}/v1/swarm/chunk/5/0", None, method="POST", data=data, timeout=30,
+                         headers={**mallory.headers("r0"), "Content-Type": "application/octet-stream", **headers})
+        return code, json.loads(body or b"{}")
+
+    wait_for(lambda: push({})[1].get("error") == "no signed block hashes for that chunk here yet", 20,
+             "r0 to take the member as a peer", detail=lambda: push({}))
+    code, body = push({"X-Sparrowd-Statement": statement(real, 6)})  # signed, but for another version
+    assert code == 400 and "not an announcement of version 5" in body["error"], body
+    assert push({"X-Sparrowd-Statement": "not base64!"})[0] == 400
+    t0 = time.monotonic()
+    assert push({"X-Sparrowd-Statement": statement(real, 5)}) == (200, {"stored": True})
+    assert time.monotonic() - t0 < 0.4  # taken at once, not after the wait for an announcement (0.5 s)
+    assert pushes(r0, cluster.token, "received") == 1
+    code, reply = mallory.exchange(r0, [])
+    (v5,) = [e for e in reply["versions"] if e["version"] == 5]
+    assert v5["have"] == b"\x80"  # it holds chunk 0, checked against the trainer's block hashes
+    # A statement the trainer did not sign: refused, and its pusher banned, as for a forged statement
+    # in an exchange reply.
+    code, body = get(f"{r0.url}/v1/swarm/chunk/7/0", None, method="POST", data=data, timeout=30,
+                     headers={**mallory.headers("r0"), "Content-Type": "application/octet-stream",
+                              "X-Sparrowd-Statement": statement(Signer(Ed25519PrivateKey.generate()), 7)})
+    assert code == 400 and "bad signature" in json.loads(body)["error"], body
+    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 1
+    assert push({})[0] in (403, 409)  # no longer a peer of r0
+
+
+def test_the_trainer_signs_each_chunks_tree_timing_from_the_delay_its_nodes_measured(cluster, tmp_path):
+    """Rollouts time their exchanges (the shortest is a round trip) and tell the trainer their one-way
+    delay between regions; the trainer signs into each chunk's announcement its region tree's timing:
+    the chunk's time at its upload limit, and the nodes' median delay plus a block's time. Every node
+    then plans the same tree."""
+    from sparrowd.swarm.signing import Signed
+    from sparrowd.swarm.versions import _parse_announce
+
+    paths = write_chain(tmp_path / "patches", 2, mib=1, chunk_kib=64)
+    trainer = cluster.trainer(extra=("--upload-rate", "4M"))
+    rollouts = [cluster.rollout(f"r{i}", region) for i, region in enumerate(("eu", "us", "ap"))]
+    wait_for(lambda: len(cluster.nodes()) == 4, 15, "four nodes")
+
+    def delay(d) -> float | None:  # the gauge, None while it is not there
+        text = get(f"{d.url}/metrics", cluster.token)[1].decode()
+        found = re.findall(r"^sparrowd_wan_delay_seconds ([-0-9.e+]+)$", text, re.M)
+        return float(found[0]) if found else None
+
+    wait_for(lambda: all(delay(d) is not None for d in rollouts), 20, "every rollout to measure its delay")
+    wait_for(lambda: delay(trainer) is not None, 20, "the trainer to hear the rollouts' delays")
+    assert all(0 < delay(d) < 0.05 for d in [*rollouts, trainer])  # loopback: well under a millisecond or so
+    publish(cluster, paths[0])
+    member = Member(cluster, "m1", "eu")
+    wait_for(lambda: member.known_to(trainer), 20, "the trainer to know the member")
+    code, reply = member.exchange(trainer, [])
+    assert code == 200
+    (v1,) = [e for e in reply["versions"] if e["version"] == 1]
+    trees = []
+    for raw in v1["statements"]:
+        st = Signed.from_bytes(raw)
+        if not st.is_manifest:
+            _, refs, block, _, tree = _parse_announce(st.body)
+            assert tree is not None, "an announcement without its tree's timing"
+            send, hop = tree
+            assert abs(send - refs[0].size / (4 << 20)) < 2e-6  # the chunk at the trainer's 4 MiB/s
+            assert block / (4 << 20) < hop < block / (4 << 20) + 0.05  # a block's time and the delay
+            trees.append(tree)
+    assert trees
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1")

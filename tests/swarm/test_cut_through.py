@@ -58,6 +58,21 @@ def test_an_announcement_carries_block_hashes_and_they_must_fit_the_chunks():
         vs.add(SIGNER.sign(ANNOUNCE, 3, announce_body(0, [ref(a)], [other])), VERIFIER)
 
 
+def test_an_announcement_may_carry_its_chunks_tree_timing_signed_with_them():
+    a, b = os.urandom(BLOCK + 1), os.urandom(10)
+    vs = VersionState(3)
+    vs.add(SIGNER.sign(ANNOUNCE, 3, announce_body(4, [ref(a), ref(b)], [block_hashes(a), block_hashes(b)],
+                                                  tree=(0.0625, 0.044))), VERIFIER)
+    assert vs.trees == {4: (0.0625, 0.044), 5: (0.0625, 0.044)}  # every node plans with the same figures
+    plain = VersionState(3)
+    plain.add(SIGNER.sign(ANNOUNCE, 3, announce_body(0, [ref(a)], [block_hashes(a)])), VERIFIER)
+    assert plain.trees == {}  # without: the tree is breadth first
+    body = {"first": 0, "chunks": [[ref(a).hash, ref(a).size]], "block": BLOCK, "blocks": [block_hashes(a)]}
+    for tree in ([62500], [0, 44000], [62500, 61_000_000], [62500, -1], [62500, 4.4], "62500,44000"):
+        with pytest.raises(FormatError, match="tree"):
+            VersionState(3).add(SIGNER.sign(ANNOUNCE, 3, msgpack.packb({**body, "tree": tree})), VERIFIER)
+
+
 def test_a_partial_checks_each_block_as_it_completes_and_serves_only_what_checked_out():
     data = os.urandom(3 * BLOCK + 5)
     p = Partial(len(data), BLOCK, block_hashes(data))

@@ -177,14 +177,29 @@ def test_a_partial_gives_a_stream_its_turn_when_one_ends_or_it_is_whole_or_faile
     asyncio.run(main())
 
 
-def _depths(tree: dict[str, str], heads: dict[str, list[str]], root: str) -> dict[str, int]:
+def _depths(tree: dict[str, tuple[str, ...]], heads: dict[str, list[str]], root: str) -> dict[str, int]:
     region_of = {h: r for r, hs in heads.items() for h in hs}
     depth = {root: 0}
     for _ in heads:
-        for h, r in tree.items():
-            if region_of[h] in depth:
-                depth.setdefault(r, depth[region_of[h]] + 1)
+        for h, rs in tree.items():
+            for r in rs:
+                if region_of[h] in depth:
+                    depth.setdefault(r, depth[region_of[h]] + 1)
     return depth
+
+
+def _reached(tree: dict[str, tuple[str, ...]], heads: dict[str, list[str]], root: str, send: float,
+             hop: float) -> dict[str, float]:
+    """When each region has the chunk's first block, as the tree's timing model has it: a head's k-th
+    crossing starts k sends after its region has it, and lands a hop later."""
+    region_of = {h: r for r, hs in heads.items() for h in hs}
+    at = {root: 0.0}
+    for _ in heads:
+        for h, rs in tree.items():
+            for k, r in enumerate(rs):
+                if region_of[h] in at:
+                    at.setdefault(r, at[region_of[h]] + k * send + hop)
+    return at
 
 
 def test_a_chunks_region_tree_gives_each_head_at_most_one_crossing_as_shallow_as_the_heads_allow():
@@ -193,7 +208,8 @@ def test_a_chunks_region_tree_gives_each_head_at_most_one_crossing_as_shallow_as
     for heads, deepest in ((many, 1), (few, 3)):
         for c in range(16):
             tree = region_tree(7, c, "r3", heads)
-            assert sorted(tree.values()) == sorted(r for r in heads if r != "r3")  # every other region, once
+            assert all(len(rs) == 1 for rs in tree.values())  # without timings, one crossing a head
+            assert sorted(r for rs in tree.values() for r in rs) == sorted(r for r in heads if r != "r3")
             depth = _depths(tree, heads, "r3")
             assert len(depth) == 8 and max(depth.values()) == deepest, depth
             assert tree == region_tree(7, c, "r3", {r: list(reversed(hs)) for r, hs in heads.items()})  # same for all
@@ -210,7 +226,7 @@ def test_with_a_tree_a_node_crosses_only_where_the_tree_says_and_feeds_its_regio
         for me in ("e1", "e2"):
             mine = [p for p in ps if p.node_id != me]
             near, far = push_targets(5, c, me, "eu", mine, heads, local=1, cross=2, tree=tree)
-            assert far == ([designated(5, c, heads[tree[me]])] if me in tree else [])
+            assert far == ([designated(5, c, heads[tree[me][0]])] if me in tree else [])
             other = "e2" if me == "e1" else "e1"
             if other in tree:
                 assert near == [other]  # the region's other crosser gets it first
@@ -218,11 +234,63 @@ def test_with_a_tree_a_node_crosses_only_where_the_tree_says_and_feeds_its_regio
         assert far == []  # not a head: no crossing of its own in the tree
 
 
+def test_a_timed_region_tree_crosses_again_once_whole_where_that_beats_a_deeper_crossing():
+    """With the chunk's send time and a crossing's latency, a head may cross a second time once it holds
+    the chunk whole, where that lands sooner than a crossing from deeper in the tree: one 256 KiB chunk
+    at 4 MiB/s (62.5 ms) against 44 ms hops, 16 nodes in 8 regions: three crossings deep breadth first,
+    the last region reached by a root head's second crossing instead. Where a send takes longer than
+    two hops it is the breadth-first tree; where it takes a fraction of a hop, heads cross twice."""
+    few = {f"r{j}": [f"r{j}h{i}" for i in range(2)] for j in range(8)}  # 16 nodes
+    one = {f"r{j}": [f"r{j}h0"] for j in range(8)}  # a node a region
+    many = {f"r{j}": [f"r{j}h{i}" for i in range(8)] for j in range(8)}  # 100 nodes
+    for c in range(16):
+        for heads in (few, one, many):
+            plain = region_tree(7, c, "r3", heads)
+            assert region_tree(7, c, "r3", heads, send=10.0, hop=0.044) == plain  # slow sends: breadth first
+            for send in (0.0625, 0.002):
+                tree = region_tree(7, c, "r3", heads, send=send, hop=0.044)
+                crossed = [r for rs in tree.values() for r in rs]
+                assert sorted(crossed) == sorted(r for r in heads if r != "r3")  # every other region, once
+                assert all(len(rs) <= 2 for rs in tree.values())
+                assert tree == region_tree(7, c, "r3", {r: list(reversed(hs)) for r, hs in heads.items()},
+                                           send=send, hop=0.044)  # the same for every node
+                timed = max(_reached(tree, heads, "r3", send, 0.044).values())
+                flat = max(_reached(plain, heads, "r3", send, 0.044).values())
+                assert timed <= flat + 1e-9
+                if heads is many:
+                    assert tree == plain  # the root's eight heads reach every region at once
+        tree = region_tree(7, c, "r3", few, send=0.0625, hop=0.044)
+        assert max(_depths(tree, few, "r3").values()) == 2  # not 3
+        assert [len(tree[h]) for h in few["r3"]].count(2) == 1  # one root head crosses twice
+        assert max(_reached(tree, few, "r3", 0.0625, 0.044).values()) < 0.11 < 3 * 0.044
+        tree = region_tree(7, c, "r3", one, send=0.002, hop=0.044)
+        assert max(_depths(tree, one, "r3").values()) <= 3  # breadth first: a chain seven deep
+        assert max(_depths(region_tree(7, c, "r3", one), one, "r3").values()) == 7
+
+
+def test_a_heads_later_crossings_wait_until_it_holds_the_chunk_whole():
+    heads = {f"r{j}": [f"r{j}h0"] for j in range(4)}
+    ps = [PushPeer(h, r, False) for r, hs in heads.items() for h in hs]
+    for c in range(8):
+        tree = region_tree(2, c, "r0", heads, send=0.002, hop=0.044)
+        first, second = tree["r0h0"]
+        mine = [p for p in ps if p.node_id != "r0h0"]
+        _, far = push_targets(2, c, "r0h0", "r0", mine, heads, local=2, cross=2, tree=tree, whole=False)
+        assert far == [heads[first][0]]  # while it arrives: the first crossing alone
+        pushed = [PushPeer(p.node_id, p.region, p.node_id == heads[first][0]) for p in mine]
+        _, far = push_targets(2, c, "r0h0", "r0", pushed, heads, local=2, cross=2, sent=(0, 1), tree=tree)
+        assert far == [heads[second][0]]  # whole: the second
+        busy = [PushPeer(p.node_id, p.region, p.region in (first, second)) for p in mine]
+        _, far = push_targets(2, c, "r0h0", "r0", busy, heads, local=2, cross=2, sent=(0, 1), tree=tree)
+        assert far == []  # a region that has it meanwhile is left to spread it
+
+
 def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_response_began():
-    """``Swarm._unstarted``: the one request out for the chunk, to a rollout other than the pusher,
+    """``Swarm._unstarted``: the one request out for the chunk, to a rollout (the pusher too),
     that has had no byte back; a request whose response has not begun has no partial yet and is the
     most unstarted of all (a swarm's first version declined pushes as the nodes' first requests went
-    out). Requests to the trainer, with bytes back, or to the pusher itself stay."""
+    out), and so is one to the pusher itself (across regions, the push began before the request got
+    there). Requests to the trainer or with bytes back stay."""
     from types import SimpleNamespace
 
     from sparrowd.daemon.cutthrough import Partial
@@ -239,7 +307,7 @@ def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_r
     part.feed(b"x" * 100)
     assert Swarm._unstarted(me, key, 0, "r2") is None  # bytes back: it goes on
     del me.partials[(key, 0)]
-    assert Swarm._unstarted(me, key, 0, "r1") is None  # the pusher is whom it asked
+    assert Swarm._unstarted(me, key, 0, "r1") is task  # the pusher is whom it asked: the push is here first
     me.inflight[(key, 0)] = {"trainer": task}
     assert Swarm._unstarted(me, key, 0, "r2") is None  # super-seeding counted it as a first copy taken
     me.inflight[(key, 0)] = {"r1": task}
