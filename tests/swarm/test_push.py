@@ -431,3 +431,45 @@ def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_coun
     assert live() == (3, 2, 2, 2)
     ask("a1")
     assert live() == (5, 2, 3, 2)
+
+
+def test_a_neighbour_the_trainer_tells_of_is_a_peer_before_the_version_in_the_same_reply_starts():
+    """A swarm just formed: the trainer's exchange reply that brings the first version also tells of a
+    neighbour that joined a moment ago. The neighbour is a peer, and counted among the region's
+    crossers, before the node starts on the version: counting on nobody, the node designated itself
+    for every chunk and crossed for it while the neighbour brought it too (``bench swarm``, 8 rollouts,
+    one chunk: 1.33x (R-1) x patch in some first versions)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sparrowd.daemon.membership import Membership
+    from sparrowd.daemon.swarm import PeerState, Swarm
+    from sparrowd.swarm.identity import NodeKey
+    from sparrowd.swarm.picker import recount
+
+    async def main():
+        membership = Membership(None, {"node_id": "n6", "role": "rollout", "region": "r2", "address": "a:6"},
+                                NodeKey(Ed25519PrivateKey.generate()))
+        trainer = PeerState("trainer", "a:1", "r0", "trainer")
+        started = []
+
+        async def loop(ps):
+            started.append(ps.node_id)
+
+        me = SimpleNamespace(daemon=SimpleNamespace(membership=membership, node_id="n6",
+                                                    settings=SimpleNamespace(region="r2")),
+                             peers={"trainer": trainer}, banned=set(), _peer_loop=loop, _joins_seen=0,
+                             versions={}, floor=lambda: 0, signer=None, available_since={}, _touch=lambda: None,
+                             _announced=asyncio.Event(), _changed=asyncio.Event(), trainer_heard=False)
+        me._take_listed = lambda: Swarm._take_listed(me)
+        joined = [{"node_id": "n2", "role": "rollout", "region": "r2", "address": "a:2", "key": b"k" * 32}]
+        Swarm._ingest(me, trainer, {"gen": 1, "versions": [], "joins": 9, "joined": joined})
+        assert "n2" in me.peers and me._joins_seen == 9
+        counted, _ = recount(None, frozenset(), Swarm._neighbours(me))
+        assert counted == {"n2"}  # the region's crossers, for the version this reply starts: n6 and n2
+        await asyncio.sleep(0)
+        assert started == ["n2"]  # its long poll runs
+
+    asyncio.run(main())
