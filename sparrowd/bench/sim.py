@@ -86,9 +86,12 @@ other regions where it knows nobody with the chunk: the head that region
 designates (``LeaseTable.heads``), from any head, or from a node that knows
 every head of that region; or, where the relay knows the region the chunk
 entered the swarm in (from the trainer, or from the stream it got it by, as
-the daemons' ``X-Sparrowd-Root``), the one region the chunk's region tree
-gives it (``swarm.push.region_tree``). The pushed node takes the stream as if it had
-asked for it (its picker then leaves the chunk alone: the daemon's exchange
+the daemons' ``X-Sparrowd-Root``), the regions the chunk's region tree gives
+it (``swarm.push.region_tree``), timed as the trainer signs it: the chunk over
+the trainer's uplink, and the one-way delay between regions (which the
+daemons measure and the simulator knows) plus a block's time
+(``Config(timed_tree=False)``: breadth first). The pushed node takes the
+stream as if it had asked for it (its picker then leaves the chunk alone: the daemon's exchange
 reply tells it of the push as the push starts). A push to a node already
 fetching the chunk is not sent (a daemon declines it at once), unless the
 node's one request for it has had no byte back: then the push takes the
