@@ -133,7 +133,16 @@ from ..daemon.swarm import (
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import DEFAULT_PUSH, PushPeer, push_heads, push_targets, region_tree, relay_fanout, stream_rate
+from ..swarm.push import (
+    DEFAULT_PUSH,
+    PushPeer,
+    push_heads,
+    push_targets,
+    region_tree,
+    relay_fanout,
+    stream_rate,
+    tree_timing,
+)
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed, first_copies_near
 from ..swarm.versions import block_for
@@ -741,11 +750,10 @@ class Sim:
                  for z in known]
         idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
         tree = None
-        if y.root.get(c) in self.heads:  # timed as the trainer signs it (``Swarm._tree_timing``)
-            rate = self.cfg.trainer_rate
-            timed = dict(send=self.sizes[c] / rate, hop=self.cfg.rtt / 2 + self.block / rate) \
-                if self.cfg.timed_tree else {}
-            tree = region_tree(self.version, c, y.root[c], self.heads, **timed)
+        if y.root.get(c) in self.heads:  # timed as the trainer signs it (the simulator knows the delay)
+            send, hop = tree_timing(self.sizes[c], self.block, self.cfg.trainer_rate, self.cfg.rtt / 2) \
+                if self.cfg.timed_tree else (None, None)
+            tree = region_tree(self.version, c, y.root[c], self.heads, send=send, hop=hop)
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
                                  cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree,
                                  most=None if feed is None else self.room(y, feed), whole=c in y.have)

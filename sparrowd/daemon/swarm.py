@@ -73,7 +73,7 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, stream_rate
+from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, stream_rate, tree_timing
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed, first_copies_near
@@ -485,7 +485,7 @@ class Swarm:
         block = vs.block or block_for(len(data))  # one block size a version, from its first chunk
         s = self.signer.sign(announce_kind(key.anchor), key.version,
                              announce_body(index, [ref], [block_hashes(data, block)], block,
-                                           tree=self._tree_timing(len(data), block)))
+                                           tree=tree_timing(len(data), block, self.up.rate, self.delay())))
         self._take_statement(vs, s)
         await asyncio.to_thread(self.store.put_chunk, vs, index, data)
         if not vs.have:  # a new version: every peer wants it; decide whom to serve now, and count again
@@ -495,16 +495,6 @@ class Swarm:
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         await self.notify()
         return {"index": index, "new": True}
-
-    def _tree_timing(self, size: int, block: int) -> tuple[float, float] | None:
-        """A chunk's region tree timing as the trainer signs it (``region_tree``'s send and hop): the
-        chunk's time at the trainer's upload limit, and the swarm's one-way delay between regions (the
-        median of what its nodes measured, ``wan_delay``) plus a block's time. None, and the tree is
-        breadth first, where either is unknown: no upload limit, or no node has measured yet."""
-        rate, delay = self.up.rate, self.delay()
-        if not rate or delay is None:
-            return None
-        return size / rate, delay + block / rate
 
     def delay(self) -> float | None:
         """The one-way delay between regions: on the trainer, the median of what the nodes it heard
@@ -1134,9 +1124,8 @@ class Swarm:
         for k in list(ps.pushing):
             if k not in seen:
                 del ps.pushing[k]
-        if took:  # pushes waiting for these block hashes look again (handle_push)
-            self._announced.set()
-            self._announced = asyncio.Event()
+        if took:
+            self._wake_announced()
         for vs in done:
             self._complete(vs)
         if ps.role == "trainer":
@@ -1524,9 +1513,13 @@ class Swarm:
         if vs is None:
             self.versions[key] = fresh
         self._touch()
-        self._announced.set()  # pushes waiting for these block hashes look again
-        self._announced = asyncio.Event()
+        self._wake_announced()
         return None
+
+    def _wake_announced(self) -> None:
+        """New statements: pushes waiting for their chunk's block hashes look again (``handle_push``)."""
+        self._announced.set()
+        self._announced = asyncio.Event()
 
     def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
         """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:

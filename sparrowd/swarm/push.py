@@ -83,11 +83,12 @@ from dataclasses import dataclass
 
 from .picker import _score, designated
 
-__all__ = ["DEFAULT_PUSH", "RATE_HEADER", "PushPeer", "parse_push", "push_heads", "push_targets", "region_tree",
-           "relay_fanout", "stream_rate"]
+__all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "PushPeer", "parse_push", "push_heads", "push_targets",
+           "region_tree", "relay_fanout", "stream_rate", "tree_timing"]
 
 DEFAULT_PUSH = (2, 2)  # (local, cross) pushes a relay sends of each chunk (``--push``)
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
+CROSSINGS = 2  # crossings a head takes in a timed region tree: one as the chunk arrives, one once whole
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,7 @@ class PushPeer:
 
 
 def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]], *,
-                send: float | None = None, hop: float | None = None,
-                crossings: int = 2) -> dict[str, tuple[str, ...]]:
+                send: float | None = None, hop: float | None = None) -> dict[str, tuple[str, ...]]:
     """Chunk ``index``'s tree across regions, for a chunk that entered the swarm in region ``root``
     (its first holder fetched it from the trainer there): head -> the regions it pushes the chunk to,
     in order. Every node computes the same tree from the same heads and timings.
@@ -112,7 +112,8 @@ def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
     With ``send`` (the seconds a head takes to send the chunk, at the rate it arrives) and ``hop``
     (a crossing's latency: the one-way delay across regions and a block's time), earliest first: a
     head may cross while the chunk arrives (cut-through, from the moment its region has it) and
-    again once it holds it whole (``send`` later), up to ``crossings`` times, and each region in turn
+    again once it holds it whole (``send`` later; a relay pushes at those two moments, so at most
+    ``CROSSINGS`` times), and each region in turn
     goes to the crossing that starts first (ties in breadth-first order). A region three crossings
     deep is reached at three hops; a root head's second crossing at one send and one hop, sooner
     where a chunk is sent in less than two hops (one 256 KiB chunk at 4 MiB/s, 62 ms, against
@@ -122,7 +123,7 @@ def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
     slots: list[tuple[float, int, int, str]] = []  # (when it may start, breadth-first order, crossing, head)
     order = itertools.count()
     timed = send is not None and hop is not None
-    most = max(1, crossings) if timed else 1
+    most = CROSSINGS if timed else 1
 
     def reach(region: str, at: float) -> None:
         for h in sorted(heads.get(region, ()), key=lambda h: _score(tag, index, h), reverse=True):
@@ -138,6 +139,16 @@ def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
             heapq.heappush(slots, (at + send, next(order), k + 1, h))
         reach(r, at + hop if timed else at + 1.0)
     return {h: tuple(rs) for h, rs in tree.items()}
+
+
+def tree_timing(size: int, block: int, rate: float | None, delay: float | None) -> tuple[float, float] | None:
+    """A chunk's region tree timing, ``(send, hop)`` for ``region_tree``, as the trainer signs it into
+    the chunk's announcement: the chunk of ``size`` bytes at the trainer's upload limit ``rate``, and
+    a crossing's ``delay`` (one way, between regions) plus a ``block``'s time at that rate. None, and
+    the tree is breadth first, where either is unknown."""
+    if not rate or rate <= 0 or delay is None:
+        return None
+    return size / rate, delay + block / rate
 
 
 def push_targets(tag: int | str, index: int, me: str, region: str, peers: Iterable[PushPeer],

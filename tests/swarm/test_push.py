@@ -473,3 +473,11 @@ def test_a_neighbour_the_trainer_tells_of_is_a_peer_before_the_version_in_the_sa
         assert started == ["n2"]  # its long poll runs
 
     asyncio.run(main())
+
+
+def test_a_trees_timing_is_the_chunk_at_the_trainers_uplink_and_a_crossings_delay_plus_a_block():
+    from sparrowd.swarm.push import tree_timing
+
+    assert tree_timing(256 << 10, 16 << 10, 4 << 20, 0.04) == (0.0625, 0.04 + 0.00390625)
+    assert tree_timing(256 << 10, 16 << 10, None, 0.04) is None  # no upload limit at the trainer
+    assert tree_timing(256 << 10, 16 << 10, 4 << 20, None) is None  # no delay measured yet
