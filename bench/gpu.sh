@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one run, for a lent GPU box with no package index (docs/PERFORMANCE.md,
 # "GPU figures"): the Publisher on the device in both value modes, an engine's update pause on the
-# device against reloading the checkpoint, and the codec benchmark on that box's CPUs.
+# device against reloading the checkpoint, the codec benchmark on that box's CPUs, and the swarm
+# benchmark at the emulator's default rates with 16 and more rollout daemons (a 2-core VM runs 16
+# only at a quarter of them; the box has 16 cores).
 #
 #   bench/gpu.sh                      # on the GPU box, from the repository's root
 #   DEVICE=cpu PUBLISH_MIB=256 APPLY_MIB=256 CODEC=0 bench/gpu.sh   # a dry run anywhere
 #   APPLY=0 CODEC=0 bench/gpu.sh     # the Publisher alone
 #   VALUES=ulp APPLY=0 CODEC=0 OUT=/tmp/base bench/gpu.sh   # one value mode (a baseline tree, say)
+#   VALUES= APPLY=0 CODEC=0 SWARM="4:2:0.25:2" bench/gpu.sh  # one small swarm run, no GPU
+#
+# SWARM is a list of NODES:REGIONS:PATCH_MIB:VERSIONS runs of `sparrowd bench swarm --no-star`
+# (empty: none); their figures are packed into swarm.tar.gz with their logs (a lent box returns
+# at most 8 files).
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
 # Python (3.12 in 2026-11) and carried with the call:
@@ -22,6 +29,7 @@ APPLY_MIB=${APPLY_MIB:-16384}
 VALUES=${VALUES-ulp ulp2}
 APPLY=${APPLY:-1}
 CODEC=${CODEC:-1}
+SWARM=${SWARM-16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:64:2 32:4:0.25:3 32:4:6:3 32:8:2:3}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -57,5 +65,23 @@ if [ "$APPLY" = 1 ]; then
 fi
 if [ "$CODEC" = 1 ]; then
     bench codec 120 codec
+fi
+if [ -n "$SWARM" ]; then
+    if "$PY" -c "import socket; s = socket.socket(); s.bind(('127.11.0.1', 0))" 2>/dev/null; then
+        mkdir -p "$OUT/swarm"
+        n=0
+        for run in $SWARM; do
+            IFS=: read -r nodes regions patch versions <<<"$run"
+            n=$((n + 1))
+            name=$n-$nodes-$regions-$patch
+            echo "== sparrowd bench swarm $run ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
+            timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star --nodes "$nodes" --regions "$regions" \
+                --patch-mib "$patch" --versions "$versions" --json "$OUT/swarm/$name.json" 2>&1 |
+                tee "$OUT/swarm/$name.log" | grep -E "version|time to all|upload|cross-region bytes" | tee -a "$OUT/gpu.log"
+        done
+        tar -C "$OUT" -czf "$OUT/swarm.tar.gz" swarm && rm -rf "$OUT/swarm"
+    else
+        echo "== no swarm runs: this box cannot bind 127.11.0.1 (the emulator's region addresses)" | tee -a "$OUT/gpu.log"
+    fi
 fi
 echo "== done ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
