@@ -12,8 +12,8 @@
 #   VALUES= APPLY=0 CODEC=0 SWARM="4:2:0.25:2" bench/gpu.sh  # one small swarm run, no GPU
 #
 # SWARM is a list of NODES:REGIONS:PATCH_MIB:VERSIONS runs of `sparrowd bench swarm --no-star`
-# (empty: none); their figures are packed into swarm.tar.gz with their logs (a lent box returns
-# at most 8 files).
+# (empty: none), each with SWARM_ARGS too (e.g. "--keep --log-level debug" for the daemons' logs);
+# their figures are packed into swarm.tar.gz with their logs (a lent box returns at most 8 files).
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
 # Python (3.12 in 2026-11) and carried with the call:
@@ -29,6 +29,7 @@ APPLY_MIB=${APPLY_MIB:-16384}
 VALUES=${VALUES-ulp ulp2}
 APPLY=${APPLY:-1}
 CODEC=${CODEC:-1}
+SWARM_ARGS=${SWARM_ARGS:-}
 SWARM=${SWARM-16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:64:2 32:4:0.25:3 32:4:6:3 32:8:2:3}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -75,11 +76,12 @@ if [ -n "$SWARM" ]; then
             n=$((n + 1))
             name=$n-$nodes-$regions-$patch
             echo "== sparrowd bench swarm $run ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
-            timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star --nodes "$nodes" --regions "$regions" \
-                --patch-mib "$patch" --versions "$versions" --json "$OUT/swarm/$name.json" 2>&1 |
+            mkdir -p "$OUT/swarm/$name"  # where --keep leaves the daemons' folders
+            TMPDIR=$OUT/swarm/$name timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star --nodes "$nodes" --regions "$regions" \
+                --patch-mib "$patch" --versions "$versions" --json "$OUT/swarm/$name.json" $SWARM_ARGS 2>&1 |
                 tee "$OUT/swarm/$name.log" | grep -E "version|time to all|upload|cross-region bytes" | tee -a "$OUT/gpu.log"
         done
-        tar -C "$OUT" -czf "$OUT/swarm.tar.gz" swarm && rm -rf "$OUT/swarm"
+        (cd "$OUT" && find swarm -name "*.log" -o -name "*.json" | tar -czf swarm.tar.gz -T -) && rm -rf "$OUT/swarm"
     else
         echo "== no swarm runs: this box cannot bind 127.11.0.1 (the emulator's region addresses)" | tee -a "$OUT/gpu.log"
     fi

@@ -224,6 +224,64 @@ def test_a_push_carries_the_chunks_signed_statement_so_a_node_that_has_not_heard
     assert push({})[0] in (403, 409)  # no longer a peer of r0
 
 
+def test_a_relay_pushes_a_chunk_neither_back_to_its_feeder_nor_to_the_peers_its_feeder_also_feeds(cluster, tmp_path):
+    """A push names the other peers its sender feeds the same chunk (``X-Sparrowd-Also``). The node
+    that takes it relays it on, cut-through, but not back to its sender, nor to those peers: their
+    exchanges had not yet told that they fetch it, and two nodes fed by the same head pushed it to
+    each other and to their head, leaving a third to ask (one chunk to 16 daemons in 4 regions:
+    1.3-1.8x the bound in one version of six)."""
+    import base64
+    import http.client
+    from urllib.parse import urlparse
+
+    from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
+    from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
+
+    trainer = cluster.trainer()
+    # r0 would push to every peer of its region it sees without the chunk (3 local, none across).
+    r0 = cluster.rollout("r0", "eu", extra=("--push", "3,0", "--log-level", "debug"))
+    r1, r2 = (cluster.rollout(name, "eu", extra=("--push", "off")) for name in ("r1", "r2"))
+    feeder = Member(cluster, "m1", "eu")
+    wait_for(lambda: feeder.renew() or len(cluster.nodes()) == 5, 15, "five nodes")
+    data = np.random.default_rng(6).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+    block = 16 << 10
+    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
+    st = load_or_create_key(trainer.data_dir / "trainer.key").sign(
+        ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
+
+    def unchecked() -> str:  # a push r0 cannot check yet: declined, and why
+        feeder.renew()  # its lease kept, as a daemon's
+        code, reply = get(f"{r0.url}/v1/swarm/chunk/5/0", None, method="POST", data=data, timeout=30,
+                          headers={**feeder.headers("r0"), "Content-Type": "application/octet-stream"})
+        return json.loads(reply or b"{}").get("error", "")
+
+    for _ in range(5):  # a renewal: r0 peers with r1 and r2 (the member's lease kept, as a daemon's)
+        feeder.renew()
+        time.sleep(0.5)
+    wait_for(lambda: unchecked() == "no signed block hashes for that chunk here yet", 20,
+             "r0 to take the member as a peer", detail=unchecked)
+
+    def body():  # a first block, then the rest a while later: r0 relays the chunk while it arrives
+        yield data[:block]
+        time.sleep(2.0)
+        yield data[block:]
+
+    u = urlparse(r0.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/swarm/chunk/5/0", body=body(), encode_chunked=True, headers={
+        **feeder.headers("r0"), "Content-Type": "application/octet-stream",
+        "X-Sparrowd-Statement": base64.b64encode(st.to_bytes()).decode(), "X-Sparrowd-Also": "r1,elsewhere"})
+    r = conn.getresponse()
+    assert (r.status, json.loads(r.read())) == (200, {"stored": True})
+    wait_for(lambda: "pushed a chunk peer=r2" in r0.log(), 20, "r0 to push the chunk on to r2",
+             detail=lambda: r0.log()[-2000:])
+    pushed_to = set(re.findall(r'pushing a chunk peer=(\S+) object="version 5"', r0.log()))
+    assert pushed_to == {"r2"}, pushed_to  # not to m1 (its feeder), nor to r1 (fed by m1 too)
+    code, reply = feeder.exchange(r2, [])
+    (v5,) = [e for e in reply["versions"] if e["version"] == 5]
+    assert v5["have"] == b"\x80"  # r2 holds the chunk r0 relayed, checked against the trainer's hashes
+
+
 def test_the_trainer_signs_each_chunks_tree_timing_from_the_delay_its_nodes_measured(cluster, tmp_path):
     """Rollouts time their exchanges (the shortest is a round trip) and tell the trainer their one-way
     delay between regions; the trainer signs into each chunk's announcement its region tree's timing:
