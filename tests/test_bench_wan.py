@@ -21,32 +21,56 @@ def _port(host):
 
 
 @pytest.mark.asyncio
-async def test_proxy_adds_rtt_across_regions_only():
-    async def echo(reader, writer):
-        while data := await reader.read(1024):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
+async def test_proxy_adds_rtt_across_regions_only_and_a_handshake_to_new_connections():
     target = ("127.10.0.1", _port("127.10.0.1"))
-    server = await asyncio.start_server(echo, *target)
+    server = await asyncio.start_server(_echo, *target)
     wan = Wan(rtt=0.2, link_rate=0)
     listen = ("127.10.1.1", _port("127.10.1.1"))
     proxy = await wan.serve(listen, target, region=0)
 
-    async def round_trip(source: str) -> float:
-        reader, writer = await asyncio.open_connection(*listen, local_addr=(source, 0))
-        t0 = time.monotonic()
+    try:
+        # region 1 -> region 0: a new connection's first exchange pays the handshake's round trip too
+        first, second = await _round_trips(listen, "127.11.0.9")
+        assert first >= 0.39 and 0.19 <= second < 0.3, (first, second)
+        assert max(await _round_trips(listen, "127.10.0.9")) < 0.05  # inside region 0: as it is
+    finally:
+        proxy.close()
+        server.close()
+
+
+async def _round_trips(listen, source: str) -> tuple[float, float]:
+    """Two pings on one new connection from ``source``: the seconds each took, the first counted from
+    the connect."""
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection(*listen, local_addr=(source, 0))
+    took = []
+    for _ in range(2):
         writer.write(b"ping")
         await writer.drain()
         assert await reader.readexactly(4) == b"ping"
-        took = time.monotonic() - t0
-        writer.close()
-        return took
+        took.append(time.monotonic() - t0)
+        t0 = time.monotonic()
+    writer.close()
+    return took[0], took[1]
 
+
+async def _echo(reader, writer):
+    while data := await reader.read(1024):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+@pytest.mark.asyncio
+async def test_without_the_handshake_a_new_connection_pays_one_round_trip():
+    target = ("127.12.0.1", _port("127.12.0.1"))
+    server = await asyncio.start_server(_echo, *target)
+    wan = Wan(rtt=0.2, link_rate=0, handshake=False)
+    listen = ("127.12.1.1", _port("127.12.1.1"))
+    proxy = await wan.serve(listen, target, region=2)
     try:
-        assert await round_trip("127.11.0.9") >= 0.19  # region 1 -> region 0: one RTT
-        assert await round_trip("127.10.0.9") < 0.05  # inside region 0: as it is
+        first, second = await _round_trips(listen, "127.11.0.9")
+        assert 0.19 <= first < 0.3 and 0.19 <= second < 0.3, (first, second)
     finally:
         proxy.close()
         server.close()

@@ -9,11 +9,17 @@ The proxy tells the caller's region from the caller's source address: inside
 a region it forwards as it is; across regions it holds every piece of data
 for half the round-trip time in each direction and paces it through a token
 bucket shared by every connection on that ordered pair of regions (the link).
+A new connection across regions also pays TCP's handshake: what the caller
+sends reaches the other side no sooner than a round trip and a half after
+it connected (SYN, SYN-ACK, then its first bytes), as on a real WAN, where a
+proxy on loopback would let them through half a round trip after connecting
+(``handshake``, default true; TCP's slow start is not emulated).
 
 Run as ``python -m sparrowd.bench.wan CONFIG.json``, where the config lists
 ``proxies`` (``listen`` and ``target`` as ``[host, port]``, and ``region``),
 ``rtt`` (seconds between regions) and ``link_rate`` (bytes per second per
-ordered region pair; 0 for none), optionally ``blocked``: pairs of regions
+ordered region pair; 0 for none), optionally ``handshake`` (false: a new
+connection's first bytes go at once, as before 2026-11-26), ``blocked``: pairs of regions
 between which no connection is let through (``bench rl``'s star: nodes reach
 the trainer's region and no other), and optionally ``cut_file``: a file holding
 a JSON list of regions cut off from the others. While a region is listed, no
@@ -47,8 +53,8 @@ def region_of(host: str) -> int | None:
 
 
 class Wan:
-    def __init__(self, rtt: float, link_rate: float, blocked=()):
-        self.rtt, self.link_rate = rtt, link_rate
+    def __init__(self, rtt: float, link_rate: float, blocked=(), handshake: bool = True):
+        self.rtt, self.link_rate, self.handshake = rtt, link_rate, handshake
         self.blocked = {frozenset(map(int, pair)) for pair in blocked}
         self.links: dict[tuple[int, int], TokenBucket] = {}
         self.cut: set[int] = set()
@@ -76,12 +82,14 @@ class Wan:
             b = self.links[(src, dst)] = TokenBucket(self.link_rate or None)
         return b
 
-    async def pipe(self, reader, writer, delay: float, bucket: TokenBucket | None) -> None:
+    async def pipe(self, reader, writer, delay: float, bucket: TokenBucket | None, not_before: float = 0.0) -> None:
+        """Forward ``reader`` to ``writer``, each piece ``delay`` seconds after it came and no sooner than
+        ``not_before`` (monotonic), paced by ``bucket``."""
         queue: asyncio.Queue = asyncio.Queue(QUEUE)
 
         async def pull():
             while data := await reader.read(PIECE):
-                await queue.put((time.monotonic() + delay, data))
+                await queue.put((max(time.monotonic() + delay, not_before), data))
             await queue.put((0.0, b""))
 
         async def push():
@@ -106,6 +114,7 @@ class Wan:
 
     async def serve(self, listen: tuple[str, int], target: tuple[str, int], region: int):
         async def handle(reader, writer):
+            opened = time.monotonic()
             src = region_of(writer.get_extra_info("peername")[0])
             if src is not None and self._severed(src, region):
                 writer.close()
@@ -116,14 +125,15 @@ class Wan:
                 writer.close()
                 return
             if src is None or src == region:
-                delay, there, back = 0.0, None, None
+                delay, there, back, first = 0.0, None, None, 0.0
             else:
                 delay, there, back = self.rtt / 2, self.link(src, region), self.link(region, src)
+                first = opened + self.rtt + delay if self.handshake else 0.0  # the handshake's round trip first
             task = asyncio.current_task()
             if src is not None and src != region:
                 self.crossing[task] = (src, region)
             try:
-                await asyncio.gather(self.pipe(reader, up_writer, delay, there),
+                await asyncio.gather(self.pipe(reader, up_writer, delay, there, first),
                                      self.pipe(up_reader, writer, delay, back))
             except asyncio.CancelledError:  # cut: drop both sides
                 for w in (writer, up_writer):
@@ -135,7 +145,8 @@ class Wan:
 
 
 async def _main(config: dict) -> None:
-    wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0), config.get("blocked") or ())
+    wan = Wan(float(config["rtt"]), float(config.get("link_rate") or 0), config.get("blocked") or (),
+              bool(config.get("handshake", True)))
     servers = [await wan.serve(tuple(p["listen"]), tuple(p["target"]), int(p["region"])) for p in config["proxies"]]
     extra = [wan.watch_cuts(config["cut_file"])] if config.get("cut_file") else []
     print("ready", flush=True)

@@ -62,6 +62,7 @@ from .logs import Throttle, event
 from .membership import (
     MAX_TRACKER_MESSAGE,
     MSGPACK,
+    SERVER_KEEPALIVE,
     HttpTrackerClient,
     LocalTrackerClient,
     Membership,
@@ -267,6 +268,7 @@ class Daemon:
             web.post("/v1/swarm/exchange", self.swarm.handle_exchange),
             web.get("/v1/swarm/chunk/{key}/{index}", self.swarm.handle_chunk),
             web.post("/v1/swarm/chunk/{key}/{index}", self.swarm.handle_push),
+            web.get("/v1/swarm/ping", self.swarm.handle_ping),
         ])
         if self.tracker is not None:
             app.add_routes([
@@ -284,7 +286,8 @@ class Daemon:
             ])
         # Long polls are answered at once when stopping; what still runs after SHUTDOWN_GRACE
         # (a chunk upload to a slow peer) is cut, so a stop never waits on the network for long.
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE,
+                                     keepalive_timeout=SERVER_KEEPALIVE)
         await self._runner.setup()
         host, port = s.listen
         site = web.TCPSite(self._runner, host, port, reuse_address=True)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,10 +65,42 @@ class Unauthorized(SparrowError):
     """The tracker refused the swarm token or credential, or refused this node's key (403)."""
 
 
+# How long an idle connection to a peer (or the tracker) is kept for the next request. A new one
+# across regions costs TCP's handshake, a round trip before the first byte, and an RL step between two
+# versions is often minutes long: aiohttp's default (15 s) had every version's first pushes and requests
+# open new connections. The daemon's server keeps them a little longer (``SERVER_KEEPALIVE``), so that
+# the client, not the server, closes an idle one (a request sent on a connection the server is closing
+# fails).
+KEEPALIVE = 3600.0
+SERVER_KEEPALIVE = KEEPALIVE + 30
+
+
+# TCP keepalive probes on outgoing connections: the first after this many seconds idle, then every
+# KEEPALIVE_INTERVAL, KEEPALIVE_COUNT unanswered and the connection is dead. An idle connection kept for
+# the next version is so also kept through NAT gateways and firewalls that drop silent flows after a
+# few minutes (AWS's NAT gateway: 350 s; Azure's load balancers: 4 min), and one that died is found
+# and dropped instead of reused.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 20, 3
+
+
+def keepalive_socket(addr_info) -> socket.socket:
+    """A client socket (``aiohttp.TCPConnector``'s ``socket_factory``) with TCP keepalive probes."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's timing
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return sock
+
+
 def outgoing(source: str | None, limit: int = 100) -> aiohttp.TCPConnector:
     """Connections leave from ``source`` (the listen address, when it names one), so that on a
-    multi-homed box peers see the address this node advertises; at most ``limit`` at once."""
-    return aiohttp.TCPConnector(local_addr=(source, 0) if source else None, limit=limit)
+    multi-homed box peers see the address this node advertises; at most ``limit`` at once, idle ones
+    kept ``KEEPALIVE`` seconds, probed while idle (``keepalive_socket``)."""
+    return aiohttp.TCPConnector(local_addr=(source, 0) if source else None, limit=limit, keepalive_timeout=KEEPALIVE,
+                                socket_factory=keepalive_socket)
 
 
 def bearer(token: str) -> str:

@@ -103,11 +103,12 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
 
 
 @contextlib.contextmanager
-def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
+def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), connections=None):
     """A node with the swarm token, in region eu: it joins and renews like a daemon, relays the
     trainer's real signed statements, claims every chunk, and answers chunk requests with
     ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body); ``forged`` adds versions
-    of its own making (exchange entries). Yields the indices asked of it."""
+    of its own making (exchange entries). Yields the indices asked of it. ``connections``, a list,
+    gets ``(kind, client port)`` for every request (kind: exchange, ping, chunk)."""
     port = free_port()
     mp = {"Content-Type": "application/msgpack"}
     view = parse_patch(patch.read_bytes())
@@ -124,19 +125,30 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
     everything = bytes([0xFF]) * ((len(view.manifest.chunks) + 7) // 8)
     asked = []
 
+    def seen(kind, request):
+        if connections is not None:
+            connections.append((kind, request.transport.get_extra_info("peername")[1]))
+
+    async def ping(request):
+        seen("ping", request)
+        return web.Response(status=204)
+
     async def exchange(request):
+        seen("exchange", request)
         reply = {"gen": 1, "choked": False, "versions": [
             {"version": view.manifest.version, "statements": statements, "have": everything, "fetching": b""},
             *forged]}
         return web.Response(body=msgpack.packb(reply), content_type="application/msgpack")
 
     async def chunk(request):
+        seen("chunk", request)
         i = int(request.match_info["index"])
         asked.append(i)
         return await serve_chunk(request, i, bytes(view.chunks[i]))
 
     app = web.Application()
-    app.add_routes([web.post("/v1/swarm/exchange", exchange), web.get("/v1/swarm/chunk/{version}/{index}", chunk)])
+    app.add_routes([web.post("/v1/swarm/exchange", exchange), web.get("/v1/swarm/chunk/{version}/{index}", chunk),
+                    web.get("/v1/swarm/ping", ping)])
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
@@ -161,6 +173,32 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=()):
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_a_node_opens_a_spare_connection_to_each_peer_and_keeps_it_for_its_requests(cluster, tmp_path):
+    """A peer's long poll holds the connection a node has to it, and a chunk request or push on a new
+    one pays TCP's handshake, a round trip across regions, before its first byte. So a node opens a
+    spare connection to each peer it takes (``GET /v1/swarm/ping``, 204) and keeps idle connections
+    for an hour (an RL step between two versions is often minutes): the spare carries its later
+    requests to that peer."""
+    paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
+    (m,) = manifests(paths).values()
+    cluster.trainer()
+    publish(cluster, paths[0])
+    seen: list[tuple[str, int]] = []
+
+    async def serve(request, i, data):
+        return web.Response(body=data)
+
+    with hostile_peer(cluster, paths[0], serve, connections=seen):
+        honest = cluster.rollout("honest", "eu", extra=("--push", "off"))
+        wait_for(lambda: any(kind == "ping" for kind, _ in seen), 20, "the node to open a spare connection",
+                 detail=lambda: seen[-5:])
+        wait_for(lambda: held(cluster).get("honest") == [1], 30, "the node to complete the version")
+        check_store(honest, m)
+        (spare, *_) = [port for kind, port in seen if kind == "ping"]
+        later = [port for kind, port in seen[[k for k, _ in seen].index("ping") + 1:] if kind != "ping"]
+        assert spare in later, (spare, seen)  # kept open, and used again
 
 
 def _flipped(view, i, data):

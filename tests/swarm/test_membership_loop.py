@@ -247,3 +247,46 @@ async def test_news_of_a_join_makes_the_newcomer_a_peer_and_a_head_at_once():
     service.join(members.join(key, "n", region="us", address="127.0.0.1:8"))
     m.learn(service.joined_since(new, time.time())[1])
     assert [(p["node_id"], p["address"]) for p in m.state.peers] == [("n", "127.0.0.1:8")]
+
+
+@pytest.mark.asyncio
+async def test_outgoing_connections_leave_from_the_listen_address_kept_alive_and_probed():
+    """The connector every swarm and tracker call goes through: connections leave from the address
+    the node listens on (a benchmark region's block, a multi-homed box's advertised address), idle
+    ones are kept an hour for the next version, and TCP keepalive probes go out while one idles, so
+    that a NAT gateway does not drop it unseen."""
+    import socket
+
+    import aiohttp
+    from aiohttp import web
+
+    from sparrowd.daemon.membership import KEEPALIVE, KEEPALIVE_IDLE, keepalive_socket, outgoing
+
+    seen = []
+
+    async def hello(request):
+        seen.append(request.transport.get_extra_info("peername"))
+        return web.json_response({})
+
+    app = web.Application()
+    app.add_routes([web.get("/", hello)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession(connector=outgoing("127.0.0.7")) as session:
+            for _ in range(2):
+                async with session.get(f"http://127.0.0.1:{port}/") as r:
+                    assert r.status == 200
+            assert session.connector._keepalive_timeout == KEEPALIVE
+        assert [host for host, _ in seen] == ["127.0.0.7"] * 2
+        assert seen[0][1] == seen[1][1]  # the same connection, kept alive
+    finally:
+        await runner.cleanup()
+    sock = keepalive_socket((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 0)))
+    with sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE
