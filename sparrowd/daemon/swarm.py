@@ -976,7 +976,8 @@ class Swarm:
             # its spare connection, made now rather than at the first push.
             for r, es in state.heads.items():
                 for e in es if r != here else ():
-                    if e["node_id"] not in listed:
+                    c = self.contacts.get(e["node_id"])
+                    if e["node_id"] not in listed and (c is None or c.address != e.get("address")):
                         self._peer(e["node_id"])
         return listed
 
@@ -984,8 +985,8 @@ class Swarm:
         """Open a spare connection to a peer (``GET /v1/swarm/ping``), kept idle for its first push or
         chunk request: its long poll holds the connection it has, and a new one across regions costs
         TCP's handshake, a round trip, before the first byte (``bench swarm``, the WAN emulator's
-        handshake on, 8 rollouts, one chunk: later versions 1.21-1.71x the bound opening 2-5 connections
-        across regions each, 0.90-0.98x opening 0-1 with one spare a peer)."""
+        handshake on, 8 rollouts, one chunk: later versions 1.21-1.72x the bound opening 2-5 connections
+        across regions each, 0.59-0.94x opening 0-1 with one spare a peer)."""
         if self._session is None or self._closing:
             return
 
