@@ -8,8 +8,10 @@ SIGKILL) and, unless ``keep``, removes ``root``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -25,8 +27,32 @@ from pathlib import Path
 __all__ = ["LocalSwarm", "LocalDaemon", "free_port", "wait_for"]
 
 
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), or None where it cannot tell."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PICKS = itertools.count(random.randrange(1 << 16))  # this process's picks, in turn: never the same twice
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (the kernel's pick)."""
+    """A port free on ``host`` now, from the 10,000 below the kernel's ephemeral range where it can tell:
+    a port the kernel picks (a bind to port 0) comes from that range, and an outgoing connection made
+    before the caller binds it can take it as its own local port (the daemons keep many, an hour: a
+    `vllm serve` lost the port it was given so). Else the kernel's pick."""
+    lo = _ephemeral_low()
+    if lo is not None and lo > 11024:
+        for _ in range(256):
+            port = lo - 10000 + next(_PICKS) % 10000
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

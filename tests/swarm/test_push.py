@@ -462,11 +462,14 @@ def test_a_neighbour_the_trainer_tells_of_is_a_peer_before_the_version_in_the_sa
                                                     settings=SimpleNamespace(region="r2")),
                              peers={"trainer": trainer}, banned=set(), _peer_loop=loop, _joins_seen=0,
                              versions={}, floor=lambda: 0, signer=None, available_since={}, _touch=lambda: None,
-                             _announced=asyncio.Event(), _changed=asyncio.Event(), trainer_heard=False)
+                             _announced=asyncio.Event(), _changed=asyncio.Event(), trainer_heard=False,
+                             contacts={}, _warm=lambda ps: warmed.append(ps.node_id))
+        warmed = []
         me._take_listed = lambda: Swarm._take_listed(me)
         joined = [{"node_id": "n2", "role": "rollout", "region": "r2", "address": "a:2", "key": b"k" * 32}]
         Swarm._ingest(me, trainer, {"gen": 1, "versions": [], "joins": 9, "joined": joined})
         assert "n2" in me.peers and me._joins_seen == 9
+        assert warmed == ["n2"]  # a spare connection opened to it (Swarm._warm)
         counted, _ = recount(None, frozenset(), Swarm._neighbours(me))
         assert counted == {"n2"}  # the region's crossers, for the version this reply starts: n6 and n2
         await asyncio.sleep(0)
