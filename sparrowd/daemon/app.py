@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -722,8 +723,27 @@ async def _serve(settings: Settings) -> int:
     return daemon.exit_code
 
 
+OPEN_FILES = 65536  # the soft limit on open files a daemon lifts itself to, as the systemd unit sets it
+
+
+def _lift_open_files() -> None:
+    """Lift the soft limit on open files to ``OPEN_FILES`` where the hard limit allows: a node holds two
+    connections to each peer (its long poll and a spare), and the trainer is every rollout's peer, so a
+    daemon started from a shell with the usual 1,024 runs out at a few hundred rollouts."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def run_daemon(settings: Settings) -> int:
     """Run until told to stop; the exit status (0 after a clean shutdown)."""
+    _lift_open_files()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a core dependency on Linux

@@ -313,3 +313,30 @@ def test_a_node_learns_of_a_later_joiner_when_it_first_asks_not_at_its_next_rene
     cluster.rollout("r2", "eu")
     wait_for(lambda: "r2" in {p["node_id"] for p in r1.node(cluster.token)["peers"]}, 5, "r1 to learn of r2")
     assert time.monotonic() - start < 4.0
+
+
+def test_a_daemon_lifts_its_limit_on_open_files(tmp_path):
+    """Started from a shell with a low soft limit on open files, the daemon lifts it (to 65,536, or the
+    hard limit if lower), as the systemd unit's LimitNOFILE would: it holds two connections to each
+    peer, and the trainer is every rollout's peer."""
+    import resource
+
+    from sparrowd.daemon.app import OPEN_FILES
+    from tests.daemon.harness import Daemon, make_token
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if want <= 256:
+        pytest.skip("the hard limit leaves nothing to lift")
+    d = Daemon(tmp_path, "trainer", "trainer", "eu", make_token(tmp_path / "swarm.token"))
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the daemon's process
+    try:
+        d.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+    try:
+        line = next(ln for ln in open(f"/proc/{d.proc.pid}/limits") if ln.startswith("Max open files"))
+        assert int(line.split()[3]) == want, line
+    finally:
+        d.stop()
