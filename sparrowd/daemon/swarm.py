@@ -976,9 +976,8 @@ class Swarm:
             # its spare connection, made now rather than at the first push.
             for r, es in state.heads.items():
                 for e in es if r != here else ():
-                    c = self.contacts.get(e["node_id"])
-                    if e["node_id"] not in listed and (c is None or c.address != e.get("address")):
-                        self._peer(e["node_id"])
+                    if e["node_id"] not in listed:
+                        self._contact(e)
         return listed
 
     def _warm(self, ps: PeerState) -> None:
@@ -1528,7 +1527,13 @@ class Swarm:
             return ps
         m = self.daemon.membership
         e = m.head(node_id) if m is not None else None
-        if e is None or e.get("role") != "rollout" or node_id in self.banned:
+        return None if e is None else self._contact(e)
+
+    def _contact(self, e: dict) -> PeerState | None:
+        """The contact for a head's tracker entry ``e`` (``_peer``), made (and a spare connection opened
+        to it) the first time and when its address changed; None for one that is no rollout or banned."""
+        node_id = e["node_id"]
+        if e.get("role") != "rollout" or node_id in self.banned:
             return None
         c = self.contacts.get(node_id)
         if c is None or c.address != e.get("address"):
