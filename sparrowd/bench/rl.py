@@ -192,6 +192,12 @@ class _World:
 
 
 def _generate(w: _World, cfg: RLConfig, step: int, version: int) -> list[tuple[list[int], list[int], float]]:
+    """The step's samples: prompt k goes to server k mod servers, each sample seeded by (step, k, g).
+
+    Each server takes its requests one at a time (the servers run side by side): vLLM's sampling
+    on CPU is not batch-invariant (a request's numerics depend on the batch it lands in), and
+    requests sent together land in batches that depend on their timing, so concurrent requests
+    made runs, and strategies, differ now and then. One at a time, every run computes the same."""
     from .vllm_server import generate
 
     prompts = _prompts(cfg, step)
@@ -207,8 +213,12 @@ def _generate(w: _World, cfg: RLConfig, step: int, version: int) -> list[tuple[l
             raise RuntimeError(f"step {step}: a sample was generated on versions {sorted(labels)}, not {version}")
         return prompts[k], r["tokens"], _reward(r["tokens"])
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(one, jobs))
+    def serve(i):
+        return {job: one(job) for job in jobs if job[0] % len(w.servers) == i}
+
+    with ThreadPoolExecutor(len(w.servers)) as pool:
+        done = {job: sample for part in pool.map(serve, range(len(w.servers))) for job, sample in part.items()}
+    return [done[job] for job in jobs]
 
 
 def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
