@@ -1251,13 +1251,35 @@ class Swarm:
                 ps = self.peers.get(req.peer_id)
                 if ps is None:
                     continue
-                ps.inflight += 1
                 event(log, logging.DEBUG, "asking for a chunk", peer=ps.node_id, object=str(k), index=req.index)
-                task = asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}")
-                self.inflight.setdefault((k, req.index), {})[ps.node_id] = task
-                self.asked_at.setdefault((k, req.index), now)
+                self._track(ps, (k, req.index),
+                            asyncio.create_task(self._fetch(ps, vs, req.index), name=f"fetch-{k.tag}-{req.index}"))
                 started += 1
         return started
+
+    def _track(self, ps: PeerState, key: tuple[Key, int], task: asyncio.Task) -> None:
+        """A stream of chunk ``key`` from ``ps`` (a request, or a push taken) in flight until ``task``
+        ends, however it ends: counted in the peer's requests and in ``inflight`` (the chunk is being
+        fetched), released by the task's done callback. A task cancelled before its first step
+        (an endgame loser, a request a push replaced the moment it was made) never runs its own
+        code: released in ``_receive``, as before, its entry stayed, the chunk stayed "being
+        fetched" and the peer's request slot taken, and a node held every other chunk of a version
+        but that one for 30 s (``tests/daemon/test_trust.py``, a lying peer banned mid-version)."""
+        ps.inflight += 1
+        self.inflight.setdefault(key, {})[ps.node_id] = task
+        self.asked_at.setdefault(key, time.monotonic())
+
+        def done(t: asyncio.Task) -> None:
+            ps.inflight -= 1
+            tasks = self.inflight.get(key)
+            if tasks is not None and tasks.get(ps.node_id) is t:  # not a later stream from the same peer
+                del tasks[ps.node_id]
+                if not tasks:
+                    del self.inflight[key]
+                    self.asked_at.pop(key, None)
+            self._changed.set()
+
+        task.add_done_callback(done)
 
     def _crossers(self, trusted: set[str]) -> list[str]:
         """The nodes that share this region's cross-region fetches, as this node sees them: itself
@@ -1312,8 +1334,8 @@ class Swarm:
         pushed on), stored once whole. ``pieces`` yields ``_Served`` once the stream is served
         (nothing before: refused), with the rate its sender declared, then the bytes. ``whole``: the
         sender holds it whole, so a failed or short stream counts against it; a stream fed by a fetch
-        in progress there (or pushed) may be cut without its fault. The caller has registered it in
-        ``inflight``. Whether it stored the chunk."""
+        in progress there (or pushed) may be cut without its fault. The caller tracks its task
+        (``_track``). Whether it stored the chunk."""
         key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
@@ -1394,14 +1416,6 @@ class Swarm:
                 del self.partials[key]
                 if not buf.whole:
                     buf.abort()  # streams served from it are cut; their requesters pick again
-            ps.inflight -= 1
-            tasks = self.inflight.get(key)
-            if tasks is not None:
-                tasks.pop(ps.node_id, None)
-                if not tasks:
-                    del self.inflight[key]
-                    self.asked_at.pop(key, None)
-            self._changed.set()
         return False
 
     # ------------------------------------------------------------ push
@@ -1669,11 +1683,9 @@ class Swarm:
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             self.partials.pop((key, i), None)  # the request's, if its response began: nothing served from it
             pull.cancel()
-        ps.inflight += 1
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False),
                                    name=f"pushed-{key.tag}-{i}")
-        self.inflight.setdefault((key, i), {})[ps.node_id] = task
-        self.asked_at.setdefault((key, i), time.monotonic())
+        self._track(ps, (key, i), task)
         self._taking.add(task)
         try:  # as long as a fetch of it may take; a stalled push makes way for a request
             await asyncio.wait({task}, timeout=5.0 + vs.chunks[i].size / MIN_RATE)

@@ -321,3 +321,53 @@ def test_the_trainer_signs_each_chunks_tree_timing_from_the_delay_its_nodes_meas
             trees.append(tree)
     assert trees
     wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1")
+
+
+def test_a_stream_cancelled_before_it_starts_is_no_longer_counted_in_flight():
+    """A request or a taken push counts in ``inflight`` (the chunk is being fetched) and in its peer's
+    requests until its task ends, however it ends: one cancelled before its first step (a request a
+    push replaced the moment it was made, an endgame loser) runs none of its own code, and its entry
+    once stayed, the chunk "being fetched" and the peer's slot taken for good."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import PeerState, Swarm
+    from sparrowd.swarm.chain import Key
+
+    async def main():
+        me = SimpleNamespace(inflight={}, asked_at={}, _changed=asyncio.Event())
+        r1, mallory = PeerState("r1", "a:1", "us", "rollout"), PeerState("mallory", "a:2", "us", "rollout")
+        key = (Key(6, False), 4)
+        ran = []
+
+        async def stream(tag):
+            ran.append(tag)
+            await asyncio.sleep(0.01)
+
+        asked = asyncio.create_task(stream("asked"))
+        Swarm._track(me, mallory, key, asked)
+        pushed = asyncio.create_task(stream("pushed"))
+        Swarm._track(me, r1, key, pushed)
+        assert set(me.inflight[key]) == {"mallory", "r1"} and mallory.inflight == r1.inflight == 1
+        asked.cancel()  # before its first step: its coroutine never runs
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert ran == ["pushed"] and set(me.inflight[key]) == {"r1"} and mallory.inflight == 0
+        assert me._changed.is_set()  # the scheduler looks again
+        await pushed
+        await asyncio.sleep(0)
+        assert key not in me.inflight and key not in me.asked_at and r1.inflight == 0
+        # A push from the peer a request went to takes the request's place under the same name: the
+        # request ending (cancelled) leaves the push's entry alone.
+        asked = asyncio.create_task(stream("asked again"))
+        Swarm._track(me, r1, key, asked)
+        pushed = asyncio.create_task(stream("pushed again"))
+        asked.cancel()
+        Swarm._track(me, r1, key, pushed)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert me.inflight[key] == {"r1": pushed} and r1.inflight == 1
+        await pushed
+        await asyncio.sleep(0)
+        assert key not in me.inflight and r1.inflight == 0
+
+    asyncio.run(main())
