@@ -144,7 +144,7 @@ from ..swarm.push import (
     tree_timing,
 )
 from ..swarm.rate import Rate
-from ..swarm.superseed import SuperSeed, first_copies_near
+from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
 from ..swarm.versions import block_for
 from ..units import format_bytes
 
@@ -410,9 +410,11 @@ class Sim:
         trusted = bool(k.have) or not any(x.held_by.values())
         near = self.near_trainer
         servable = self.near(x, y)[0] if self.choking_active(x) else near  # as the daemon's ``_shown``
-        fresh = y.region == x.region or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
+        far = y.region != x.region
+        fresh = not far or not first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted, peers=len(x.known),
-                                 fresh=fresh) & x.have
+                                 fresh=fresh, far=far,
+                                 far_most=far_first_copies(len(self.sizes), self.cfg.regions, near)) & x.have
 
     def choke(self, x: Node) -> None:
         peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),

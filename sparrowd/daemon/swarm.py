@@ -76,7 +76,7 @@ from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
 from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, stream_rate, tree_timing
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
-from ..swarm.superseed import SuperSeed, first_copies_near
+from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
 from ..swarm.versions import (
     MAX_TREE_US,
     ChunkRef,
@@ -647,10 +647,11 @@ class Swarm:
         # so far: taken as unknown, a one-chunk version's only chunk went to whoever asked first, in any
         # region (2 of 6 first versions on 16 daemons crossed 1.33x (R-1) x patch).
         chunks = vs.total if vs.total is not None else len(vs.chunks)
-        fresh = remote.region == self.daemon.settings.region or not first_copies_near(chunks, regions, near,
-                                                                                     servable)
+        far = remote.region != self.daemon.settings.region
+        fresh = not far or not first_copies_near(chunks, regions, near, servable)
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
-                        self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh) & vs.have
+                        self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh, far=far,
+                        far_most=far_first_copies(chunks, regions, near)) & vs.have
 
     def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
         """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers

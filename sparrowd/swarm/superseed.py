@@ -6,8 +6,9 @@ few at a time. A new assignment is a chunk never given out before, so the
 first copy of each chunk goes to a different peer, and the peers trade the
 rest among themselves. First copies go to peers of the seed's own region
 while it has enough of them (``first_copies_near``), else to whoever asks,
-in every region. A chunk is given out again only if no peer is known to hold it
-and its peer left the swarm or was choked (``forget``), or its peer did not
+in every region, but for a share kept at home (``far_first_copies``). A
+chunk is given out again only if no peer is known to hold it and its peer
+left the swarm or was choked (``forget``), or its peer did not
 even ask for it within ``claim_within`` seconds, or ``regive_after``
 seconds after it was last given (its peer stalls mid-transfer).
 
@@ -35,7 +36,7 @@ import random
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
-__all__ = ["SuperSeed", "first_copies_near"]
+__all__ = ["CROSS_BUDGET", "SuperSeed", "far_first_copies", "first_copies_near"]
 
 
 def first_copies_near(chunks: int | None, regions: int, near: int, servable: int) -> bool:
@@ -56,6 +57,22 @@ def first_copies_near(chunks: int | None, regions: int, near: int, servable: int
     return servable >= min(chunks, 2) and (chunks == 1 or 2 * near >= regions - 1)
 
 
+CROSS_BUDGET = 0.1  # what first copies given into other regions may add to the (R-1) x patch that crosses
+
+
+def far_first_copies(chunks: int | None, regions: int, near: int) -> int | None:
+    """The most first copies of a version's ``chunks`` the seed gives peers of other regions, where
+    ``first_copies_near`` does not keep them all near: each such chunk must cross back into the
+    seed's own region, once more than the (R-1) crossings every chunk takes, so no more than
+    ``CROSS_BUDGET`` x (R-1) x the chunks go far, and the rest start at home. Given out freely,
+    8 regions of one or two nodes crossed 1.11-1.14x (R-1) x patch (``sparrowd bench sim``, 2 MiB).
+    None (no limit) where the seed's region has no rollouts (``near`` 0: no chunk need come back) or
+    the count is unknown."""
+    if not chunks or chunks <= 0 or near <= 0 or regions <= 1:
+        return None
+    return int(CROSS_BUDGET * (regions - 1) * chunks + 1e-9)
+
+
 @dataclass
 class SuperSeed:
     chunks: int
@@ -69,6 +86,7 @@ class SuperSeed:
     claimed: set[int] = field(default_factory=set)
     owner: dict[int, str] = field(default_factory=dict)  # who a chunk was last given to
     lapsed: dict[str, float] = field(default_factory=dict)  # peer -> when it let an assignment lapse
+    far: set[int] = field(default_factory=set)  # chunks whose first copy went to a peer of another region
 
     def grow(self, chunks: int) -> None:
         """More chunks were announced (a version still being extracted)."""
@@ -116,12 +134,15 @@ class SuperSeed:
                    for c, t in self.given_at.items())
 
     def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int], *,
-              trusted: bool = True, peers: int = 0, fresh: bool = True) -> set[int]:
+              trusted: bool = True, peers: int = 0, fresh: bool = True, far: bool = False,
+              far_most: int | None = None) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``;
         ``peers``: how many peers the seed serves (from ``single_from`` on, one chunk each at a time);
         ``fresh``: whether it may be given a chunk never given before (``first_copies_near``: not a
         peer of another region, while those go to the seed's own); one given and lost may still go
-        to it, so that a chunk whose near peer stalls is not held up."""
+        to it, so that a chunk whose near peer stalls is not held up. ``far``: the peer is of another
+        region than the seed's; then no more than ``far_most`` chunks' first copies, counted over the
+        version, go to such peers (``far_first_copies``; None: no limit)."""
         pending = {c for c in self.assigned.get(peer, ()) if c not in holds}
         want = (1 if peers >= self.single_from else self.per_peer) - len(pending)
         if want > 0:
@@ -135,11 +156,15 @@ class SuperSeed:
                 want = 0
             new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
             self.rng.shuffle(new)
+            if far and far_most is not None:
+                new = new[:max(0, far_most - len(self.far))]
             for c in (new + sorted(lost, key=self.given_at.get))[:want]:
                 before = self.owner.get(c)
                 if before is not None and before != peer:
                     self.assigned.get(before, set()).discard(c)  # it is this peer's to fetch now
                 pending.add(c)
+                if far and c not in self.given_at:
+                    self.far.add(c)
                 self.given_at[c] = now
                 self.owner[c] = peer
                 self.claimed.discard(c)

@@ -10,7 +10,7 @@ from sparrowd.swarm import versions
 from sparrowd.swarm.choker import Choker, ChokerPeer
 from sparrowd.swarm.picker import PeerView, Picker, designated, slots_for_rate
 from sparrowd.swarm.rate import Rate
-from sparrowd.swarm.superseed import SuperSeed, first_copies_near
+from sparrowd.swarm.superseed import CROSS_BUDGET, SuperSeed, far_first_copies, first_copies_near
 from sparrowd.swarm.versions import from_bitmap, to_bitmap
 
 
@@ -446,6 +446,32 @@ def test_first_copies_stay_in_the_seeds_region_while_it_has_peers_to_take_them()
     assert ss.offer(1.0, "far", set(), {}, peers=16, fresh=False) == set()  # given, not yet lost
     assert ss.offer(3.2, "far", set(), {}, peers=16, fresh=False) == {0}  # near never asked: lost, anyone's
 
+
+
+def test_first_copies_given_into_other_regions_stay_within_the_cross_region_budget():
+    """Where first copies are not kept near, each one given into another region crosses back into
+    the seed's region once more than (R-1) per chunk: no more than CROSS_BUDGET x (R-1) x the chunks
+    go far, the rest start at home; no limit where the seed's region has no rollout (nothing comes
+    back) or the count is unknown."""
+    assert far_first_copies(8, 8, 1) == int(CROSS_BUDGET * 7 * 8) == 5  # 3 of 8 first copies at home
+    assert far_first_copies(24, 4, 2) == 7 and far_first_copies(10, 2, 1) == 1
+    assert far_first_copies(8, 8, 0) is None  # nobody at home: every chunk must cross anyway
+    assert far_first_copies(None, 8, 1) is None and far_first_copies(0, 8, 1) is None
+    assert far_first_copies(8, 1, 4) is None
+    ss = SuperSeed(8, single_from=4)
+    far = set()
+    for i in range(8):  # 8 peers of other regions, each asking for a first copy
+        far |= ss.offer(0.0, f"far{i}", set(), {}, peers=16, far=True, far_most=5)
+    assert len(far) == 5 and ss.far == far
+    assert ss.offer(0.0, "far0", far, {}, peers=16, far=True, far_most=5) == set()  # holds its one: none new
+    home = set()
+    for i in range(3):
+        home |= ss.offer(0.0, f"near{i}", set(), {}, peers=16)
+    assert home == set(range(8)) - far and ss.far == far  # the rest start at home, and count as near
+    # A far first copy lost (its peer left) and given again is not counted twice.
+    ss.forget("far1")
+    again = ss.offer(0.1, "far8", set(), {}, peers=16, far=True, far_most=5)
+    assert len(again) == 1 and again <= far and len(ss.far) == 5
 
 def test_the_trainers_counts_of_holders_follow_every_change_of_have_maps():
     """The trainer keeps, per object, how many peers' have-maps show each chunk, as maps change and
