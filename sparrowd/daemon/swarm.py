@@ -1310,6 +1310,9 @@ class Swarm:
             async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
                                          timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE),
                                          headers=self._proof_for(ps)) as r:
+                if r.status != 200:
+                    event(log, logging.DEBUG, "chunk request not served", peer=ps.node_id, object=str(vs.key),
+                          index=index, status=r.status)
                 if r.status == 503:
                     ps.choking = True
                     return
