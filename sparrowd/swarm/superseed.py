@@ -87,6 +87,9 @@ class SuperSeed:
     owner: dict[int, str] = field(default_factory=dict)  # who a chunk was last given to
     lapsed: dict[str, float] = field(default_factory=dict)  # peer -> when it let an assignment lapse
     far: set[int] = field(default_factory=set)  # chunks whose first copy went to a peer of another region
+    capped_at: float | None = None  # when ``far_most`` first held a peer of another region back
+    home_at: float = float("-inf")  # when a peer of the seed's region was last given a first copy
+    home_wait: float = 10.0  # seconds the seed's region may take none of them while the cap holds others back
 
     def grow(self, chunks: int) -> None:
         """More chunks were announced (a version still being extracted)."""
@@ -142,7 +145,11 @@ class SuperSeed:
         peer of another region, while those go to the seed's own); one given and lost may still go
         to it, so that a chunk whose near peer stalls is not held up. ``far``: the peer is of another
         region than the seed's; then no more than ``far_most`` chunks' first copies, counted over the
-        version, go to such peers (``far_first_copies``; None: no limit)."""
+        version, go to such peers (``far_first_copies``; None: no limit), until the seed's own
+        region has taken none of the rest for ``home_wait`` seconds while the cap held one back
+        (its node stalled, or never fetches): then they go to whoever asks. (``claim_within``,
+        3 s, was too short: two home nodes fetching 2 MiB first copies at a share of the
+        trainer's uplink took none for that long in some simulated 64 MiB versions.)"""
         pending = {c for c in self.assigned.get(peer, ()) if c not in holds}
         want = (1 if peers >= self.single_from else self.per_peer) - len(pending)
         if want > 0:
@@ -156,15 +163,23 @@ class SuperSeed:
                 want = 0
             new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
             self.rng.shuffle(new)
-            if far and far_most is not None:
-                new = new[:max(0, far_most - len(self.far))]
+            if far and far_most is not None and new and len(self.far) >= far_most:
+                if self.capped_at is None:
+                    self.capped_at = now
+                if now - max(self.capped_at, self.home_at) < self.home_wait:
+                    new = []
+            elif far and far_most is not None:
+                new = new[:far_most - len(self.far)]
             for c in (new + sorted(lost, key=self.given_at.get))[:want]:
                 before = self.owner.get(c)
                 if before is not None and before != peer:
                     self.assigned.get(before, set()).discard(c)  # it is this peer's to fetch now
                 pending.add(c)
-                if far and c not in self.given_at:
-                    self.far.add(c)
+                if c not in self.given_at:
+                    if far:
+                        self.far.add(c)
+                    else:
+                        self.home_at = now
                 self.given_at[c] = now
                 self.owner[c] = peer
                 self.claimed.discard(c)

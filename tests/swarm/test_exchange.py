@@ -472,6 +472,25 @@ def test_first_copies_given_into_other_regions_stay_within_the_cross_region_budg
     ss.forget("far1")
     again = ss.offer(0.1, "far8", set(), {}, peers=16, far=True, far_most=5)
     assert len(again) == 1 and again <= far and len(ss.far) == 5
+    # A seed's region that takes none of the rest (its node stalled, or never fetches) holds the
+    # others back for home_wait at most: then the rest go to whoever asks.
+    ss = SuperSeed(4, single_from=4, claim_within=3.0, home_wait=3.0)
+    for peer in ("a", "b"):
+        (given,) = ss.offer(0.0, peer, set(), {}, peers=8, far=True, far_most=2)
+        ss.claim(given, peer)  # asked for: not lost, not given again
+    assert ss.offer(0.5, "c", set(), {}, peers=8, far=True, far_most=2) == set()  # capped from now
+    assert ss.offer(3.4, "c", set(), {}, peers=8, far=True, far_most=2) == set()
+    assert len(ss.offer(3.6, "c", set(), {}, peers=8, far=True, far_most=2)) == 1 and len(ss.far) == 3
+    # ... counted from the last first copy the seed's region took: one that keeps taking them holds on.
+    ss = SuperSeed(6, single_from=4, claim_within=3.0, home_wait=3.0)
+    for peer in ("a", "b"):
+        (given,) = ss.offer(0.0, peer, set(), {}, peers=8, far=True, far_most=2)
+        ss.claim(given, peer)
+    assert ss.offer(0.5, "c", set(), {}, peers=8, far=True, far_most=2) == set()
+    (home,) = ss.offer(2.0, "h", set(), {}, peers=8)
+    ss.claim(home, "h")
+    assert ss.offer(3.6, "c", set(), {}, peers=8, far=True, far_most=2) == set()  # 1.6 s after h took one
+    assert len(ss.offer(5.1, "c", set(), {}, peers=8, far=True, far_most=2)) == 1
 
 def test_the_trainers_counts_of_holders_follow_every_change_of_have_maps():
     """The trainer keeps, per object, how many peers' have-maps show each chunk, as maps change and
