@@ -163,13 +163,12 @@ class SuperSeed:
                 want = 0
             new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
             self.rng.shuffle(new)
-            if far and far_most is not None and new and len(self.far) >= far_most:
-                if self.capped_at is None:
-                    self.capped_at = now
-                if now - max(self.capped_at, self.home_at) < self.home_wait:
-                    new = []
-            elif far and far_most is not None:
-                new = new[:far_most - len(self.far)]
+            if far and far_most is not None and new:
+                room = far_most - len(self.far)
+                if room <= 0:  # capped: held back while the seed's region keeps taking the rest
+                    self.capped_at = now if self.capped_at is None else self.capped_at
+                    room = 0 if now - max(self.capped_at, self.home_at) < self.home_wait else len(new)
+                new = new[:room]
             for c in (new + sorted(lost, key=self.given_at.get))[:want]:
                 before = self.owner.get(c)
                 if before is not None and before != peer:
