@@ -17,16 +17,28 @@ sender declared it; ``swarm.push.relay_fanout``): ``streams`` counts them,
 ``room`` says how many more may start, and a request beyond them waits its
 ``turn``. A chunk announced without block hashes is buffered the same way
 and checked whole, as before, and never served before it is stored.
+
+A chunk that crosses in stripes (``swarm.push.stripe_plan``) arrives as
+several streams at once, each a stripe of its blocks: one ``Partial``
+(``striped``) takes them all (``feed_stripe``), each block checked as it
+completes, and ``ready`` is the prefix of blocks checked so far, so that
+streams of the whole chunk are served from it as from any fetch; a stripe
+is served on block by block (``has_block``, ``wait_block``). Between its
+streams it waits for the next (``feeders``, ``fed_at``): the node's
+scheduler gives it up, and asks for the chunk whole, once none has come
+for a while.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import blake3
+import numpy as np
 
 from ..errors import IntegrityError
-from ..swarm.push import relay_fanout
+from ..swarm.push import relay_fanout, stripe_size
 from ..swarm.versions import BLOCK_HASH
 
 __all__ = ["Partial"]
@@ -41,7 +53,36 @@ class Partial:
         self.failed = False
         self.rate: float | None = None  # bytes a second, as the sender declared it paces the stream
         self.streams = 0  # streams served from it now, or about to be
+        self.striped: int | None = None  # the stripe count, for a chunk arriving in stripes (``stripe``)
+        self.checked: np.ndarray | None = None  # ...each block checked, by index
+        self.stripe_got: dict[int, int] = {}  # ...bytes received of each stripe
+        self.feeders = 0  # ...streams feeding it now
+        self.storing = False  # ...one of them is storing it whole
+        self.fed_at = 0.0  # ...when a stripe last brought bytes (time.monotonic)
         self._moved = asyncio.Event()
+
+    def stripe(self, n: int) -> None:
+        """Take the chunk in ``n`` stripes (``feed_stripe``) rather than as one stream."""
+        self.striped = n
+        self.checked = np.zeros(self.blocks, bool)
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.size // self.block) if self.block else 0
+
+    def stripe_size(self, s: int) -> int:
+        return stripe_size(self.size, self.block, s, self.striped)
+
+    def has_block(self, b: int) -> bool:
+        """Whether block ``b`` has checked out (and may be served on)."""
+        if self.checked is not None:
+            return bool(self.checked[b])
+        return min((b + 1) * self.block, self.size) <= self.ready
+
+    async def wait_block(self, b: int) -> None:
+        """Return once block ``b`` has checked out, or the fetch failed."""
+        while not self.has_block(b) and not self.failed:
+            await self._moved.wait()
 
     @property
     def servable(self) -> bool:
@@ -78,10 +119,47 @@ class Partial:
         finally:
             self._pulse()
 
+    def feed_stripe(self, s: int, piece) -> None:
+        """Place received bytes of stripe ``s``; check every block they complete. The checked prefix
+        (``ready``) grows as the stripes fill in the blocks before it."""
+        if self.whole:
+            return  # taken whole by another request meanwhile
+        size = self.stripe_size(s)
+        at, n = self.stripe_got.get(s, 0), len(piece)
+        if at + n > size:
+            raise IntegrityError(f"{self.what}: stripe {s} of {self.striped} is longer than signed")
+        mv, src, done = memoryview(self.buf), memoryview(piece), 0
+        try:
+            while done < n:
+                j, off = divmod(at + done, self.block)
+                b = s + j * self.striped
+                start = b * self.block
+                stop = min(start + self.block, self.size)
+                take = min(n - done, stop - start - off)
+                mv[start + off : start + off + take] = src[done : done + take]
+                done += take
+                if off + take == stop - start:  # the block is complete: check it
+                    if blake3.blake3(mv[start:stop]).digest(length=BLOCK_HASH) != \
+                            self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
+                        raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
+                    self.checked[b] = True
+        finally:
+            self.fed_at = time.monotonic()
+            self.stripe_got[s] = at + done
+            self.got += done
+            missing = np.flatnonzero(~self.checked)
+            self.ready = self.size if not len(missing) else int(missing[0]) * self.block
+            self._pulse()
+
+    def stripe_whole(self, s: int) -> bool:
+        return self.stripe_got.get(s, 0) == self.stripe_size(s)
+
     def fill(self, data) -> None:
         """The chunk arrived whole by another request (checked there): serve the rest from it."""
         self.buf[:] = data
         self.got = self.ready = self.size
+        if self.checked is not None:
+            self.checked[:] = True
         self._pulse()
 
     def abort(self) -> None:

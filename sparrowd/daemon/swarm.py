@@ -73,11 +73,26 @@ from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
-from ..swarm.push import RATE_HEADER, PushPeer, push_heads, push_targets, region_tree, stream_rate, tree_timing
+from ..swarm.push import (
+    RATE_HEADER,
+    STRIPE_HEADER,
+    PushPeer,
+    parse_stripe,
+    push_heads,
+    push_targets,
+    region_tree,
+    stream_rate,
+    stripe_blocks,
+    stripe_plan,
+    stripe_size,
+    stripe_targets,
+    tree_timing,
+)
 from ..swarm.rate import Rate
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
 from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
 from ..swarm.versions import (
+    BLOCK_HASH,
     MAX_TREE_US,
     ChunkRef,
     StatementPage,
@@ -127,6 +142,7 @@ STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be 
 PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
 PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it
 PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
+STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole
 NO_HASHES = "no signed block hashes for that chunk here yet"
 NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
 
@@ -246,12 +262,14 @@ class Swarm:
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
         self.turns_waited = 0  # requests for a chunk still arriving that waited for a stream of it to end
         self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
+        self.striped_to: dict[Key, dict[int, set[str]]] = {}  # per chunk: the receivers pushed a stripe of it
         self.fed_along: dict[Key, dict[int, frozenset[str]]] = {}  # per chunk: the peers its pusher also fed
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
         self._background: set[asyncio.Task] = set()  # pushes being sent, wake-ups: stop() ends them
         self.pushing_to: set[tuple[str, Key, int]] = set()  # (peer, object, chunk) being pushed (its exchange
         # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
         self._taking: set[asyncio.Task] = set()  # pushes being received
+        self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes into a chunk already arriving so
         self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
@@ -471,6 +489,7 @@ class Swarm:
             del self.versions[k]
             self.superseed.pop(k, None)
             self.pushed.pop(k, None)
+            self.striped_to.pop(k, None)
             self.fed_along.pop(k, None)
             event(log, logging.INFO, "dropped (retention)", object=str(k), retain=self.retain)
 
@@ -873,7 +892,8 @@ class Swarm:
             if waiting:
                 self._waiting[lane] -= 1
 
-    async def _paced(self, source: Path | Partial, wan: bool, block: int = PIECE):
+    async def _paced(self, source: Path | Partial, wan: bool, block: int = PIECE,
+                     stripe: tuple[int, int] | None = None, size: int = 0):
         """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
         when they come from a chunk still arriving.
 
@@ -882,10 +902,13 @@ class Swarm:
         once it had the tokens for all of it held every block of that piece back: at 1 MiB/s the
         trainer's first holder saw its first block of a one-chunk version 0.15 s after the version's
         manifest, and every paced hop after it waited so again (``bench swarm --log-level debug``
-        at 16 nodes; the simulator sends fluidly)."""
+        at 16 nodes; the simulator sends fluidly). ``stripe``: only that stripe's blocks, of a chunk
+        of ``size`` bytes hashed in ``block``-byte blocks."""
         relayed = isinstance(source, Partial)
         paced = bool(self.up.rate or (wan and self.wan_up.rate))
-        async for piece in _pieces(source, block, block if paced else PIECE):
+        pieces = _pieces(source, block, block if paced else PIECE) if stripe is None \
+            else _stripe_pieces(source, *stripe, block, size)
+        async for piece in pieces:
             if relayed:
                 self.cut_through_bytes += len(piece)  # counted as it goes: a chunk still arriving
             now = time.monotonic()
@@ -1234,6 +1257,17 @@ class Swarm:
                               proven=p.node_id in trusted, cut_through=p.cut_through and p.role != "trainer")
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
+            for i in missing:  # arriving in stripes, between streams: not asked for until they stop coming
+                part = self.partials.get((k, i))
+                if part is None or part.striped is None or part.feeders:
+                    continue
+                if now - part.fed_at < STRIPE_WAIT and not part.failed:
+                    inflight[i].add("")
+                else:
+                    del self.partials[(k, i)]
+                    part.abort()
+                    event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
+                          index=i, stripes=len(part.stripe_got), of=part.striped)
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
                 for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM else ():
                     if i in inflight:
@@ -1332,20 +1366,26 @@ class Swarm:
 
         await self._receive(ps, vs, index, pieces(), whole=whole)
 
-    async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool) -> bool:
+    async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool,
+                       stripe: tuple[int, int] | None = None, into: Partial | None = None) -> bool:
         """One stream of a chunk from ``ps``, asked for (``_fetch``) or pushed (``handle_push``): each
         block checked as it arrives, the chunk served on cut-through once a block has checked out (and
         pushed on), stored once whole. ``pieces`` yields ``_Served`` once the stream is served
         (nothing before: refused), with the rate its sender declared, then the bytes. ``whole``: the
         sender holds it whole, so a failed or short stream counts against it; a stream fed by a fetch
         in progress there (or pushed) may be cut without its fault. The caller tracks its task
-        (``_track``). Whether it stored the chunk."""
+        (``_track``). Whether it stored the chunk. ``stripe``: the stream is that stripe of the chunk,
+        fed with the others into ``into`` (registered, its ``feeders`` counting this stream); the one
+        that completes the chunk stores it."""
         key = (vs.key, index)
         ref = vs.chunks[index]
         wan = ps.region != self.daemon.settings.region
-        buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
-        if buf.hashes is not None and self._relays_partials():
-            self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
+        if into is not None:
+            buf = into
+        else:
+            buf = Partial(ref.size, vs.block, vs.blocks.get(index), what=f"chunk {index} of {vs.key}")
+            if buf.hashes is not None and self._relays_partials():
+                self.partials.setdefault(key, buf)  # the first fetch of a chunk feeds what this node relays
         served = False
         try:
             async with contextlib.aclosing(pieces):
@@ -1353,23 +1393,40 @@ class Swarm:
                     if isinstance(piece, _Served):
                         served, buf.rate = True, piece.rate
                         continue
-                    first = buf.ready == 0
-                    buf.feed(piece)  # each block checked as it completes
-                    if first and buf.ready and self.partials.get(key) is buf:
-                        self._push_out(vs, index)
-                        await self.notify()  # its first block checked out: peers may fetch it from here now
+                    if stripe is not None:
+                        first, shown = not buf.has_block(stripe[0]), buf.ready == 0
+                        buf.feed_stripe(stripe[0], piece)
+                        if first and buf.has_block(stripe[0]) and self.partials.get(key) is buf:
+                            self._push_out(vs, index)  # a receiver hands its own stripe on from here
+                            if shown and buf.ready:
+                                await self.notify()
+                    else:
+                        first = buf.ready == 0
+                        buf.feed(piece)  # each block checked as it completes
+                        if first and buf.ready and self.partials.get(key) is buf:
+                            self._push_out(vs, index)
+                            await self.notify()  # its first block checked out: peers may fetch it from here now
                     ps.rate.add(time.monotonic(), len(piece))
                     delay = self.down.take(time.monotonic(), len(piece))
                     if delay:
                         await asyncio.sleep(delay)
             if not served:
                 return False  # refused (choked, not held): the picker goes on
-            if buf.got < ref.size:  # ended early, cleanly
+            if stripe is not None:
+                got = buf.stripe_got.get(stripe[0], 0)
+                if not buf.stripe_whole(stripe[0]) and not buf.whole:
+                    raise aiohttp.ClientPayloadError(f"stripe {stripe[0]}/{stripe[1]}: {got} bytes short")
+                self.daemon.count_bytes("down", got, wan)
+                if not buf.whole or buf.storing or index in vs.have:
+                    return False  # its part is in; the stream that completes the chunk stores it
+                buf.storing = True
+            elif buf.got < ref.size:  # ended early, cleanly
                 if whole:
                     raise IntegrityError(f"{buf.what}: {buf.got} of its {ref.size} bytes")
                 raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")  # as a cut stream
+            else:
+                self.daemon.count_bytes("down", buf.got, wan)
             data = buf.buf
-            self.daemon.count_bytes("down", buf.got, wan)
             if index in vs.have:
                 return False
             try:
@@ -1385,6 +1442,8 @@ class Swarm:
             vs.have.add(index)
             if (relayed := self.partials.get(key)) is not None and relayed is not buf:
                 relayed.fill(data)  # streams fed by another fetch of it go on from this copy
+                if relayed.striped and not relayed.feeders:
+                    del self.partials[key]
             self.store_failures = 0
             ps.strikes = 0
             ps.stalled = False
@@ -1416,7 +1475,12 @@ class Swarm:
             event(log, logging.INFO, "chunk request failed; peer cools down", peer=ps.node_id, object=str(vs.key),
                   index=index, reason=type(e).__name__, seconds=min(60.0, 2.0 ** ps.strikes))
         finally:
-            if self.partials.get(key) is buf:
+            if stripe is not None:
+                buf.feeders -= 1
+            # A chunk's stripes arrive on their own streams, begun as each sender has its first block:
+            # the one from the root may end before the others begin (``_schedule`` asks for the chunk
+            # whole if the rest stop coming: ``STRIPE_WAIT``).
+            if self.partials.get(key) is buf and (stripe is None or index in vs.have):
                 del self.partials[key]
                 if not buf.whole:
                     buf.abort()  # streams served from it are cut; their requesters pick again
@@ -1451,10 +1515,15 @@ class Swarm:
         idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
                      for lane in (False, True))
         tree = None
-        if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
-            send, hop = vs.trees.get(index, (None, None))
-            tree = region_tree(k.tag, index, root, named, send=send, hop=hop)
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
+        if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
+            plan = stripe_plan(k.tag, index, root, named, len(vs.blocks.get(index) or b"") // BLOCK_HASH)
+            if plan is not None:  # across in stripes; the root's stripe senders take the chunk first at home
+                self._stripe_out(vs, index, plan, part)
+                tree = {h: () for h in plan.sender}
+            else:
+                send, hop = vs.trees.get(index, (None, None))
+                tree = region_tree(k.tag, index, root, named, send=send, hop=hop)
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
                                  idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate),
@@ -1469,32 +1538,62 @@ class Swarm:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _push_to(self, ps: PeerState, vs: VersionState, index: int, counted: Partial | None = None) -> None:
+    def _stripe_out(self, vs: VersionState, index: int, plan, part: Partial | None) -> None:
+        """Push the stripes of chunk ``index`` this node sends under ``plan`` (``stripe_targets``): a
+        root head's as the chunk arrives, a receiver's own once a block of it has (each stream sends
+        its blocks as they check out here). Stripes take no upload slot: all of a chunk's together
+        are one chunk's bytes across, and in the lane's two slots most would wait for the first to
+        end, a chunk behind."""
+        k = vs.key
+        if index not in vs.have and (part is None or part.failed):
+            return
+        region = self.daemon.settings.region
+        if index not in vs.have and region in plan.stripe and not part.has_block(plan.stripe[region]):
+            return  # a receiver's own stripe has not begun here yet: pushed on once it has
+        event(log, logging.DEBUG, "stripes", object=str(k), index=index, plan=repr(plan))
+        sent = self.striped_to.setdefault(k, {}).setdefault(index, set())
+        for pid, s in stripe_targets(plan, self.daemon.node_id, region):
+            if pid in sent or pid in self.banned or (ps := self._peer(pid)) is None or index in ps.have.get(k, ()):
+                continue
+            sent.add(pid)
+            task = asyncio.create_task(self._push_to(ps, vs, index, stripe=(s, plan.n)),
+                                       name=f"stripe-{k.tag}-{index}-{s}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _push_to(self, ps: PeerState, vs: VersionState, index: int, counted: Partial | None = None,
+                       stripe: tuple[int, int] | None = None) -> None:
         """One push: the chunk's stream, from its file or from the fetch in progress, paced and in its
         lane like an upload asked for. The receiver refuses (409) what it holds, fetches or cannot
         check; a stream from a partial that fails is cut short, and the receiver drops it.
-        ``counted``: the partial whose ``streams`` count this push, released when it ends."""
+        ``counted``: the partial whose ``streams`` count this push, released when it ends. ``stripe``:
+        only that stripe of the chunk (``_stripe_out``), in no upload slot."""
         key = (vs.key, index)
         wan = ps.region != self.daemon.settings.region
         size = vs.chunks[index].size
         outcome = "failed"
-        self._spawned[wan] -= 1
+        if stripe is None:
+            self._spawned[wan] -= 1
         try:
-            async with self._upload_slot(wan):
+            async with self._upload_slot(wan) if stripe is None else contextlib.nullcontext():
                 if index in vs.have:
                     source: Path | Partial = self.store.chunk_path(vs.key, index)
-                elif (part := self.partials.get(key)) is not None and part.servable:
+                elif (part := self.partials.get(key)) is not None and (part.servable or
+                                                                       (stripe and part.striped and not part.failed)):
                     source = part
                 else:
                     return  # its fetch failed while this push waited for a slot
+                if stripe is not None:
+                    size = stripe_size(size, vs.block, *stripe)
                 event(log, logging.DEBUG, "pushing a chunk", peer=ps.node_id, object=str(vs.key), index=index,
-                      whole=index in vs.have)
+                      whole=index in vs.have, stripe=stripe and f"{stripe[0]}/{stripe[1]}")
                 async with self._session.post(
                         f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
                         # a first piece of one block: what a push declined at once has cost the limits
-                        data=self._paced(source, wan, vs.block or PIECE),
+                        data=self._paced(source, wan, vs.block or PIECE, stripe, vs.chunks[index].size),
                         headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
                                  **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {}),
+                                 **({STRIPE_HEADER: f"{stripe[0]}/{stripe[1]}"} if stripe else {}),
                                  **_statement_header(vs, index), **self._rate_header(wan, source),
                                  **self._also_header(vs.key, index, ps.node_id)},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
@@ -1600,9 +1699,11 @@ class Swarm:
         self._announced.set()
         self._announced = asyncio.Event()
 
-    def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False) -> str | None:
+    def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False,
+                  stripe: str | None = None) -> str | None:
         """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:
-        it is to take the place of the request out for the chunk)."""
+        it is to take the place of the request out for the chunk; ``stripe``: it is one stripe of the
+        chunk, its ``STRIPE_HEADER``, taken beside the other stripes arriving)."""
         vs = self.versions.get(key)
         if self.signer is not None:
             return "the trainer takes no pushes"
@@ -1612,11 +1713,22 @@ class Swarm:
             return NO_HASHES
         if i in vs.have:
             return "held"
-        if (key, i) in self.inflight and not replacing:
+        part = self.partials.get((key, i))
+        joining = stripe is not None and part is not None and part.striped is not None and not part.failed
+        if joining:
+            try:
+                s, n = parse_stripe(stripe, part.blocks)
+            except ValueError as e:
+                return str(e)
+            pushers = self.inflight.get((key, i), {})
+            if n != part.striped or s in part.stripe_got or (ps is not None and ps.node_id in pushers):
+                return "stripe held"
+        elif (key, i) in self.inflight and not replacing:
             return "being fetched"
         if key not in self.wanted():
             return "not wanted"
-        if time.monotonic() < self.store_paused_until or len(self._taking) >= PUSHES_TAKEN:
+        if time.monotonic() < self.store_paused_until or \
+                (not joining and len(self._taking) - len(self._taking_stripes) >= PUSHES_TAKEN):
             return "busy"
         return None
 
@@ -1657,7 +1769,8 @@ class Swarm:
             event(log, logging.WARNING, "declined a push: its statement does not hold", peer=remote.node_id,
                   object=str(key), index=i, reason=bad)
             return web.json_response({"error": bad}, status=400)
-        why = self._declines(key, i, self._peer(remote.node_id))
+        stripe = request.headers.get(STRIPE_HEADER)
+        why = self._declines(key, i, self._peer(remote.node_id), stripe=stripe)
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and (left := give_up - time.monotonic()) > 0:
             # The push outran the trainer's announcement (the pusher had it first): wait for it. (On
@@ -1667,7 +1780,7 @@ class Swarm:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await announced.wait()
-            why = self._declines(key, i, self._peer(remote.node_id))
+            why = self._declines(key, i, self._peer(remote.node_id), stripe=stripe)
         # Asked of another peer a moment ago, and not a byte back yet: the push, here now, takes the
         # request's place (declined, it held the pusher's slot for a round trip for nothing). Looked
         # for after the wait too: the announcement that ends it also starts this node's own request,
@@ -1675,30 +1788,55 @@ class Swarm:
         # nodes then pulling across from the trainer's first holder at a share of its uplink.
         pull = self._unstarted(key, i, remote.node_id) if why == "being fetched" else None
         if pull is not None:
-            why = self._declines(key, i, self._peer(remote.node_id), replacing=True)
+            why = self._declines(key, i, self._peer(remote.node_id), replacing=True, stripe=stripe)
+        ps, vs = self._peer(remote.node_id), self.versions.get(key)
+        part, striped = self.partials.get((key, i)), None
+        if why is None and stripe is not None:
+            try:
+                striped = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
+            except ValueError as e:
+                why = str(e)
         if why is not None:
             self.pushes["declined"] += 1
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
-        ps, vs = self._peer(remote.node_id), self.versions[key]
         self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if (also := request.headers.get(ALSO_HEADER, "")) and len(also) <= ALSO_HEADER_MAX:
             self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.daemon.node_id}
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             self.partials.pop((key, i), None)  # the request's, if its response began: nothing served from it
             pull.cancel()
-        task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False),
+            part = None
+        into = None
+        if striped is not None:  # the stripes of a chunk share one buffer, made before any await
+            if part is None or part.striped is None or part.failed:
+                into = Partial(vs.chunks[i].size, vs.block, vs.blocks[i], what=f"chunk {i} of {key}")
+                into.stripe(striped[1])
+                self.partials[(key, i)] = into
+            else:
+                into = part
+            into.stripe_got[striped[0]] = 0
+            into.fed_at = time.monotonic()
+            into.feeders += 1
+        event(log, logging.DEBUG, "taking a push", peer=remote.node_id, object=str(key), index=i, stripe=stripe)
+        task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False, stripe=striped, into=into),
                                    name=f"pushed-{key.tag}-{i}")
         self._track(ps, (key, i), task)
         self._taking.add(task)
+        if into is not None and into is part:
+            self._taking_stripes.add(task)
         try:  # as long as a fetch of it may take; a stalled push makes way for a request
             await asyncio.wait({task}, timeout=5.0 + vs.chunks[i].size / MIN_RATE)
         finally:
             self._taking.discard(task)
+            self._taking_stripes.discard(task)
             if not task.done():  # it stalled, or this handler was cancelled (the sender hung up)
                 task.cancel()
                 await asyncio.wait({task})
         stored = not task.cancelled() and task.exception() is None and task.result()
+        if not task.cancelled() and task.exception() is not None:
+            event(log, logging.ERROR, "a push could not be taken", peer=remote.node_id, object=str(key), index=i,
+                  reason=repr(task.exception()))
         if stored:
             self.pushes["received"] += 1
         return web.json_response({"stored": bool(stored)})
@@ -1762,3 +1900,22 @@ async def _pieces(source: Path | Partial, first: int = PIECE, most: int = PIECE)
         for o in range(sent, end, most):
             yield mv[o : min(o + most, end)]
         sent = end
+
+
+async def _stripe_pieces(source: Path | Partial, s: int, n: int, block: int, size: int):
+    """Stripe ``s`` of ``n`` of a chunk of ``size`` bytes hashed in ``block``-byte blocks, a block a
+    piece, in order: from its file, or as each block checks out in a fetch in progress (``_Cut`` if
+    that fetch fails first)."""
+    blocks = -(-size // block)
+    if isinstance(source, Path):
+        with open(source, "rb") as f:
+            for b in stripe_blocks(s, n, blocks):
+                f.seek(b * block)
+                yield f.read(min(block, size - b * block))
+        return
+    mv = memoryview(source.buf)
+    for b in stripe_blocks(s, n, blocks):
+        await source.wait_block(b)
+        if source.failed:
+            raise _Cut()
+        yield mv[b * block : min((b + 1) * block, size)]

@@ -80,14 +80,17 @@ import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .picker import _score, designated
 
-__all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "PushPeer", "parse_push", "push_heads", "push_targets",
-           "region_tree", "relay_fanout", "stream_rate", "tree_timing"]
+__all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "STRIPE_HEADER", "PushPeer", "StripePlan", "parse_push",
+           "parse_stripe", "push_heads", "push_targets", "region_tree", "relay_fanout", "stream_rate",
+           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "tree_timing"]
 
 DEFAULT_PUSH = (2, 2)  # (local, cross) pushes a relay sends of each chunk (``--push``)
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
+STRIPE_HEADER = "X-Sparrowd-Stripe"  # a push that carries one stripe of a chunk: "s/n" (stripe_plan)
 CROSSINGS = 2  # crossings a head takes in a timed region tree: one as the chunk arrives, one once whole
 
 
@@ -237,3 +240,82 @@ def parse_push(text: str) -> tuple[int, int]:
     if not (0 <= local <= 8 and 0 <= cross <= 8):
         raise ValueError(f"push counts must be 0 to 8, not {text!r}")
     return local, cross
+
+
+class StripePlan(NamedTuple):
+    """How one chunk crosses in stripes (``stripe_plan``): ``n`` stripes, one for each region but the
+    root; ``stripe`` region -> its stripe; ``receiver`` region -> the head that takes it there and
+    hands its stripe on to every other receiver; ``sender`` stripe -> the root region's head that
+    sends it across."""
+
+    n: int
+    stripe: dict[str, int]
+    receiver: dict[str, str]
+    sender: tuple[str, ...]
+
+
+def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]],
+                blocks: int) -> StripePlan | None:
+    """Chunk ``index``'s crossings in stripes, where its region tree would be more than one crossing
+    deep: the root region has fewer heads than there are other regions, so a chunk relayed whole
+    crosses from region to region, each crossing a chunk's time behind the last (one chunk to 8 nodes
+    in 8 regions, a node a region: 1.73x the bound at best, every crossing pushed at its earliest).
+
+    In stripes every region is two crossings from the root whatever their number, the scatter and
+    gather the fluid bound assumes: the chunk's ``blocks`` are dealt into ``n`` stripes (stripe ``s``:
+    blocks ``s``, ``s + n``, ...; ``stripe_blocks``), one for each other region; the root region's
+    heads send each region's receiver (the head its designation names, as ``push_targets`` does)
+    that region's stripe, the root's first holder as its blocks arrive (a root of several heads
+    shares the stripes out); and each receiver hands its stripe on, block by block as they check
+    out, to every other region's receiver. Every region takes the chunk in once, each root head
+    sends a chunk or less across and each receiver ``(n-1)/n`` of one, and no block waits for a
+    whole chunk anywhere. The rest of a region takes the chunk from its receiver, as from any relay.
+
+    None where the tree does as well (the root has a head for every other region: one crossing
+    deep), where there are fewer than two other regions, or fewer blocks than stripes. Every node
+    computes the same plan from the same heads."""
+    others = sorted((r for r in heads if r != root and heads[r]), key=lambda r: _score(tag, index, f"r{r}"))
+    roots = sorted(heads.get(root, ()), key=lambda h: _score(tag, index, h), reverse=True)
+    n = len(others)
+    if n < 2 or not roots or len(roots) >= n or blocks < n:
+        return None
+    receiver = {r: designated(tag, index, heads[r]) for r in others}
+    return StripePlan(n, {r: s for s, r in enumerate(others)}, receiver, tuple(roots[s % len(roots)] for s in range(n)))
+
+
+def stripe_targets(plan: StripePlan, me: str, region: str) -> list[tuple[str, int]]:
+    """The stripes node ``me`` of ``region`` pushes under ``plan``, as ``(receiver, stripe)``: a root
+    head's stripes to their regions' receivers; a receiver's own stripe to every other receiver;
+    nothing for any other node."""
+    if region in plan.stripe:
+        if plan.receiver[region] != me:
+            return []
+        s = plan.stripe[region]
+        return [(h, s) for r, h in plan.receiver.items() if r != region]
+    return [(plan.receiver[r], s) for r, s in plan.stripe.items() if plan.sender[s] == me]
+
+
+def stripe_blocks(stripe: int, n: int, blocks: int) -> range:
+    """The blocks of stripe ``stripe`` of ``n`` in a chunk of ``blocks``, in the order a stream sends them."""
+    return range(stripe, blocks, n)
+
+
+def stripe_size(size: int, block: int, stripe: int, n: int) -> int:
+    """The bytes of stripe ``stripe`` of ``n`` of a chunk of ``size`` bytes hashed in ``block``-byte
+    blocks: its whole blocks, less what the chunk's short last block lacks if it is one of them."""
+    blocks = -(-size // block)
+    rng = stripe_blocks(stripe, n, blocks)
+    return len(rng) * block - (blocks * block - size if rng and rng[-1] == blocks - 1 else 0)
+
+
+def parse_stripe(text: str | None, blocks: int) -> tuple[int, int] | None:
+    """A push's ``STRIPE_HEADER`` (``s/n``) for a chunk of ``blocks`` -> ``(s, n)``; None for a push
+    of the whole chunk (no header); ValueError for one that names no stripe of it."""
+    if text is None:
+        return None
+    s, sep, n = text.partition("/")
+    if not (sep and s.isascii() and s.isdigit() and n.isascii() and n.isdigit() and len(s) + len(n) <= 8):
+        raise ValueError(f"a stripe is s/n, not {text!r}")
+    if not 0 <= int(s) < int(n) <= blocks:
+        raise ValueError(f"no stripe {text} of a chunk of {blocks} blocks")
+    return int(s), int(n)
