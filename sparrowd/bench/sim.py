@@ -127,6 +127,7 @@ from ..daemon.swarm import (
     SEED_CONCURRENT,
     SEED_PER_PEER,
     SEED_SINGLE_FROM,
+    STRIPE_WAIT,
     UPLOAD_SLOTS,
     UPLOADS_PER_PEER,
 )
@@ -141,6 +142,9 @@ from ..swarm.push import (
     region_tree,
     relay_fanout,
     stream_rate,
+    stripe_plan,
+    stripe_size,
+    stripe_targets,
     tree_timing,
 )
 from ..swarm.rate import Rate
@@ -179,6 +183,7 @@ class Config:
     fanout: bool = True  # ...to no more peers at once than its uplink carries (``relay_fanout``; False: as lanes take)
     trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
     push: tuple[int, int] = DEFAULT_PUSH  # relays push what they can serve to (local, cross) peers (daemons' --push)
+    stripes: bool = True  # chunks cross in stripes where their region tree is deeper than one crossing (stripe_plan)
 
     @property
     def chunk_size(self) -> int:
@@ -217,6 +222,11 @@ class Req:
     sent: float = 0.0  # when its requester asked
     declared: float | None = None  # the rate its server paces it at, as it declares it (``swarm.push.stream_rate``)
     held: bool = False  # waiting for its server's partial to have room for another stream (``relay_fanout``)
+    stripe: tuple[int, int] | None = None  # (s, n): a push of that stripe of the chunk (``swarm.push.stripe_plan``)
+    asm: "Req | None" = None  # a stripe's: the partial it fills at its node with the others (``parts``)
+    parts: dict[int, "Req"] | None = None  # as a node's partial of a chunk arriving in stripes: the stripes' pushes
+    done: set[int] | None = None  # ...the stripes that arrived
+    fed_at: float = 0.0  # ...when a stripe last began or arrived
     ended: bool = False  # its last byte was sent
 
 
@@ -271,6 +281,8 @@ class Node:
         self.planned_at = -1.0
         self.pushed: dict[int, list[int]] = {}  # chunk -> [local, cross] pushes sent (``Config.push``)
         self.root: dict[int, str] = {}  # chunk -> the region it entered the swarm in (its tree's root)
+        self.striped_to: dict[int, set[str]] = {}  # chunk -> the receivers it pushed a stripe of it to
+        self.first_hand: set[int] = set()  # chunks it took from the trainer (``stripe_targets``)
 
 
 class Sim:
@@ -317,6 +329,12 @@ class Sim:
         self.f_serial = np.zeros(1024, np.int64)
         self.f_feed = np.zeros(1024, np.int64)  # the serial of its feeding request; -1: served whole
         self.f_last = np.zeros(1024, np.float64)  # the bytes before its last block
+        # A stripe served from a partial of the whole chunk (a root head's): its stripe (s, n; n 0 for any
+        # other flow) and its feed's size, to count the stripe's blocks in the feed's checked prefix.
+        self.f_ss = np.zeros(1024, np.int64)
+        self.f_sn = np.zeros(1024, np.int64)
+        self.f_fsize = np.zeros(1024, np.float64)
+        self.assemblies: set[Req] = set()  # partials of chunks arriving in stripes (``Req.parts``)
         # Per request (by serial, grown as requests are made): bytes its server has sent of it, and
         # whether the partial it feeds is whole (its node got the chunk, by it or another request).
         self.nreq = 0
@@ -445,6 +463,7 @@ class Sim:
         k.uploads += 1
         if x.trainer:
             y.root.setdefault(r.chunk, y.rname)  # it enters the swarm here
+            y.first_hand.add(r.chunk)
         elif r.chunk in x.root:
             y.root.setdefault(r.chunk, x.root[r.chunk])  # (the reply's headers say so)
         if x.superseed is not None:
@@ -469,7 +488,7 @@ class Sim:
         most = relay_fanout(self.up[x.idx], feed.declared)
         if most is None:
             return None
-        return most - sum(1 for q in feed.readers if not (q.held or q.ended or q.cancelled))
+        return most - sum(1 for q in feed.readers if not (q.held or q.ended or q.cancelled or q.stripe))
 
     def start_uploads(self, x: Node) -> None:
         if x.held:  # requests for a partial's stream: into their lane once it has room (or is whole, or cut)
@@ -497,13 +516,14 @@ class Sim:
 
     def _flow_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,
-                self.f_last)
+                self.f_last, self.f_ss, self.f_sn, self.f_fsize)
 
     def _add_flow(self, r: Req) -> None:
         i = len(self.flows)
         if i == len(self.f_src):
             (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,
-             self.f_last) = (np.concatenate([a, np.zeros_like(a)]) for a in self._flow_arrays())
+             self.f_last, self.f_ss, self.f_sn, self.f_fsize) = (np.concatenate([a, np.zeros_like(a)])
+                                                                  for a in self._flow_arrays())
         self.flows.append(r)
         self.f_src[i] = r.src.idx
         self.f_pair[i] = r.src.region * self.cfg.regions + r.dst.region
@@ -513,6 +533,9 @@ class Sim:
         self.f_serial[i] = r.serial
         self.f_feed[i] = r.feed.serial if r.feed is not None else -1
         self.f_last[i] = r.size - (r.size % self.block or self.block)
+        striped = r.stripe is not None and r.feed is not None and r.feed.size != r.size  # fed by the whole chunk
+        self.f_ss[i], self.f_sn[i] = r.stripe if striped else (0, 0)
+        self.f_fsize[i] = r.feed.size if r.feed is not None else 0.0
 
     def _remove_flow(self, i: int) -> None:
         last = len(self.flows) - 1
@@ -546,6 +569,14 @@ class Sim:
             fi = feed[fed]
             ready = np.where(self.s_whole[fi], np.inf,
                              np.minimum(np.floor(self.s_got[fi] / self.block) * self.block, self.f_last[:nf][fed]))
+            sn = self.f_sn[:nf][fed]
+            if sn.any():  # a stripe of a chunk still arriving: its blocks within the checked prefix
+                st = sn > 0
+                fsize = self.f_fsize[:nf][fed][st]
+                prefix = np.minimum(np.floor(self.s_got[fi[st]] / self.block) * self.block,
+                                    fsize - (fsize % self.block + (fsize % self.block == 0) * self.block))
+                count = np.maximum(0, np.ceil((prefix / self.block - self.f_ss[:nf][fed][st]) / sn[st]))
+                ready[st] = np.where(self.s_whole[fi[st]], np.inf, count * self.block)
             cap = np.full(nf, np.inf)
             cap[fed] = np.maximum(ready - (size[fed] - left[fed]), 0) / dt
         n_src = np.bincount(src, minlength=n)
@@ -553,12 +584,22 @@ class Sim:
         used = None
         if cross.any():
             xs = src[cross]
-            n_wan = np.bincount(xs, minlength=n)
             pairs = self.f_pair[:nf][cross]
             n_pair = np.bincount(pairs, minlength=self.cfg.regions ** 2)
-            xr = np.minimum(rate[cross], np.minimum(self.wan[xs] / n_wan[xs], self.cfg.link_rate / n_pair[pairs]))
+            lim = np.minimum(rate[cross], self.cfg.link_rate / n_pair[pairs])
             if cap is not None:
-                xr = np.minimum(xr, cap[cross])  # what a held-back stream leaves of its WAN share goes unused
+                lim = np.minimum(lim, cap[cross])
+            # The node's WAN limit shared among its streams across, what a stream held back by its feed
+            # (or its link) leaves going to the others, as the daemon's token bucket does (water-filling).
+            slow = np.zeros(len(xs), bool)
+            for i in range(4):
+                share = np.maximum(self.wan - np.bincount(xs[slow], weights=lim[slow], minlength=n), 0) / \
+                    np.maximum(np.bincount(xs[~slow], minlength=n), 1)
+                more = ~slow & (lim < share[xs])
+                if i == 3 or not more.any():
+                    break
+                slow |= more
+            xr = np.minimum(share[xs], lim)
             rate[cross] = xr
             used = np.bincount(xs, weights=xr, minlength=n)
         if used is not None or cap is not None:
@@ -582,12 +623,16 @@ class Sim:
             b = self.block
             for i in np.nonzero((size - left < b) & (size - left + sent >= b) & (size > b))[0].tolist():
                 r = self.flows[i]
-                if r.dst.partial.get(r.chunk) is r and not r.cancelled:
+                if r.stripe is not None and r.asm is r.dst.partial.get(r.chunk) and not r.cancelled:
+                    self.push(r.dst, r.chunk)  # a receiver hands its stripe on from its first block
+                elif r.dst.partial.get(r.chunk) is r and not r.cancelled:
                     self.tell(r.dst, r.chunk, have=False)  # its peers may fetch it from there now
                     if any(self.cfg.push):
                         self.push(r.dst, r.chunk)
         left -= sent
         self.s_got[self.f_serial[:nf]] = size - left
+        for a in self.assemblies:
+            self.s_got[a.serial] = self.assembled(a)
         if cap is not None:
             self.relayed += float(sent[fed].sum())
         self.sent += np.bincount(src, weights=sent, minlength=n)
@@ -605,7 +650,8 @@ class Sim:
         for r in ended:
             r.ended = True
             x = r.src
-            x.active[self.lane(x, r.dst)] -= 1
+            if r.stripe is None:  # (stripes take no upload slot)
+                x.active[self.lane(x, r.dst)] -= 1
             if r.dst.id in x.known:
                 x.known[r.dst.id].uploads -= 1
             if r.cancelled:
@@ -660,6 +706,7 @@ class Sim:
         """y got chunk c whole: the streams served from its partial go on from this copy."""
         if (f := y.partial.pop(c, None)) is not None:
             self.s_whole[f.serial] = True
+            self.assemblies.discard(f)
 
     def abort(self, f: Req) -> None:
         """The request feeding its node's partial ended without the chunk: the streams served from it
@@ -688,6 +735,9 @@ class Sim:
             k = y.known.get(r.src.id)
             if k is not None:
                 k.inflight -= 1
+        if r.stripe is not None and y.partial.get(r.chunk) is r.asm and \
+                not any(q.stripe is not None for q in y.fetching.get(r.chunk, {}).values()):
+            self.at(self.now + STRIPE_WAIT, self.stripes_stopped, r.asm)  # the last stripe out: the rest may not come
         self.dirty.add(y)
 
     def refused(self, r: Req) -> None:
@@ -705,11 +755,20 @@ class Sim:
 
     def arrives(self, r: Req) -> None:
         y, x = r.dst, r.src
+        if r.stripe is not None:  # one stripe in: the chunk is stored once all are (the daemon's ``_receive``)
+            a = r.asm
+            self.s_whole[r.serial] = True  # the stripe's last block may go on now
+            a.done.add(r.stripe[0])
+            a.fed_at = self.now
+            if len(a.done) < r.stripe[1] or r.version != self.version or r.chunk in y.have or not y.alive:
+                return self.release(r)
         fresh = r.version == self.version and y.alive and r.chunk not in y.have
         self.note("stored" if fresh else "wasted", r)
         if fresh:
             y.have.add(r.chunk)
             self.whole(y, r.chunk)
+        if (a := y.partial.get(r.chunk)) is not None and a.parts is not None and r.chunk in y.have:
+            self.whole(y, r.chunk)  # arrived whole by a request, in place of the stripes
         self.release(r)
         if y.held:
             self.start_uploads(y)  # streams held for its partial go now, from the whole copy
@@ -755,7 +814,13 @@ class Sim:
         if y.root.get(c) in self.heads:  # timed as the trainer signs it (the simulator knows the delay)
             send, hop = tree_timing(self.sizes[c], self.block, self.cfg.trainer_rate, self.cfg.rtt / 2) \
                 if self.cfg.timed_tree else (None, None)
-            tree = region_tree(self.version, c, y.root[c], self.heads, send=send, hop=hop)
+            plan = stripe_plan(self.version, c, y.root[c], self.heads, -(-self.sizes[c] // self.block),
+                               send=send, hop=hop) if self.cfg.stripes else None
+            if plan is not None:  # across in stripes, not in the tree
+                self.stripe_out(y, c, plan, feed)
+                tree = {}
+            else:
+                tree = region_tree(self.version, c, y.root[c], self.heads, send=send, hop=hop)
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
                                  cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree,
                                  most=None if feed is None else self.room(y, feed), whole=c in y.have)
@@ -783,6 +848,88 @@ class Sim:
             y.queue[self.lane(y, z)].append(r)
         if targets:
             self.start_uploads(y)
+
+    def stripe_out(self, y: Node, c: int, plan, feed: Req | None) -> None:
+        """The daemon's ``Swarm._stripe_out``: y pushes the stripes of chunk c it sends under ``plan``
+        (``stripe_targets``), the first holder's as the chunk arrives, a receiver's own from its first
+        block; in no upload slot. The receiver takes the first into a new partial of the chunk
+        (``Req.parts``, in place of an unstarted request) and the rest beside it."""
+        if c not in y.have and feed is None:
+            return
+        mine = plan.stripe.get(y.rname)
+        if c not in y.have and mine is not None:
+            own = feed.parts.get(mine) if feed.parts is not None else None
+            if own is None:
+                return  # its own stripe is not coming here (yet)
+            feed = own  # handed on as it arrives
+        sent = y.striped_to.setdefault(c, set())
+        for pid, s in stripe_targets(plan, y.id, y.rname, c in y.first_hand):
+            z = self.by_id[pid]
+            if pid in sent or not z.alive or c in z.have:
+                continue
+            a = z.partial.get(c)
+            if a is not None and a.parts is not None:
+                if s in a.parts or pid in z.fetching.get(c, {}):
+                    continue  # (declined: a stripe held)
+            elif z.fetching.get(c):
+                if (u := self.unstarted(z, c, y)) is None:
+                    continue  # (declined: being fetched)
+                u.cancelled = True
+                self.cancel_pending = True
+                self.release(u)
+                a = None
+            if a is None or a.parts is None:
+                a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), readers=[], parts={}, done=set())
+                z.partial[c] = a
+                self.assemblies.add(a)
+            sent.add(pid)
+            r = Req(z, y, c, self.version, stripe_size(self.sizes[c], self.block, s, plan.n), serial=self._serial(),
+                    whole=c in y.have, readers=[], sent=self.now, stripe=(s, plan.n), asm=a)
+            a.parts[s] = r
+            a.fed_at = self.now
+            z.fetching.setdefault(c, {})[y.id] = r
+            z.aware = True  # a push carries the version's statements
+            if c in y.root:
+                z.root.setdefault(c, y.root[c])
+            z.known.setdefault(y.id, Known(y)).inflight += 1
+            y.known.setdefault(z.id, Known(z)).uploads += 1
+            if c not in y.have:
+                r.feed = feed
+                feed.readers.append(r)
+            self.note("pushed", r)
+            fed = r.feed is not None
+            r.declared = stream_rate(y.up, y.wan, y.active[False] + y.active[True] + 1, y.active[True] + 1, wan=True,
+                                     arriving=r.feed.declared if fed else None)
+            r.left = float(r.size)
+            self._add_flow(r)
+
+    def assembled(self, a: Req) -> float:
+        """The checked prefix of a chunk arriving in stripes (``Partial.ready``): up to its first block
+        that no stripe has brought whole."""
+        n = next(iter(a.parts.values())).stripe[1]
+        blocks = -(-a.size // self.block)
+        first = blocks
+        for s in range(n):
+            r = a.parts.get(s)
+            if r is None:
+                got = 0
+            elif s in a.done:
+                got = len(range(s, blocks, n))
+            else:
+                got = int(self.s_got[r.serial] // self.block)
+            first = min(first, s + got * n)
+        return min(first * self.block, a.size)
+
+    def stripes_stopped(self, a: Req) -> None:
+        """The daemon's ``STRIPE_WAIT``: no stripe of a chunk came for that long; it is asked for whole."""
+        y = a.dst
+        if y.partial.get(a.chunk) is not a or self.now - a.fed_at < STRIPE_WAIT - 1e-9 or \
+                any(q.stripe is not None for q in y.fetching.get(a.chunk, {}).values()):
+            return
+        del y.partial[a.chunk]
+        self.assemblies.discard(a)
+        self.abort(a)
+        self.dirty.add(y)
 
     def unstarted(self, z: Node, c: int, pusher: Node) -> Req | None:
         """z's one request out for chunk c, if no byte of it has come and it went to a rollout, the pusher
@@ -838,7 +985,7 @@ class Sim:
             return
         y.planned_at = now
         missing = [c for c in range(self.chunks) if c not in y.have]
-        asked = [len(y.fetching.get(c, ())) for c in missing]
+        asked = [max(len(y.fetching.get(c, ())), c in y.partial) for c in missing]
         if min(asked) >= (2 if len(missing) <= y.picker.endgame_left else 1):
             return  # everything it lacks is asked for (twice in the endgame): nothing to decide
         y.counted, y.counted_known = recount(y.counted, y.counted_known,
@@ -864,6 +1011,9 @@ class Sim:
                                   slots=slots_for_rate(rate := k.rate.rate(now), self.chunk_size),
                                   rate=rate, proven=pid in trusted, cut_through=self.cfg.cut_through and not x.trainer))
         inflight = {c: set(y.fetching.get(c, ())) for c in missing}
+        for c in missing:  # arriving in stripes, between streams: not asked for until they stop coming
+            if (a := y.partial.get(c)) is not None and a.parts is not None:
+                inflight[c].add("")
         since = {c: y.available_since.get(c, now) for c in missing}
         for pid in y.picker.stalled(now, version=self.version, missing=missing, peers=views,
                                     region_nodes=region_nodes, available_since=since):
@@ -948,6 +1098,8 @@ class Sim:
             n.have, n.fetching, n.partial, n.available_since, n.counted, n.done_at = set(), {}, {}, {}, None, None
             n.counted_known = frozenset()
             n.pushed = {}
+            n.striped_to = {}
+            n.first_hand = set()
             n.root = {}
             n.aware = False
             if n.alive:
@@ -1021,6 +1173,7 @@ class Sim:
                 for k in n.known.values():
                     k.inflight = k.uploads = 0
             self.flows, self.events, self.dirty = [], [], set()
+            self.assemblies = set()
             self.now += 0.5
         return rows
 

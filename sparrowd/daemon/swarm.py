@@ -140,6 +140,7 @@ SEED_SINGLE_FROM = 4  # ...but one, once this many peers keep its upload slots b
 CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
+STRIPED_TAKEN = 16  # chunks a node receives in stripes at once, apart (a patch's chunks cross side by side)
 PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it
 PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
 STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole
@@ -269,7 +270,7 @@ class Swarm:
         self.pushing_to: set[tuple[str, Key, int]] = set()  # (peer, object, chunk) being pushed (its exchange
         # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
         self._taking: set[asyncio.Task] = set()  # pushes being received
-        self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes into a chunk already arriving so
+        self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes (``STRIPED_TAKEN``)
         self.picker = Picker(daemon.node_id, daemon.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
         self.unchoked: set[str] = set()
@@ -1360,6 +1361,8 @@ class Swarm:
                     return
                 self._take_root(vs, index, self.daemon.settings.region if ps.role == "trainer"
                                 else r.headers.get(ROOT_HEADER))
+                if ps.role == "trainer":
+                    vs.first_hand.add(index)
                 yield _Served(_declared_rate(r.headers))  # what follows is the chunk
                 async for piece in r.content.iter_chunked(PIECE):
                     yield piece
@@ -1517,12 +1520,13 @@ class Swarm:
         tree = None
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
-            plan = stripe_plan(k.tag, index, root, named, len(vs.blocks.get(index) or b"") // BLOCK_HASH)
-            if plan is not None:  # across in stripes; the root's stripe senders take the chunk first at home
+            send, hop = vs.trees.get(index, (None, None))
+            plan = stripe_plan(k.tag, index, root, named, len(vs.blocks.get(index) or b"") // BLOCK_HASH,
+                               send=send, hop=hop)
+            if plan is not None:  # across in stripes, not in the tree
                 self._stripe_out(vs, index, plan, part)
-                tree = {h: () for h in plan.sender}
+                tree = {}
             else:
-                send, hop = vs.trees.get(index, (None, None))
                 tree = region_tree(k.tag, index, root, named, send=send, hop=hop)
         near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
@@ -1539,8 +1543,8 @@ class Swarm:
             task.add_done_callback(self._background.discard)
 
     def _stripe_out(self, vs: VersionState, index: int, plan, part: Partial | None) -> None:
-        """Push the stripes of chunk ``index`` this node sends under ``plan`` (``stripe_targets``): a
-        root head's as the chunk arrives, a receiver's own once a block of it has (each stream sends
+        """Push the stripes of chunk ``index`` this node sends under ``plan`` (``stripe_targets``): the
+        first holder's as the chunk arrives, a receiver's own once a block of it has (each stream sends
         its blocks as they check out here). Stripes take no upload slot: all of a chunk's together
         are one chunk's bytes across, and in the lane's two slots most would wait for the first to
         end, a chunk behind."""
@@ -1552,7 +1556,7 @@ class Swarm:
             return  # a receiver's own stripe has not begun here yet: pushed on once it has
         event(log, logging.DEBUG, "stripes", object=str(k), index=index, plan=repr(plan))
         sent = self.striped_to.setdefault(k, {}).setdefault(index, set())
-        for pid, s in stripe_targets(plan, self.daemon.node_id, region):
+        for pid, s in stripe_targets(plan, self.daemon.node_id, region, index in vs.first_hand):
             if pid in sent or pid in self.banned or (ps := self._peer(pid)) is None or index in ps.have.get(k, ()):
                 continue
             sent.add(pid)
@@ -1727,8 +1731,12 @@ class Swarm:
             return "being fetched"
         if key not in self.wanted():
             return "not wanted"
-        if time.monotonic() < self.store_paused_until or \
-                (not joining and len(self._taking) - len(self._taking_stripes) >= PUSHES_TAKEN):
+        if time.monotonic() < self.store_paused_until:
+            return "busy"
+        if stripe is None and len(self._taking) - len(self._taking_stripes) >= PUSHES_TAKEN:
+            return "busy"
+        if stripe is not None and not joining and \
+                sum(1 for p in self.partials.values() if p.striped and not p.whole) >= STRIPED_TAKEN:
             return "busy"
         return None
 
@@ -1823,7 +1831,7 @@ class Swarm:
                                    name=f"pushed-{key.tag}-{i}")
         self._track(ps, (key, i), task)
         self._taking.add(task)
-        if into is not None and into is part:
+        if into is not None:
             self._taking_stripes.add(task)
         try:  # as long as a fetch of it may take; a stalled push makes way for a request
             await asyncio.wait({task}, timeout=5.0 + vs.chunks[i].size / MIN_RATE)

@@ -121,6 +121,12 @@ def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
     deep is reached at three hops; a root head's second crossing at one send and one hop, sooner
     where a chunk is sent in less than two hops (one 256 KiB chunk at 4 MiB/s, 62 ms, against
     40 ms one-way delays). Where sending takes longer it is the breadth-first tree."""
+    return _tree(tag, index, root, heads, send, hop)[0]
+
+
+def _tree(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]], send: float | None,
+          hop: float | None) -> tuple[dict[str, tuple[str, ...]], float]:
+    """``region_tree``, and when its last crossing starts (in the tree's timing: hops without it)."""
     others = sorted((r for r in heads if r != root), key=lambda r: _score(tag, index, f"r{r}"))
     tree: dict[str, list[str]] = {}
     slots: list[tuple[float, int, int, str]] = []  # (when it may start, breadth-first order, crossing, head)
@@ -133,15 +139,17 @@ def region_tree(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
             heapq.heappush(slots, (at, next(order), 0, h))
 
     reach(root, 0.0)
+    last = 0.0
     for r in others:
         if not slots:
             break
         at, _, k, h = heapq.heappop(slots)
         tree.setdefault(h, []).append(r)
+        last = max(last, at)
         if k + 1 < most:
             heapq.heappush(slots, (at + send, next(order), k + 1, h))
         reach(r, at + hop if timed else at + 1.0)
-    return {h: tuple(rs) for h, rs in tree.items()}
+    return {h: tuple(rs) for h, rs in tree.items()}, last
 
 
 def tree_timing(size: int, block: int, rate: float | None, delay: float | None) -> tuple[float, float] | None:
@@ -245,54 +253,66 @@ def parse_push(text: str) -> tuple[int, int]:
 class StripePlan(NamedTuple):
     """How one chunk crosses in stripes (``stripe_plan``): ``n`` stripes, one for each region but the
     root; ``stripe`` region -> its stripe; ``receiver`` region -> the head that takes it there and
-    hands its stripe on to every other receiver; ``sender`` stripe -> the root region's head that
-    sends it across."""
+    hands its stripe on to every other receiver."""
 
     n: int
     stripe: dict[str, int]
     receiver: dict[str, str]
-    sender: tuple[str, ...]
 
 
-def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]],
-                blocks: int) -> StripePlan | None:
-    """Chunk ``index``'s crossings in stripes, where its region tree would be more than one crossing
-    deep: the root region has fewer heads than there are other regions, so a chunk relayed whole
-    crosses from region to region, each crossing a chunk's time behind the last (one chunk to 8 nodes
-    in 8 regions, a node a region: 1.73x the bound at best, every crossing pushed at its earliest).
+def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[str]], blocks: int, *,
+                send: float | None = None, hop: float | None = None) -> StripePlan | None:
+    """Chunk ``index``'s crossings in stripes, where they beat its region tree: where the root region
+    has fewer heads than there are other regions, a chunk relayed whole crosses from region to
+    region, each crossing a chunk's time or a hop behind the last (one chunk to 8 nodes in 8 regions,
+    a node a region: 1.73x the bound at best, every crossing pushed at its earliest).
 
     In stripes every region is two crossings from the root whatever their number, the scatter and
     gather the fluid bound assumes: the chunk's ``blocks`` are dealt into ``n`` stripes (stripe ``s``:
-    blocks ``s``, ``s + n``, ...; ``stripe_blocks``), one for each other region; the root region's
-    heads send each region's receiver (the head its designation names, as ``push_targets`` does)
-    that region's stripe, the root's first holder as its blocks arrive (a root of several heads
-    shares the stripes out); and each receiver hands its stripe on, block by block as they check
-    out, to every other region's receiver. Every region takes the chunk in once, each root head
-    sends a chunk or less across and each receiver ``(n-1)/n`` of one, and no block waits for a
-    whole chunk anywhere. The rest of a region takes the chunk from its receiver, as from any relay.
+    blocks ``s``, ``s + n``, ...; ``stripe_blocks``), one for each other region; the node that took
+    the chunk from the trainer sends each region's receiver (the head its designation names, as
+    ``push_targets`` does) that region's stripe as its blocks arrive; and each receiver hands its
+    stripe on, block by block as they check out, to every other region's receiver. Every region
+    takes the chunk in once, the first holder sends one chunk across and each receiver ``(n-1)/n``
+    of one, and no block waits for a whole chunk anywhere. The rest of a region takes the chunk from
+    its receiver, as from any relay. (The root's other heads sharing the stripes out was tried: they
+    take the chunk a local hop later, and at a quarter of the emulator's rates, behind the first
+    holder's streams to the other regions, one chunk to 16 nodes in 8 regions took 1.9x the bound.)
 
-    None where the tree does as well (the root has a head for every other region: one crossing
-    deep), where there are fewer than two other regions, or fewer blocks than stripes. Every node
-    computes the same plan from the same heads."""
+    Its price is the tail: the receiver of the chunk's last block sends ``n - 1`` copies of it once it
+    has it. So for a patch's first chunk, with the tree's timing (``send``, ``hop``: ``region_tree``),
+    stripes are chosen only where the tree's last crossing starts later than a hop and those copies
+    take (``n - 2`` blocks' time; the hop holds one): one chunk to 8 nodes in 8 regions, yes; to 16
+    nodes (two a region) at a quarter of the emulator's rates, where a block takes 16 ms, no
+    (simulated 1.46x the bound in stripes, 1.33x in the tree). A later chunk is one of several
+    crossing at once, where the tree's timing assumes idle heads: its crossings go in stripes
+    wherever the tree is deeper than one crossing, which spreads every chunk's crossings evenly over
+    every region's receiver (2 MiB to 16 nodes in 8 regions 1.13x the bound against 1.22x in trees,
+    and on links 25 times faster 1.87x against 2.34x). Without timings, stripes wherever the tree is
+    deeper than one crossing.
+
+    None where the tree does as well, where there are fewer than two other regions, or fewer blocks
+    than stripes. Every node computes the same plan from the same heads and signed timings."""
     others = sorted((r for r in heads if r != root and heads[r]), key=lambda r: _score(tag, index, f"r{r}"))
-    roots = sorted(heads.get(root, ()), key=lambda h: _score(tag, index, h), reverse=True)
     n = len(others)
-    if n < 2 or not roots or len(roots) >= n or blocks < n:
+    if n < 2 or len(heads.get(root, ())) >= n or blocks < n:
         return None
-    receiver = {r: designated(tag, index, heads[r]) for r in others}
-    return StripePlan(n, {r: s for s, r in enumerate(others)}, receiver, tuple(roots[s % len(roots)] for s in range(n)))
+    if index == 0 and send is not None and hop is not None and \
+            _tree(tag, index, root, heads, send, hop)[1] <= hop + (n - 2) * send / blocks:
+        return None
+    return StripePlan(n, {r: s for s, r in enumerate(others)}, {r: designated(tag, index, heads[r]) for r in others})
 
 
-def stripe_targets(plan: StripePlan, me: str, region: str) -> list[tuple[str, int]]:
-    """The stripes node ``me`` of ``region`` pushes under ``plan``, as ``(receiver, stripe)``: a root
-    head's stripes to their regions' receivers; a receiver's own stripe to every other receiver;
-    nothing for any other node."""
+def stripe_targets(plan: StripePlan, me: str, region: str, first: bool) -> list[tuple[str, int]]:
+    """The stripes node ``me`` of ``region`` pushes under ``plan``, as ``(receiver, stripe)``: the first
+    holder's (``first``: it took the chunk from the trainer) every stripe to its region's receiver; a
+    receiver's own stripe to every other receiver; nothing for any other node."""
     if region in plan.stripe:
         if plan.receiver[region] != me:
             return []
         s = plan.stripe[region]
         return [(h, s) for r, h in plan.receiver.items() if r != region]
-    return [(plan.receiver[r], s) for r, s in plan.stripe.items() if plan.sender[s] == me]
+    return [(plan.receiver[r], s) for r, s in plan.stripe.items()] if first else []
 
 
 def stripe_blocks(stripe: int, n: int, blocks: int) -> range:
