@@ -857,11 +857,10 @@ class Sim:
         if c not in y.have and feed is None:
             return
         mine = plan.stripe.get(y.rname)
-        if c not in y.have and mine is not None:
-            own = feed.parts.get(mine) if feed.parts is not None else None
-            if own is None:
+        if c not in y.have and mine is not None and feed.parts is not None:
+            if (own := feed.parts.get(mine)) is None:
                 return  # its own stripe is not coming here (yet)
-            feed = own  # handed on as it arrives
+            feed = own  # handed on as it arrives (a fetch of the whole chunk: from that, as its blocks do)
         sent = y.striped_to.setdefault(c, set())
         for pid, s in stripe_targets(plan, y.id, y.rname, c in y.first_hand):
             z = self.by_id[pid]

@@ -93,6 +93,12 @@ class DaemonMetrics:
             for outcome in ("taken", "refused", "failed", "received", "declined"):
                 pushes.add_metric([outcome], d.swarm.pushes[outcome])
             yield pushes
+            stripes = CounterMetricFamily("sparrowd_stripes", "Stripes of chunks that crossed in stripes (each "
+                                          "region's receiver hands its own on to every other): pushed and taken "
+                                          "(sent), and received whole (received)", labels=["direction"])
+            for direction in ("sent", "received"):
+                stripes.add_metric([direction], d.swarm.stripes[direction])
+            yield stripes
             bans = CounterMetricFamily("sparrowd_peers_banned", "Peers banned for the session",
                                        labels=["reason"])
             for reason in ("bad-chunk", "false-have"):

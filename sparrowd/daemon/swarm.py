@@ -266,6 +266,7 @@ class Swarm:
         self.striped_to: dict[Key, dict[int, set[str]]] = {}  # per chunk: the receivers pushed a stripe of it
         self.fed_along: dict[Key, dict[int, frozenset[str]]] = {}  # per chunk: the peers its pusher also fed
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
+        self.stripes: collections.Counter = collections.Counter()  # sent (pushed and taken), received (whole)
         self._background: set[asyncio.Task] = set()  # pushes being sent, wake-ups: stop() ends them
         self.pushing_to: set[tuple[str, Key, int]] = set()  # (peer, object, chunk) being pushed (its exchange
         # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
@@ -492,6 +493,8 @@ class Swarm:
             self.pushed.pop(k, None)
             self.striped_to.pop(k, None)
             self.fed_along.pop(k, None)
+            for pk in [pk for pk, p in self.partials.items() if pk[0] == k and p.striped and not p.feeders]:
+                self.partials.pop(pk).abort()  # stripes of it that stopped short, not yet given up
             event(log, logging.INFO, "dropped (retention)", object=str(k), retain=self.retain)
 
     # ------------------------------------------------------------ publishing (trainer)
@@ -1420,6 +1423,8 @@ class Swarm:
                 if not buf.stripe_whole(stripe[0]) and not buf.whole:
                     raise aiohttp.ClientPayloadError(f"stripe {stripe[0]}/{stripe[1]}: {got} bytes short")
                 self.daemon.count_bytes("down", got, wan)
+                if buf.stripe_whole(stripe[0]):
+                    self.stripes["received"] += 1
                 if not buf.whole or buf.storing or index in vs.have:
                     return False  # its part is in; the stream that completes the chunk stores it
                 buf.storing = True
@@ -1480,6 +1485,8 @@ class Swarm:
         finally:
             if stripe is not None:
                 buf.feeders -= 1
+                if not buf.stripe_whole(stripe[0]):
+                    buf.stripe_got.pop(stripe[0], None)  # another pusher's copy of it may be taken
             # A chunk's stripes arrive on their own streams, begun as each sender has its first block:
             # the one from the root may end before the others begin (``_schedule`` asks for the chunk
             # whole if the rest stop coming: ``STRIPE_WAIT``).
@@ -1552,8 +1559,13 @@ class Swarm:
         if index not in vs.have and (part is None or part.failed):
             return
         region = self.daemon.settings.region
-        if index not in vs.have and region in plan.stripe and not part.has_block(plan.stripe[region]):
-            return  # a receiver's own stripe has not begun here yet: pushed on once it has
+        if index not in vs.have and region in plan.stripe and \
+                not (part.has_block(plan.stripe[region]) if part.striped else part.servable):
+            # A receiver's own stripe has not begun here yet: pushed on once it has. (One that fetches
+            # the chunk whole, having asked before its stripe came, hands its stripe on from that fetch
+            # as the blocks arrive: held back until the fetch was whole, the other regions' receivers
+            # waited out ``STRIPE_WAIT`` for it and then fetched the chunk across again.)
+            return
         event(log, logging.DEBUG, "stripes", object=str(k), index=index, plan=repr(plan))
         sent = self.striped_to.setdefault(k, {}).setdefault(index, set())
         for pid, s in stripe_targets(plan, self.daemon.node_id, region, index in vs.first_hand):
@@ -1615,6 +1627,8 @@ class Swarm:
               root=vs.roots.get(index))
         if outcome == "taken":
             self.daemon.count_bytes("up", size, wan)
+            if stripe is not None:
+                self.stripes["sent"] += 1
 
     def _also_header(self, key: Key, index: int, to: str) -> dict[str, str]:
         """A push's ``ALSO_HEADER``: the other peers this node pushes the chunk to now, if it fits."""
@@ -1719,13 +1733,19 @@ class Swarm:
             return "held"
         part = self.partials.get((key, i))
         joining = stripe is not None and part is not None and part.striped is not None and not part.failed
-        if joining:
+        if stripe is not None:
             try:
-                s, n = parse_stripe(stripe, part.blocks)
+                s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
             except ValueError as e:
                 return str(e)
-            pushers = self.inflight.get((key, i), {})
-            if n != part.striped or s in part.stripe_got or (ps is not None and ps.node_id in pushers):
+            m = self.daemon.membership
+            if m is not None and n != sum(1 for hs in m.state.heads.values() if hs) - 1:
+                return f"no stripe plan of {n} here"  # as many as this node's plans deal: a region each but the root
+        if joining:
+            # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
+            # from another, is still in flight until its task has run its cancellation, and declining
+            # the first holder's stripe for it lost that stripe to every region.)
+            if n != part.striped or s in part.stripe_got:
                 return "stripe held"
         elif (key, i) in self.inflight and not replacing:
             return "being fetched"

@@ -371,3 +371,88 @@ def test_a_stream_cancelled_before_it_starts_is_no_longer_counted_in_flight():
         assert key not in me.inflight and r1.inflight == 0
 
     asyncio.run(main())
+
+
+def stripes(d, token, direction: str) -> float:
+    return metric(d, token, f'sparrowd_stripes_total{{direction="{direction}"}}')
+
+
+def test_a_patch_crosses_into_regions_of_one_node_in_stripes_each_handed_on_by_its_region(cluster, tmp_path):
+    """Five regions of one rollout each: a chunk's region tree would be four crossings deep, so a
+    patch's later chunks cross in stripes (``swarm.push.stripe_plan``): the first holder sends each
+    region its stripe, each region hands its own on to the other four, and every node assembles the
+    chunk from stripes of four senders, each block checked against the trainer's hashes, bit for bit."""
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, (512 << 10) - 4096, 256 << 10, np.random.default_rng(11))
+    m = parse_patch(path.read_bytes()).manifest
+    assert len(m.chunks) == 2
+    trainer = cluster.trainer(extra=("--upload-rate", "512K"))
+    regions = ("eu", "us", "ap", "sa", "af")
+    rollouts = [cluster.rollout(f"r{i}", region) for i, region in enumerate(regions)]
+    wait_for(lambda: len(cluster.nodes()) == len(regions) + 1, 15, f"{len(regions) + 1} nodes")
+    time.sleep(2.5)  # every node knows every other (a renewal with the full list)
+    publish(cluster, path)
+    wait_for(lambda: all(held(cluster).get(d.name) == [1] for d in rollouts), 60, "every node to hold version 1",
+             detail=lambda: held(cluster))
+    for d in rollouts:
+        check_store(d, m)
+        assert "peer banned" not in d.log()
+    sent = sum(stripes(d, cluster.token, "sent") for d in rollouts)
+    received = sum(stripes(d, cluster.token, "received") for d in rollouts)
+    # Chunk 1 at least: 4 stripes from its first holder, 4 x 3 handed on (a receiver already fetching
+    # the chunk whole declines its own, and hands it on from that fetch).
+    assert sent >= 8 and received >= 8, (sent, received)
+    up = sum(metric(trainer, cluster.token, f'sparrowd_bytes_total{{direction="up",region_class="{rc}"}}')
+             for rc in ("same", "other"))
+    assert up / m.patch_bytes < 1.9
+
+
+def test_a_node_assembles_a_chunk_from_stripes_of_several_pushers_and_bans_one_whose_stripe_does_not_check(
+        cluster, tmp_path):
+    """Stripes of one chunk (``X-Sparrowd-Stripe: s/n``) from different members go into one buffer, in
+    any order, each block checked as it completes; the stream that completes the chunk stores it. A
+    stripe already taken is declined; one with a bad block bans its pusher and leaves the others'."""
+    import base64
+
+    from sparrowd.swarm.push import stripe_blocks
+    from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
+    from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
+
+    trainer = cluster.trainer()
+    r0 = cluster.rollout("r0", "eu", extra=("--push", "off"))
+    members = [Member(cluster, f"m{i}", region) for i, region in enumerate(("us", "ap", "sa"))]  # 3 stripes
+    for mb in members:
+        wait_for(lambda: mb.known_to(r0), 20, "r0 to know the member")
+    block = 16 << 10
+    data = np.random.default_rng(6).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
+    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
+    st = load_or_create_key(trainer.data_dir / "trainer.key").sign(
+        ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
+    statement = base64.b64encode(st.to_bytes()).decode()
+
+    def stripe(s: int) -> bytes:
+        return b"".join(data[b * block : (b + 1) * block] for b in stripe_blocks(s, 3, 4))
+
+    def push(member, s: int, body: bytes, label: str | None = None) -> tuple[int, dict]:
+        code, reply = get(f"{r0.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
+                          headers={**member.headers("r0"), "Content-Type": "application/octet-stream",
+                                   "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/3"})
+        return code, json.loads(reply or b"{}")
+
+    wait_for(lambda: push(members[0], 0, b"", "1/2")[1].get("error") == "no stripe plan of 2 here", 20,
+             "r0 to take the members as peers and know the heads of 4 regions")
+    code, reply = push(members[0], 0, b"", "3/3")
+    assert code == 409 and "no stripe 3/3 of a chunk of 4 blocks" in reply["error"], reply
+    assert push(members[1], 1, stripe(1)) == (200, {"stored": False})  # in, the chunk not whole yet
+    code, reply = push(members[2], 1, stripe(1))
+    assert code == 409 and reply["error"] == "stripe held", reply
+    bad = bytearray(stripe(0))
+    bad[block + 5] ^= 1  # block 3, the stripe's second
+    assert push(members[0], 0, bytes(bad)) == (200, {"stored": False})
+    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 1
+    assert push(members[2], 0, stripe(0)) == (200, {"stored": False})
+    assert push(members[1], 2, stripe(2)) == (200, {"stored": True})  # the last stripe completes the chunk
+    assert stripes(r0, cluster.token, "received") == 3
+    code, reply = members[1].exchange(r0, [])
+    (v5,) = [e for e in reply["versions"] if e["version"] == 5]
+    assert v5["have"] == b"\x80"  # it holds chunk 0, checked against the trainer's block hashes

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sparrowd.daemon.cutthrough import Partial
 from sparrowd.errors import FormatError, IntegrityError
 from sparrowd.swarm.picker import PeerView, Picker
+from sparrowd.swarm.push import stripe_blocks
 from sparrowd.swarm.signing import ANNOUNCE, Signer, Verifier
 from sparrowd.swarm.versions import BLOCK, BLOCK_HASH, ChunkRef, VersionState, announce_body, block_hashes
 
@@ -188,3 +189,57 @@ async def test_a_paced_stream_goes_in_blocks_so_the_first_leaves_at_once(tmp_pat
     free = await pieces(None)
     # The first piece a block (all that a push declined at once costs), then the rest in large ones.
     assert [n for _, n in free] == [block, min(PIECE, (256 << 10) - block)]
+
+
+def _stripe(data: bytes, s: int, n: int) -> bytes:
+    blocks = -(-len(data) // BLOCK)
+    return b"".join(data[b * BLOCK : (b + 1) * BLOCK] for b in stripe_blocks(s, n, blocks))
+
+
+def test_a_chunk_in_stripes_fills_out_of_order_each_block_checked_and_serves_the_prefix_checked():
+    data = os.urandom(7 * BLOCK + 100)  # 8 blocks, the last short
+    p = Partial(len(data), BLOCK, block_hashes(data), what="chunk 2 of 5")
+    p.stripe(3)
+    body = {s: _stripe(data, s, 3) for s in range(3)}
+    assert sum(p.stripe_size(s) for s in range(3)) == len(data)
+    p.feed_stripe(1, body[1][: BLOCK + 10])  # block 1 whole, block 4 begun
+    assert p.has_block(1) and not p.has_block(0) and not p.has_block(4)
+    assert p.ready == 0 and not p.servable  # nothing from the start yet
+    p.feed_stripe(0, body[0][:BLOCK])  # block 0
+    assert p.ready == 2 * BLOCK  # blocks 0 and 1: the prefix served on to streams of the whole chunk
+    p.feed_stripe(2, body[2])  # blocks 2 and 5
+    assert p.ready == 3 * BLOCK and p.stripe_whole(2) and not p.whole
+    p.feed_stripe(1, body[1][BLOCK + 10 :])
+    p.feed_stripe(0, body[0][BLOCK:])
+    assert p.whole and bytes(p.buf) == data and p.got == len(data)
+    p.feed_stripe(0, b"late")  # whole already (another stream completed it): ignored
+
+    q = Partial(len(data), BLOCK, block_hashes(data), what="chunk 2 of 5")
+    q.stripe(3)
+    bad = bytearray(_stripe(data, 2, 3))
+    bad[BLOCK + 1] ^= 1  # in block 5, the stripe's second
+    with pytest.raises(IntegrityError, match="chunk 2 of 5: block 5 does not match"):
+        q.feed_stripe(2, bytes(bad))
+    assert q.has_block(2) and not q.has_block(5)
+    with pytest.raises(IntegrityError, match="stripe 1 of 3 is longer than signed"):
+        q.feed_stripe(1, _stripe(data, 1, 3) + b"x")
+
+
+@pytest.mark.asyncio
+async def test_a_stripe_is_served_on_block_by_block_as_each_checks_out():
+    data = os.urandom(4 * BLOCK)
+    p = Partial(len(data), BLOCK, block_hashes(data))
+    p.stripe(2)
+    waiting = asyncio.create_task(p.wait_block(3))
+    p.feed_stripe(1, data[BLOCK : 2 * BLOCK])
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    p.feed_stripe(1, data[3 * BLOCK :])
+    await asyncio.wait_for(waiting, 1)
+    again = asyncio.create_task(p.wait_block(0))
+    p.abort()
+    await asyncio.wait_for(again, 1)
+    assert p.failed
+    whole = Partial(len(data), BLOCK, block_hashes(data))
+    whole.feed(data[: 2 * BLOCK])  # a fetch of the whole chunk: its blocks in order
+    assert whole.has_block(1) and not whole.has_block(2)

@@ -8,11 +8,17 @@ from sparrowd.swarm.picker import designated
 from sparrowd.swarm.push import (
     PushPeer,
     parse_push,
+    parse_stripe,
     push_heads,
     push_targets,
     region_tree,
     relay_fanout,
     stream_rate,
+    stripe_blocks,
+    stripe_plan,
+    stripe_size,
+    stripe_targets,
+    tree_timing,
 )
 
 REGIONS = {"eu": ["e1", "e2", "e3"], "us": ["u1", "u2"], "ap": ["a1", "a2", "a3"]}
@@ -484,3 +490,74 @@ def test_a_trees_timing_is_the_chunk_at_the_trainers_uplink_and_a_crossings_dela
     assert tree_timing(256 << 10, 16 << 10, 4 << 20, 0.04) == (0.0625, 0.04 + 0.00390625)
     assert tree_timing(256 << 10, 16 << 10, None, 0.04) is None  # no upload limit at the trainer
     assert tree_timing(256 << 10, 16 << 10, 4 << 20, None) is None  # no delay measured yet
+
+
+def test_a_chunk_crosses_in_stripes_one_per_region_each_handed_on_by_its_receiver_to_every_other():
+    """A node a region, 8 regions: the region tree is three crossings deep, so the chunk crosses in 7
+    stripes. The first holder sends each region's receiver its stripe; each receiver sends its own to
+    the 6 others; everyone else sends none: every region takes each block once."""
+    heads = {f"r{j}": [f"n{j}"] for j in range(8)}
+    for c in range(8):
+        plan = stripe_plan(4, c, "r2", heads, blocks=16)
+        assert plan is not None and plan.n == 7
+        assert sorted(plan.stripe.values()) == list(range(7)) and "r2" not in plan.stripe
+        assert plan.receiver == {r: designated(4, c, hs) for r, hs in heads.items() if r != "r2"}
+        first = stripe_targets(plan, "n2", "r2", first=True)
+        assert sorted(s for _, s in first) == list(range(7))
+        assert {h: s for h, s in first} == {plan.receiver[r]: s for r, s in plan.stripe.items()}
+        assert stripe_targets(plan, "n2", "r2", first=False) == []  # took it from a peer: sends none
+        received = {h: [s] for h, s in first}
+        for r, h in plan.receiver.items():
+            out = stripe_targets(plan, h, r, first=False)
+            assert {s for _, s in out} == {plan.stripe[r]} and len(out) == 6
+            for to, s in out:
+                received[to].append(s)
+        for h, got in received.items():
+            assert sorted(got) == list(range(7)), (h, got)  # every stripe once: the whole chunk, once
+        assert stripe_plan(4, c, "r2", {r: list(reversed(hs)) for r, hs in heads.items()}, blocks=16) == plan
+
+
+def test_stripes_only_where_the_tree_is_deeper_than_one_crossing_and_each_region_has_a_block():
+    many = {f"r{j}": [f"r{j}h{i}" for i in range(8)] for j in range(8)}  # 100 nodes: one crossing deep
+    few = {f"r{j}": [f"r{j}h{i}" for i in range(2)] for j in range(8)}
+    assert stripe_plan(1, 3, "r0", many, blocks=32) is None
+    assert stripe_plan(1, 3, "r0", few, blocks=32) is not None  # no timings: wherever the tree is deeper
+    assert stripe_plan(1, 3, "r0", few, blocks=6) is None  # fewer blocks than stripes
+    assert stripe_plan(1, 3, "r0", {"r0": ["a"], "r1": ["b"]}, blocks=32) is None  # one other region
+    assert stripe_plan(1, 3, "r0", {"r0": ["a"], "r1": ["b"], "r2": []}, blocks=32) is None
+
+
+def test_a_first_chunk_takes_stripes_only_where_the_timed_tree_would_start_its_last_crossing_later():
+    """The stripes' tail: the receiver of the last block sends it on n-1 times. One 256 KiB chunk to
+    a node a region at 4 MiB/s over 40 ms: stripes. Two nodes a region at 1 MiB/s, where a 16 KiB
+    block takes 16 ms: the timed tree. A later chunk of the same patch crosses beside others: stripes."""
+    one = {f"r{j}": [f"n{j}"] for j in range(8)}
+    two = {f"r{j}": [f"n{j}", f"m{j}"] for j in range(8)}
+    fast = tree_timing(256 << 10, 16 << 10, 4 * 2**20, 0.04)
+    slow = tree_timing(256 << 10, 16 << 10, 2**20, 0.04)
+    assert stripe_plan(9, 0, "r0", one, blocks=16, send=fast[0], hop=fast[1]) is not None
+    assert stripe_plan(9, 0, "r0", two, blocks=16, send=slow[0], hop=slow[1]) is None
+    assert stripe_plan(9, 1, "r0", two, blocks=16, send=slow[0], hop=slow[1]) is not None
+
+
+@pytest.mark.parametrize("size", [16, 17, 100, 16 * 1024 + 5, 7 * 16 * 1024])
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_a_chunks_stripes_deal_out_its_blocks_each_once_and_their_sizes_add_up_to_it(size, n):
+    block = 16
+    blocks = -(-size // block)
+    if blocks < n:
+        return
+    dealt = sorted(b for s in range(n) for b in stripe_blocks(s, n, blocks))
+    assert dealt == list(range(blocks))
+    assert sum(stripe_size(size, block, s, n) for s in range(n)) == size
+
+
+@pytest.mark.parametrize("text", ["", "3", "3/", "/7", "a/7", "-1/7", "7/7", "3/40", "1/2/3", "１/7"])
+def test_parse_stripe_refuses_what_names_no_stripe_of_the_chunk(text):
+    with pytest.raises(ValueError):
+        parse_stripe(text, 32)
+
+
+def test_parse_stripe():
+    assert parse_stripe(None, 32) is None
+    assert parse_stripe("3/7", 32) == (3, 7)
