@@ -228,14 +228,18 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
     # Pulling only: a push takes the place of a request with no byte back, which breaks such circles too.
-    # Seed 37 of 0-39 circles since relays stream a chunk still arriving to no more peers than their
-    # uplink carries (relay_fanout) and the simulator steps under half a block's time; seeds 13 and
-    # 23 did before, and seeds 1 and 10 of 1-12 before first copies started in the trainer's region.
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=37, push=(0, 0))
+    # Seed 5 of 0-39 circles since a node's WAN limit is shared as its token bucket shares it (what a
+    # stream held back by its feed leaves goes to the others): 5.7x the bound, against 1.2x; seed 37
+    # did before (and never completed), seeds 13 and 23 before relays were held to their uplink, and
+    # seeds 1 and 10 of 1-12 before first copies started in the trainer's region.
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=5, push=(0, 0))
     early = _Watched(Config(relay_after_block=False, **cfg))
-    assert not early.run(horizon=8)[0]["all_done"] and early.circles > 0
+    slow = early.run(horizon=8)[0]
+    assert early.circles > 0
     later = _Watched(Config(**cfg))
-    assert later.run(horizon=8)[0]["all_done"] and later.circles == 0
+    fast = later.run(horizon=8)[0]
+    assert fast["all_done"] and later.circles == 0
+    assert not slow["all_done"] or slow["time_over_bound"] > 3 * fast["time_over_bound"], (slow, fast)
 
 
 def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions():
@@ -369,7 +373,8 @@ def test_heads_cross_again_once_whole_where_that_beats_a_crossing_from_deeper_in
     root head crosses a second time once it holds the chunk, and the last region has it a crossing
     sooner. With links 25 times faster (a send is 2.5 ms against a 40 ms one-way delay), more so."""
     fast = dict(trainer_rate=100 * MB, node_rate=200 * MB, wan_rate=100 * MB, link_rate=800 * MB)
-    cfg = dict(nodes=16, regions=8, patch=256 << 10, versions=2, seed=0, **(fast if rates == "fast" else {}))
+    cfg = dict(nodes=16, regions=8, patch=256 << 10, versions=2, seed=0, stripes=False,  # trees, no stripes
+               **(fast if rates == "fast" else {}))
     flat, timed = simulate(Config(timed_tree=False, **cfg)), simulate(Config(**cfg))
     for a, b in zip(flat, timed):
         assert a["all_done"] and b["all_done"]
@@ -377,3 +382,16 @@ def test_heads_cross_again_once_whole_where_that_beats_a_crossing_from_deeper_in
     worst = max(r["time_over_bound"] for r in timed)
     assert max(r["time_over_bound"] for r in flat) > 1.35 and worst < (1.3 if rates == "default" else 1.15), \
         (flat, timed)
+
+
+@pytest.mark.parametrize("patch", [256 << 10, 2 * MB])
+def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patch):
+    """8 nodes in 8 regions, a node a region: relayed whole, each chunk crosses from region to region
+    (three crossings deep, each a chunk's time or a hop behind the last); in stripes every region is
+    two crossings from the first holder and takes each block once (``swarm.push.stripe_plan``)."""
+    cfg = dict(nodes=8, regions=8, patch=patch, versions=2, seed=0)
+    trees, stripes = simulate(Config(stripes=False, **cfg)), simulate(Config(**cfg))
+    for a, b in zip(trees, stripes):
+        assert a["all_done"] and b["all_done"]
+        assert b["time_over_bound"] < 1.3 and a["time_over_bound"] > 1.35, (a, b)
+        assert b["cross_region_over_r_minus_1"] <= 1.1 and b["trainer_upload_over_patch"] <= 1.01, b

@@ -861,46 +861,62 @@ class Sim:
             if (own := feed.parts.get(mine)) is None:
                 return  # its own stripe is not coming here (yet)
             feed = own  # handed on as it arrives (a fetch of the whole chunk: from that, as its blocks do)
+        first = c in y.first_hand
+        for pid, s in stripe_targets(plan, y.id, y.rname, first):
+            if not self.stripe_to(y, c, self.by_id[pid], (s, plan.n), feed) and first:
+                # declined: the first holder hands it to the other receivers itself (the daemon hears so
+                # a round trip later)
+                others = [self.by_id[h] for h in plan.receiver.values() if h != pid]
+                self.at(self.now + 2 * self.owd(y, self.by_id[pid]), self.stripe_fallback, y, c, (s, plan.n), others)
+
+    def stripe_fallback(self, y: Node, c: int, stripe: tuple[int, int], to: list[Node]) -> None:
+        if y.alive:  # (the events of a version end with it)
+            feed = None if c in y.have else y.partial.get(c)
+            for z in to:
+                self.stripe_to(y, c, z, stripe, feed)
+
+    def stripe_to(self, y: Node, c: int, z: Node, stripe: tuple[int, int], feed: Req | None) -> bool:
+        """One stripe push from y to z (the daemon's ``_stripe_to``, ``handle_push``): whether z took it."""
+        s, n = stripe
         sent = y.striped_to.setdefault(c, set())
-        for pid, s in stripe_targets(plan, y.id, y.rname, c in y.first_hand):
-            z = self.by_id[pid]
-            if pid in sent or not z.alive or c in z.have:
-                continue
-            a = z.partial.get(c)
-            if a is not None and a.parts is not None:
-                if s in a.parts or pid in z.fetching.get(c, {}):
-                    continue  # (declined: a stripe held)
-            elif z.fetching.get(c):
-                if (u := self.unstarted(z, c, y)) is None:
-                    continue  # (declined: being fetched)
-                u.cancelled = True
-                self.cancel_pending = True
-                self.release(u)
-                a = None
-            if a is None or a.parts is None:
-                a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), readers=[], parts={}, done=set())
-                z.partial[c] = a
-                self.assemblies.add(a)
-            sent.add(pid)
-            r = Req(z, y, c, self.version, stripe_size(self.sizes[c], self.block, s, plan.n), serial=self._serial(),
-                    whole=c in y.have, readers=[], sent=self.now, stripe=(s, plan.n), asm=a)
-            a.parts[s] = r
-            a.fed_at = self.now
-            z.fetching.setdefault(c, {})[y.id] = r
-            z.aware = True  # a push carries the version's statements
-            if c in y.root:
-                z.root.setdefault(c, y.root[c])
-            z.known.setdefault(y.id, Known(y)).inflight += 1
-            y.known.setdefault(z.id, Known(z)).uploads += 1
-            if c not in y.have:
-                r.feed = feed
-                feed.readers.append(r)
-            self.note("pushed", r)
-            fed = r.feed is not None
-            r.declared = stream_rate(y.up, y.wan, y.active[False] + y.active[True] + 1, y.active[True] + 1, wan=True,
-                                     arriving=r.feed.declared if fed else None)
-            r.left = float(r.size)
-            self._add_flow(r)
+        if (z.id, s) in sent or not z.alive or c in z.have or (c not in y.have and feed is None):
+            return True  # (nothing to send: not a decline)
+        sent.add((z.id, s))
+        a = z.partial.get(c)
+        if a is not None and a.parts is not None:
+            if s in a.parts or y.id in z.fetching.get(c, {}):
+                return False  # declined: a stripe held
+        elif z.fetching.get(c):
+            if (u := self.unstarted(z, c, y)) is None:
+                return False  # declined: being fetched
+            u.cancelled = True
+            self.cancel_pending = True
+            self.release(u)
+            a = None
+        if a is None or a.parts is None:
+            a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), readers=[], parts={}, done=set())
+            z.partial[c] = a
+            self.assemblies.add(a)
+        r = Req(z, y, c, self.version, stripe_size(self.sizes[c], self.block, s, n), serial=self._serial(),
+                whole=c in y.have, readers=[], sent=self.now, stripe=(s, n), asm=a)
+        a.parts[s] = r
+        a.fed_at = self.now
+        z.fetching.setdefault(c, {})[y.id] = r
+        z.aware = True  # a push carries the version's statements
+        if c in y.root:
+            z.root.setdefault(c, y.root[c])
+        z.known.setdefault(y.id, Known(y)).inflight += 1
+        y.known.setdefault(z.id, Known(z)).uploads += 1
+        if c not in y.have:
+            r.feed = feed
+            feed.readers.append(r)
+        self.note("pushed", r)
+        fed = r.feed is not None
+        r.declared = stream_rate(y.up, y.wan, y.active[False] + y.active[True] + 1, y.active[True] + 1, wan=True,
+                                 arriving=r.feed.declared if fed else None)
+        r.left = float(r.size)
+        self._add_flow(r)
+        return True
 
     def assembled(self, a: Req) -> float:
         """The checked prefix of a chunk arriving in stripes (``Partial.ready``): up to its first block

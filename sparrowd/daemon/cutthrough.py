@@ -59,6 +59,7 @@ class Partial:
         self.feeders = 0  # ...streams feeding it now
         self.storing = False  # ...one of them is storing it whole
         self.fed_at = 0.0  # ...when a stripe last brought bytes (time.monotonic)
+        self.own: int | None = None  # ...the stripe its region's receiver took from the first holder
         self._moved = asyncio.Event()
 
     def stripe(self, n: int) -> None:
@@ -137,12 +138,12 @@ class Partial:
                 stop = min(start + self.block, self.size)
                 take = min(n - done, stop - start - off)
                 mv[start + off : start + off + take] = src[done : done + take]
-                done += take
                 if off + take == stop - start:  # the block is complete: check it
                     if blake3.blake3(mv[start:stop]).digest(length=BLOCK_HASH) != \
                             self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
                         raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
                     self.checked[b] = True
+                done += take  # (a bad block's bytes are not counted in: the stripe is not whole)
         finally:
             self.fed_at = time.monotonic()
             self.stripe_got[s] = at + done

@@ -53,6 +53,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import json
 import logging
 import math
 import statistics
@@ -263,7 +264,7 @@ class Swarm:
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
         self.turns_waited = 0  # requests for a chunk still arriving that waited for a stream of it to end
         self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
-        self.striped_to: dict[Key, dict[int, set[str]]] = {}  # per chunk: the receivers pushed a stripe of it
+        self.striped_to: dict[Key, dict[int, set[tuple[str, int]]]] = {}  # per chunk: (receiver, stripe) pushed
         self.fed_along: dict[Key, dict[int, frozenset[str]]] = {}  # per chunk: the peers its pusher also fed
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
         self.stripes: collections.Counter = collections.Counter()  # sent (pushed and taken), received (whole)
@@ -1555,39 +1556,63 @@ class Swarm:
         its blocks as they check out here). Stripes take no upload slot: all of a chunk's together
         are one chunk's bytes across, and in the lane's two slots most would wait for the first to
         end, a chunk behind."""
-        k = vs.key
         if index not in vs.have and (part is None or part.failed):
             return
         region = self.daemon.settings.region
-        if index not in vs.have and region in plan.stripe and \
-                not (part.has_block(plan.stripe[region]) if part.striped else part.servable):
-            # A receiver's own stripe has not begun here yet: pushed on once it has. (One that fetches
-            # the chunk whole, having asked before its stripe came, hands its stripe on from that fetch
-            # as the blocks arrive: held back until the fetch was whole, the other regions' receivers
-            # waited out ``STRIPE_WAIT`` for it and then fetched the chunk across again.)
+        if region in plan.stripe and plan.receiver[region] == self.daemon.node_id:
+            # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
+            # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
+            # first holder dealt 7, and its stripe fitted nobody's: every region waited out
+            # ``STRIPE_WAIT``). One that fetches the chunk whole, having asked before its stripe came,
+            # hands its own on from that fetch as the blocks arrive (held back until the fetch was
+            # whole, the other receivers waited for it and fetched the chunk across again).
+            if (mine := vs.handed_on.get(index)) is not None:
+                pass
+            elif part is not None and part.striped:
+                if part.own is None or not part.has_block(part.own):
+                    return  # not begun here yet: handed on once it has
+                mine = (part.own, part.striped)
+            elif index in vs.have or part.servable:
+                mine = (plan.stripe[region], plan.n)
+            else:
+                return
+            vs.handed_on[index] = mine
+            for r, h in plan.receiver.items():
+                if r != region:
+                    self._stripe_to(vs, index, h, mine)
             return
-        event(log, logging.DEBUG, "stripes", object=str(k), index=index, plan=repr(plan))
-        sent = self.striped_to.setdefault(k, {}).setdefault(index, set())
-        for pid, s in stripe_targets(plan, self.daemon.node_id, region, index in vs.first_hand):
-            if pid in sent or pid in self.banned or (ps := self._peer(pid)) is None or index in ps.have.get(k, ()):
-                continue
-            sent.add(pid)
-            task = asyncio.create_task(self._push_to(ps, vs, index, stripe=(s, plan.n)),
-                                       name=f"stripe-{k.tag}-{index}-{s}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        first = index in vs.first_hand
+        for pid, s in stripe_targets(plan, self.daemon.node_id, region, first):
+            # The first holder hands a stripe its receiver declines (a node of a swarm just formed that
+            # does not know every region's heads yet, one fetching the chunk whole from elsewhere) to
+            # the other receivers itself: lost, every region waited out ``STRIPE_WAIT`` for it.
+            self._stripe_to(vs, index, pid, (s, plan.n),
+                            [h for h in plan.receiver.values() if h != pid] if first else ())
+
+    def _stripe_to(self, vs: VersionState, index: int, pid: str, stripe: tuple[int, int], fallback=()) -> None:
+        """Push stripe ``stripe`` of chunk ``index`` to ``pid`` (once); if it declines, to ``fallback``."""
+        sent = self.striped_to.setdefault(vs.key, {}).setdefault(index, set())
+        if (pid, stripe[0]) in sent or pid in self.banned or (ps := self._peer(pid)) is None or \
+                index in ps.have.get(vs.key, ()):
+            return
+        sent.add((pid, stripe[0]))
+        task = asyncio.create_task(self._push_to(ps, vs, index, stripe=stripe, fallback=fallback),
+                                   name=f"stripe-{vs.key.tag}-{index}-{stripe[0]}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _push_to(self, ps: PeerState, vs: VersionState, index: int, counted: Partial | None = None,
-                       stripe: tuple[int, int] | None = None) -> None:
+                       stripe: tuple[int, int] | None = None, fallback=()) -> None:
         """One push: the chunk's stream, from its file or from the fetch in progress, paced and in its
         lane like an upload asked for. The receiver refuses (409) what it holds, fetches or cannot
         check; a stream from a partial that fails is cut short, and the receiver drops it.
         ``counted``: the partial whose ``streams`` count this push, released when it ends. ``stripe``:
-        only that stripe of the chunk (``_stripe_out``), in no upload slot."""
+        only that stripe of the chunk (``_stripe_out``), in no upload slot; refused, it goes to the
+        receivers in ``fallback``."""
         key = (vs.key, index)
         wan = ps.region != self.daemon.settings.region
         size = vs.chunks[index].size
-        outcome = "failed"
+        outcome, why = "failed", None
         if stripe is None:
             self._spawned[wan] -= 1
         try:
@@ -1613,8 +1638,11 @@ class Swarm:
                                  **_statement_header(vs, index), **self._rate_header(wan, source),
                                  **self._also_header(vs.key, index, ps.node_id)},
                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
-                    await r.read()
+                    body = await r.read()
                     outcome = "taken" if r.status == 200 else "refused"
+                    if r.status == 409:
+                        with contextlib.suppress(ValueError, TypeError, AttributeError):
+                            why = json.loads(body).get("error")
         except (_Cut, aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         finally:
@@ -1629,6 +1657,9 @@ class Swarm:
             self.daemon.count_bytes("up", size, wan)
             if stripe is not None:
                 self.stripes["sent"] += 1
+        elif outcome == "refused" and stripe is not None and why != "being fetched" and not self._closing:
+            for pid in fallback:  # (one fetching the chunk whole hands its stripe on from that)
+                self._stripe_to(vs, index, pid, stripe)
 
     def _also_header(self, key: Key, index: int, to: str) -> dict[str, str]:
         """A push's ``ALSO_HEADER``: the other peers this node pushes the chunk to now, if it fits."""
@@ -1738,9 +1769,6 @@ class Swarm:
                 s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
             except ValueError as e:
                 return str(e)
-            m = self.daemon.membership
-            if m is not None and n != sum(1 for hs in m.state.heads.values() if hs) - 1:
-                return f"no stripe plan of {n} here"  # as many as this node's plans deal: a region each but the root
         if joining:
             # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
             # from another, is still in flight until its task has run its cancellation, and declining
@@ -1845,6 +1873,8 @@ class Swarm:
                 into = part
             into.stripe_got[striped[0]] = 0
             into.fed_at = time.monotonic()
+            if ps.region == vs.roots.get(i):
+                into.own = striped[0]  # from the first holder: the stripe this node hands on, if a receiver
             into.feeders += 1
         event(log, logging.DEBUG, "taking a push", peer=remote.node_id, object=str(key), index=i, stripe=stripe)
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False, stripe=striped, into=into),
