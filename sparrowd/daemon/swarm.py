@@ -1559,7 +1559,8 @@ class Swarm:
         if index not in vs.have and (part is None or part.failed):
             return
         region = self.daemon.settings.region
-        if region in plan.stripe and plan.receiver[region] == self.daemon.node_id:
+        took = part is not None and part.striped and part.own is not None  # a stripe from the first holder
+        if index in vs.handed_on or took or (region in plan.stripe and plan.receiver[region] == self.daemon.node_id):
             # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
             # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
             # first holder dealt 7, and its stripe fitted nobody's: every region waited out
