@@ -29,6 +29,11 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
   peers' pickers; starting a fetch wakes the peers' long polls so they learn
   it at once. A stream whose feeding fetch fails is cut, and the requester
   goes back to its picker, without holding it against that peer.
+* Push (``swarm.push``): a relay sends what it can serve unasked, to its
+  neighbours and across along the chunk's region tree; where regions are
+  small the chunk crosses in stripes instead (``stripe_plan``: the first
+  holder sends each region's receiver one stripe of its blocks, each
+  receiver hands its stripe to every other), taken into one ``Partial``.
 * The serving side answers exchanges and chunk requests. A relay serves
   whoever asks while fewer than ``QUEUE_ADMIT`` requests wait in the request's
   lane (503 "choked" beyond; uploads to its own region and to other regions
