@@ -1851,17 +1851,14 @@ class Swarm:
         pull = self._unstarted(key, i, remote.node_id) if why == "being fetched" else None
         if pull is not None:
             why = self._declines(key, i, self._peer(remote.node_id), replacing=True, stripe=stripe)
-        ps, vs = self._peer(remote.node_id), self.versions.get(key)
-        part, striped = self.partials.get((key, i)), None
-        if why is None and stripe is not None:
-            try:
-                striped = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
-            except ValueError as e:
-                why = str(e)
         if why is not None:
             self.pushes["declined"] += 1
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
+        ps, vs = self._peer(remote.node_id), self.versions[key]
+        part = self.partials.get((key, i))
+        # (``_declines`` checked the header: it parses)
+        striped = None if stripe is None else parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
         self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if (also := request.headers.get(ALSO_HEADER, "")) and len(also) <= ALSO_HEADER_MAX:
             self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.daemon.node_id}
