@@ -93,6 +93,9 @@ def register_swarm(bs) -> None:
     s.add_argument("--interval", type=float, default=0.0, metavar="SECONDS",
                    help="seconds between one version held everywhere and the next publish, as an RL step's "
                         "length (default 0: back to back)")
+    s.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds between the tracker listing every node and the first publish (default 0: at "
+                        "once, a swarm's first version as it forms)")
     s.add_argument("--chunk", default="auto",
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
                         "256K and 2M)")
@@ -109,13 +112,14 @@ def cmd_swarm(args) -> int:
     from sparrowd.bench.swarm import run
     from sparrowd.errors import InputError
 
-    if args.interval < 0:
-        raise InputError(f"--interval {args.interval}: give seconds, 0 or more")
+    for name in ("interval", "settle"):
+        if getattr(args, name) < 0:
+            raise InputError(f"--{name} {getattr(args, name)}: give seconds, 0 or more")
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level,
-               interval=args.interval)
+               interval=args.interval, settle=args.settle)
 
 
 def register_sim(bs) -> None:

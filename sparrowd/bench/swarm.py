@@ -188,7 +188,8 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
-        json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0) -> int:
+        json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0,
+        settle: float = 0.0) -> int:
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
@@ -247,6 +248,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                         "--log-level", log_level,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
+        time.sleep(settle)  # a swarm that has just formed is still opening its connections
         node_urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(nodes)]
         up_before, wan_before = 0.0, 0
 
@@ -329,5 +331,6 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         print(f"   {name:<40} {value:6.2f}  {'<=' if at_most else '>='} {limit:<4} {'PASS' if ok else 'MISS'}")
     if json_path:
         write_json(json_path, {"versions": results, "star": star_row, "nodes": nodes,
-                               "regions": regions, "rates": rates, "rtt": rtt, "push": list(push)})
+                               "regions": regions, "rates": rates, "rtt": rtt, "push": list(push),
+                               "interval": interval, "settle": settle})
     return 0

@@ -152,6 +152,7 @@ PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed stat
 STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole
 NO_HASHES = "no signed block hashes for that chunk here yet"
 NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
+PUSH_TRIES = 4  # a push the receiver refuses as from a node it does not know yet goes again this often in all
 
 
 class NotYet(SparrowError):
@@ -1634,21 +1635,30 @@ class Swarm:
                     size = stripe_size(size, vs.block, *stripe)
                 event(log, logging.DEBUG, "pushing a chunk", peer=ps.node_id, object=str(vs.key), index=index,
                       whole=index in vs.have, stripe=stripe and f"{stripe[0]}/{stripe[1]}")
-                async with self._session.post(
-                        f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
-                        # a first piece of one block: what a push declined at once has cost the limits
-                        data=self._paced(source, wan, vs.block or PIECE, stripe, vs.chunks[index].size),
-                        headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
-                                 **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {}),
-                                 **({STRIPE_HEADER: f"{stripe[0]}/{stripe[1]}"} if stripe else {}),
-                                 **_statement_header(vs, index), **self._rate_header(wan, source),
-                                 **self._also_header(vs.key, index, ps.node_id)},
-                        timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
-                    body = await r.read()
-                    outcome = "taken" if r.status == 200 else "refused"
-                    if r.status == 409:
-                        with contextlib.suppress(ValueError, TypeError, AttributeError):
-                            why = json.loads(body).get("error")
+                for attempt in range(PUSH_TRIES):
+                    async with self._session.post(
+                            f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
+                            # a first piece of one block: what a push declined at once has cost the limits
+                            data=self._paced(source, wan, vs.block or PIECE, stripe, vs.chunks[index].size),
+                            headers={"Content-Type": "application/octet-stream", **self._proof_for(ps),
+                                     **({ROOT_HEADER: root} if (root := vs.roots.get(index)) else {}),
+                                     **({STRIPE_HEADER: f"{stripe[0]}/{stripe[1]}"} if stripe else {}),
+                                     **_statement_header(vs, index), **self._rate_header(wan, source),
+                                     **self._also_header(vs.key, index, ps.node_id)},
+                            timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
+                        body = await r.read()
+                        outcome = "taken" if r.status == 200 else "refused"
+                        if r.status == 409:
+                            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                                why = json.loads(body).get("error")
+                    # 503: the receiver does not know this node yet (one of them joined a moment ago;
+                    # it asks the tracker, a round trip). A swarm's first version, published as it
+                    # formed, meets this, and a stripe lost so cost every region ``STRIPE_WAIT`` (with
+                    # spare connections opened without a request, so pushes came sooner, two first
+                    # versions in three of one chunk to 8 daemons in 8 regions took 10x the bound).
+                    if r.status != 503 or attempt == PUSH_TRIES - 1 or self._closing:
+                        break
+                    await asyncio.sleep(NOT_YET_RETRY)
         except (_Cut, aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         finally:

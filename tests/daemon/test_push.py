@@ -440,3 +440,32 @@ def test_a_node_assembles_a_chunk_from_stripes_of_several_pushers_and_bans_one_w
     code, reply = members[1].exchange(r0, [])
     (v5,) = [e for e in reply["versions"] if e["version"] == 5]
     assert v5["have"] == b"\x80"  # it holds chunk 0, checked against the trainer's block hashes
+
+
+def test_a_push_refused_by_a_node_that_does_not_know_the_pusher_yet_goes_again(cluster, tmp_path):
+    # A node that joined a moment ago may be pushed to by a peer it has not heard of yet: it asks the
+    # tracker and answers 503 meanwhile. The push goes again a tenth of a second later (lost, a
+    # stripe cost every region ``STRIPE_WAIT``). Here the only node of region us answers the first
+    # two pushes so, and takes the third.
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, (256 << 10) - 4096, 256 << 10, np.random.default_rng(4))
+    m = parse_patch(path.read_bytes()).manifest
+    cluster.trainer(region="eu")
+    publish(cluster, path)
+    answered: list[int] = []
+
+    async def push(request):
+        if len(answered) < 2:
+            answered.append(503)
+            return web.json_response({"error": "not a member this node knows yet"}, status=503)
+        body = await request.read()
+        answered.append(200 if len(body) == m.chunks[0].size else 400)
+        return web.json_response({"stored": True}, status=answered[-1])
+
+    with hostile_peer(cluster, path, None, node_id="newcomer", region="us", claims=False, push=push):
+        relay = cluster.rollout("r0", "eu")
+        wait_for(lambda: held(cluster).get("r0") == [1], 30, "the relay to hold version 1")
+        wait_for(lambda: len(answered) >= 3, 10, "the push to go a third time", detail=lambda: answered)
+        assert answered[:3] == [503, 503, 200], answered
+        wait_for(lambda: pushes(relay, cluster.token, "taken") == 1, 5, "the push to count as taken")
+        assert pushes(relay, cluster.token, "refused") == 0

@@ -103,26 +103,28 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
 
 
 @contextlib.contextmanager
-def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), connections=None):
-    """A node with the swarm token, in region eu: it joins and renews like a daemon, relays the
-    trainer's real signed statements, claims every chunk, and answers chunk requests with
-    ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body); ``forged`` adds versions
-    of its own making (exchange entries). Yields the indices asked of it. ``connections``, a list,
-    gets ``(kind, client port)`` for every request (kind: exchange, ping, chunk)."""
+def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), connections=None, region="eu",
+                 claims=True, push=None):
+    """A node with the swarm token, in ``region``: it joins and renews like a daemon, relays the
+    trainer's real signed statements, claims every chunk (``claims``; or none), and answers chunk
+    requests with ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body); ``forged``
+    adds versions of its own making (exchange entries); ``push``, an aiohttp handler, takes the
+    chunks pushed to it. Yields the indices asked of it. ``connections``, a list, gets ``(kind,
+    client port)`` for every request (kind: exchange, ping, chunk, push)."""
     port = free_port()
     mp = {"Content-Type": "application/msgpack"}
     view = parse_patch(patch.read_bytes())
     key = new_key()
     code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
-                     data=msgpack.packb(members.join(key, node_id, address=f"127.0.0.1:{port}")))
+                     data=msgpack.packb(members.join(key, node_id, region=region, address=f"127.0.0.1:{port}")))
     assert code == 200
     lease = msgpack.unpackb(body)
     proof = {"X-Sparrowd-Node": node_id, "X-Sparrowd-Proof": make_proof(key, node_id, "trainer", time.time())}
     code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers={**mp, **proof},
-                     data=msgpack.packb({"node_id": node_id, "region": "eu", "after": -1, "wait": 0,
+                     data=msgpack.packb({"node_id": node_id, "region": region, "after": -1, "wait": 0,
                                          "versions": []}))
     statements = msgpack.unpackb(body)["versions"][0]["statements"]
-    everything = bytes([0xFF]) * ((len(view.manifest.chunks) + 7) // 8)
+    everything = bytes([0xFF if claims else 0]) * ((len(view.manifest.chunks) + 7) // 8)
     asked = []
 
     def seen(kind, request):
@@ -146,9 +148,15 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
         asked.append(i)
         return await serve_chunk(request, i, bytes(view.chunks[i]))
 
+    async def pushed(request):
+        seen("push", request)
+        return await push(request)
+
     app = web.Application()
     app.add_routes([web.post("/v1/swarm/exchange", exchange), web.get("/v1/swarm/chunk/{version}/{index}", chunk),
                     web.get("/v1/swarm/ping", ping)])
+    if push is not None:
+        app.add_routes([web.post("/v1/swarm/chunk/{version}/{index}", pushed)])
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
