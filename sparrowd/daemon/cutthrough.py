@@ -27,6 +27,16 @@ is served on block by block (``has_block``, ``wait_block``). Between its
 streams it waits for the next (``feeders``, ``fed_at``): the node's
 scheduler gives it up, and asks for the chunk whole, once none has come
 for a while.
+
+A stripe is named by its pusher (``s/n``: blocks ``s``, ``s + n``, ...),
+and nothing but the trainer's block hashes is taken on trust: stripes of
+different counts may overlap, so a stream collects a block apart until
+it is whole and checked, and a block already checked by another stream
+is checked again (a bad copy still bans its sender) but not written. A
+member that names a false count so only sends blocks (checked) that the
+other stripes also bring; when the count was taken from the first stripe
+that came, such a member had the real stripes declined, and the chunk
+waited ``STRIPE_WAIT`` to be asked for whole.
 """
 
 from __future__ import annotations
@@ -53,26 +63,27 @@ class Partial:
         self.failed = False
         self.rate: float | None = None  # bytes a second, as the sender declared it paces the stream
         self.streams = 0  # streams served from it now, or about to be
-        self.striped: int | None = None  # the stripe count, for a chunk arriving in stripes (``stripe``)
+        self.striped = False  # a chunk arriving in stripes (``stripe``)
         self.checked: np.ndarray | None = None  # ...each block checked, by index
-        self.stripe_got: dict[int, int] = {}  # ...bytes received of each stripe
+        self.stripe_got: dict[tuple[int, int], int] = {}  # ...bytes received of each stripe (s, n)
+        self._staged: dict[tuple[int, int], bytearray] = {}  # ...a stripe's block not yet whole
         self.feeders = 0  # ...streams feeding it now
         self.storing = False  # ...one of them is storing it whole
         self.fed_at = 0.0  # ...when a stripe last brought bytes (time.monotonic)
-        self.own: int | None = None  # ...the stripe its region's receiver took from the first holder
+        self.own: tuple[int, int] | None = None  # ...the stripe its region's receiver took from the first holder
         self._moved = asyncio.Event()
 
-    def stripe(self, n: int) -> None:
-        """Take the chunk in ``n`` stripes (``feed_stripe``) rather than as one stream."""
-        self.striped = n
+    def stripe(self) -> None:
+        """Take the chunk in stripes (``feed_stripe``) rather than as one stream."""
+        self.striped = True
         self.checked = np.zeros(self.blocks, bool)
 
     @property
     def blocks(self) -> int:
         return -(-self.size // self.block) if self.block else 0
 
-    def stripe_size(self, s: int) -> int:
-        return stripe_size(self.size, self.block, s, self.striped)
+    def stripe_size(self, stripe: tuple[int, int]) -> int:
+        return stripe_size(self.size, self.block, *stripe)
 
     def has_block(self, b: int) -> bool:
         """Whether block ``b`` has checked out (and may be served on)."""
@@ -120,40 +131,61 @@ class Partial:
         finally:
             self._pulse()
 
-    def feed_stripe(self, s: int, piece) -> None:
-        """Place received bytes of stripe ``s``; check every block they complete. The checked prefix
-        (``ready``) grows as the stripes fill in the blocks before it."""
+    def feed_stripe(self, stripe: tuple[int, int], piece) -> None:
+        """Place received bytes of stripe ``stripe`` (``(s, n)``); check every block they complete.
+        The checked prefix (``ready``) grows as the stripes fill in the blocks before it."""
         if self.whole:
             return  # taken whole by another request meanwhile
-        size = self.stripe_size(s)
-        at, n = self.stripe_got.get(s, 0), len(piece)
-        if at + n > size:
-            raise IntegrityError(f"{self.what}: stripe {s} of {self.striped} is longer than signed")
-        mv, src, done = memoryview(self.buf), memoryview(piece), 0
+        s, n = stripe
+        at, m = self.stripe_got.get(stripe, 0), len(piece)
+        if at + m > self.stripe_size(stripe):
+            raise IntegrityError(f"{self.what}: stripe {s} of {n} is longer than signed")
+        src, done = memoryview(piece), 0
+        staged = self._staged.setdefault(stripe, bytearray())
         try:
-            while done < n:
+            while done < m:
                 j, off = divmod(at + done, self.block)
-                b = s + j * self.striped
+                b = s + j * n
                 start = b * self.block
-                stop = min(start + self.block, self.size)
-                take = min(n - done, stop - start - off)
-                mv[start + off : start + off + take] = src[done : done + take]
-                if off + take == stop - start:  # the block is complete: check it
-                    if blake3.blake3(mv[start:stop]).digest(length=BLOCK_HASH) != \
-                            self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
-                        raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
+                length = min(self.block, self.size - start)
+                take = min(m - done, length - off)
+                if off == 0 and take == length:
+                    whole = src[done : done + take]  # the block in one piece
+                else:
+                    staged += src[done : done + take]
+                    if len(staged) < length:
+                        done += take
+                        continue
+                    whole = staged
+                if blake3.blake3(whole).digest(length=BLOCK_HASH) != \
+                        self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
+                    raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
+                if not self.checked[b]:  # (checked already: another stripe brought it)
+                    self.buf[start : start + length] = whole
                     self.checked[b] = True
+                del whole
+                staged.clear()
                 done += take  # (a bad block's bytes are not counted in: the stripe is not whole)
         finally:
             self.fed_at = time.monotonic()
-            self.stripe_got[s] = at + done
+            self.stripe_got[stripe] = at + done
             self.got += done
             missing = np.flatnonzero(~self.checked)
             self.ready = self.size if not len(missing) else int(missing[0]) * self.block
             self._pulse()
 
-    def stripe_whole(self, s: int) -> bool:
-        return self.stripe_got.get(s, 0) == self.stripe_size(s)
+    def stripe_whole(self, stripe: tuple[int, int]) -> bool:
+        return self.stripe_got.get(stripe, 0) == self.stripe_size(stripe)
+
+    def holds_stripe(self, stripe: tuple[int, int]) -> bool:
+        """Whether stripe ``stripe`` is being taken here already, or every block of it has checked out."""
+        s, n = stripe
+        return stripe in self.stripe_got or bool(self.checked[s::n].all())
+
+    def drop_stripe(self, stripe: tuple[int, int]) -> None:
+        """A stripe's stream ended short: forget it, so that another pusher's copy may be taken."""
+        self.stripe_got.pop(stripe, None)
+        self._staged.pop(stripe, None)
 
     def fill(self, data) -> None:
         """The chunk arrived whole by another request (checked there): serve the rest from it."""

@@ -1270,7 +1270,7 @@ class Swarm:
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
             for i in missing:  # arriving in stripes, between streams: not asked for until they stop coming
                 part = self.partials.get((k, i))
-                if part is None or part.striped is None or part.feeders:
+                if part is None or not part.striped or part.feeders:
                     continue
                 if now - part.fed_at < STRIPE_WAIT and not part.failed:
                     inflight[i].add("")
@@ -1278,7 +1278,7 @@ class Swarm:
                     del self.partials[(k, i)]
                     part.abort()
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
-                          index=i, stripes=len(part.stripe_got), of=part.striped)
+                          index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks)
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
                 for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM else ():
                     if i in inflight:
@@ -1408,7 +1408,7 @@ class Swarm:
                         continue
                     if stripe is not None:
                         first, shown = not buf.has_block(stripe[0]), buf.ready == 0
-                        buf.feed_stripe(stripe[0], piece)
+                        buf.feed_stripe(stripe, piece)
                         if first and buf.has_block(stripe[0]) and self.partials.get(key) is buf:
                             self._push_out(vs, index)  # a receiver hands its own stripe on from here
                             if shown and buf.ready:
@@ -1426,11 +1426,11 @@ class Swarm:
             if not served:
                 return False  # refused (choked, not held): the picker goes on
             if stripe is not None:
-                got = buf.stripe_got.get(stripe[0], 0)
-                if not buf.stripe_whole(stripe[0]) and not buf.whole:
+                got = buf.stripe_got.get(stripe, 0)
+                if not buf.stripe_whole(stripe) and not buf.whole:
                     raise aiohttp.ClientPayloadError(f"stripe {stripe[0]}/{stripe[1]}: {got} bytes short")
                 self.daemon.count_bytes("down", got, wan)
-                if buf.stripe_whole(stripe[0]):
+                if buf.stripe_whole(stripe):
                     self.stripes["received"] += 1
                 if not buf.whole or buf.storing or index in vs.have:
                     return False  # its part is in; the stream that completes the chunk stores it
@@ -1492,8 +1492,8 @@ class Swarm:
         finally:
             if stripe is not None:
                 buf.feeders -= 1
-                if not buf.stripe_whole(stripe[0]):
-                    buf.stripe_got.pop(stripe[0], None)  # another pusher's copy of it may be taken
+                if not buf.stripe_whole(stripe):
+                    buf.drop_stripe(stripe)  # another pusher's copy of it may be taken
             # A chunk's stripes arrive on their own streams, begun as each sender has its first block:
             # the one from the root may end before the others begin (``_schedule`` asks for the chunk
             # whole if the rest stop coming: ``STRIPE_WAIT``).
@@ -1576,9 +1576,9 @@ class Swarm:
             if (mine := vs.handed_on.get(index)) is not None:
                 pass
             elif part is not None and part.striped:
-                if part.own is None or not part.has_block(part.own):
+                if part.own is None or not part.has_block(part.own[0]):
                     return  # not begun here yet: handed on once it has
-                mine = (part.own, part.striped)
+                mine = part.own
             elif index in vs.have or part.servable:
                 mine = (plan.stripe[region], plan.n)
             else:
@@ -1779,7 +1779,7 @@ class Swarm:
         if i in vs.have:
             return "held"
         part = self.partials.get((key, i))
-        joining = stripe is not None and part is not None and part.striped is not None and not part.failed
+        joining = stripe is not None and part is not None and part.striped and not part.failed
         if stripe is not None:
             try:
                 s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
@@ -1789,7 +1789,7 @@ class Swarm:
             # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
             # from another, is still in flight until its task has run its cancellation, and declining
             # the first holder's stripe for it lost that stripe to every region.)
-            if n != part.striped or s in part.stripe_got:
+            if part.holds_stripe((s, n)):
                 return "stripe held"
         elif (key, i) in self.inflight and not replacing:
             return "being fetched"
@@ -1878,16 +1878,16 @@ class Swarm:
             part = None
         into = None
         if striped is not None:  # the stripes of a chunk share one buffer, made before any await
-            if part is None or part.striped is None or part.failed:
+            if part is None or not part.striped or part.failed:
                 into = Partial(vs.chunks[i].size, vs.block, vs.blocks[i], what=f"chunk {i} of {key}")
-                into.stripe(striped[1])
+                into.stripe()
                 self.partials[(key, i)] = into
             else:
                 into = part
-            into.stripe_got[striped[0]] = 0
+            into.stripe_got[striped] = 0
             into.fed_at = time.monotonic()
             if ps.region == vs.roots.get(i):
-                into.own = striped[0]  # from the first holder: the stripe this node hands on, if a receiver
+                into.own = striped  # from the first holder: the stripe this node hands on, if a receiver
             into.feeders += 1
         event(log, logging.DEBUG, "taking a push", peer=remote.node_id, object=str(key), index=i, stripe=stripe)
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False, stripe=striped, into=into),

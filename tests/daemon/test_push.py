@@ -393,14 +393,13 @@ def test_a_patch_crosses_into_regions_of_one_node_in_stripes_each_handed_on_by_i
     assert up < 1.9, up
 
 
-def test_a_node_assembles_a_chunk_from_stripes_of_several_pushers_and_bans_one_whose_stripe_does_not_check(
-        cluster, tmp_path):
-    """Stripes of one chunk (``X-Sparrowd-Stripe: s/n``) from different members go into one buffer, in
-    any order, each block checked as it completes; the stream that completes the chunk stores it. A
-    stripe already taken is declined; one with a bad block bans its pusher and leaves the others'."""
+def _stripe_rig(cluster, seed: int):
+    """A relay r0 (pushing nothing) and three members of other regions, each a peer of r0; a chunk of
+    4 blocks of 16 KiB (the last short) signed by the trainer as chunk 0 of version 5, which no one
+    else has. Returns r0, the members, the chunk's bytes, and ``push(member, s, n, body, label=)``,
+    which pushes ``body`` to r0 as stripe ``s/n`` (or as ``label``) and returns (status, reply)."""
     import base64
 
-    from sparrowd.swarm.push import stripe_blocks
     from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
     from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
 
@@ -410,36 +409,67 @@ def test_a_node_assembles_a_chunk_from_stripes_of_several_pushers_and_bans_one_w
     for mb in members:
         wait_for(lambda: mb.known_to(r0), 20, "r0 to know the member")
     block = 16 << 10
-    data = np.random.default_rng(6).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
+    data = np.random.default_rng(seed).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
     ref = ChunkRef(blake3.blake3(data).digest(), len(data))
     st = load_or_create_key(trainer.data_dir / "trainer.key").sign(
         ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
     statement = base64.b64encode(st.to_bytes()).decode()
 
-    def stripe(s: int) -> bytes:
-        return b"".join(data[b * block : (b + 1) * block] for b in stripe_blocks(s, 3, 4))
-
-    def push(member, s: int, body: bytes, label: str | None = None) -> tuple[int, dict]:
+    def push(member, s: int, n: int, body: bytes, label: str | None = None) -> tuple[int, dict]:
         code, reply = get(f"{r0.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
                           headers={**member.headers("r0"), "Content-Type": "application/octet-stream",
-                                   "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/3"})
+                                   "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/{n}"})
         return code, json.loads(reply or b"{}")
 
-    wait_for(lambda: "no stripe 3/3 of a chunk of 4 blocks" in push(members[0], 0, b"", "3/3")[1].get("error", ""),
-             20, "r0 to take the members as peers", detail=lambda: push(members[0], 0, b"", "3/3"))
-    assert push(members[1], 1, stripe(1)) == (200, {"stored": False})  # in, the chunk not whole yet
-    code, reply = push(members[2], 1, stripe(1))
-    assert code == 409 and reply["error"] == "stripe held", reply
-    bad = bytearray(stripe(0))
-    bad[block + 5] ^= 1  # block 3, the stripe's second
-    assert push(members[0], 0, bytes(bad)) == (200, {"stored": False})
-    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 1
-    assert push(members[2], 0, stripe(0)) == (200, {"stored": False})
-    assert push(members[1], 2, stripe(2)) == (200, {"stored": True})  # the last stripe completes the chunk
-    assert stripes(r0, cluster.token, "received") == 3
-    code, reply = members[1].exchange(r0, [])
+    wait_for(lambda: "no stripe 3/3 of a chunk of 4 blocks" in push(members[0], 0, 3, b"", "3/3")[1].get("error", ""),
+             20, "r0 to take the members as peers", detail=lambda: push(members[0], 0, 3, b"", "3/3"))
+    return r0, members, data, push
+
+
+def _stripe_of(data: bytes, s: int, n: int, block: int = 16 << 10) -> bytes:
+    from sparrowd.swarm.push import stripe_blocks
+    return b"".join(data[b * block : (b + 1) * block] for b in stripe_blocks(s, n, -(-len(data) // block)))
+
+
+def _holds_chunk(r0, member) -> bool:
+    code, reply = member.exchange(r0, [])
     (v5,) = [e for e in reply["versions"] if e["version"] == 5]
-    assert v5["have"] == b"\x80"  # it holds chunk 0, checked against the trainer's block hashes
+    return v5["have"] == b"\x80"  # it holds chunk 0, checked against the trainer's block hashes
+
+
+def test_a_node_assembles_a_chunk_from_stripes_of_several_pushers_and_bans_one_whose_stripe_does_not_check(
+        cluster, tmp_path):
+    """Stripes of one chunk (``X-Sparrowd-Stripe: s/n``) from different members go into one buffer, in
+    any order, each block checked as it completes; the stream that completes the chunk stores it. A
+    stripe already taken is declined; one with a bad block bans its pusher and leaves the others'."""
+    r0, members, data, push = _stripe_rig(cluster, 6)
+    assert push(members[1], 1, 3, _stripe_of(data, 1, 3)) == (200, {"stored": False})  # in, the chunk not whole yet
+    code, reply = push(members[2], 1, 3, _stripe_of(data, 1, 3))
+    assert code == 409 and reply["error"] == "stripe held", reply
+    bad = bytearray(_stripe_of(data, 0, 3))
+    bad[(16 << 10) + 5] ^= 1  # block 3, the stripe's second
+    assert push(members[0], 0, 3, bytes(bad)) == (200, {"stored": False})
+    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 1
+    assert push(members[2], 0, 3, _stripe_of(data, 0, 3)) == (200, {"stored": False})
+    assert push(members[1], 2, 3, _stripe_of(data, 2, 3)) == (200, {"stored": True})  # the last stripe completes it
+    assert stripes(r0, cluster.token, "received") == 3
+    assert _holds_chunk(r0, members[1])
+
+
+def test_a_stripe_count_is_the_pushers_word_and_a_false_one_holds_nothing_up(cluster, tmp_path):
+    """A member that pushes the first stripe of a chunk under a false count (2 where the plan deals 3)
+    has its blocks checked and kept, and the stripes of the real count are still taken beside it:
+    the chunk completes from them at once, not after ``STRIPE_WAIT``. A stripe whose blocks all
+    checked out already is declined, whatever its count."""
+    r0, members, data, push = _stripe_rig(cluster, 7)
+    assert push(members[0], 0, 2, _stripe_of(data, 0, 2)) == (200, {"stored": False})  # blocks 0 and 2
+    code, reply = push(members[1], 0, 4, _stripe_of(data, 0, 4))  # block 0 alone: checked out already
+    assert code == 409 and reply["error"] == "stripe held", reply
+    t0 = time.monotonic()
+    assert push(members[1], 1, 3, _stripe_of(data, 1, 3)) == (200, {"stored": False})  # block 1
+    assert push(members[2], 0, 3, _stripe_of(data, 0, 3)) == (200, {"stored": True})  # blocks 0 (again) and 3
+    assert time.monotonic() - t0 < 1.0 and _holds_chunk(r0, members[2])
+    assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 0
 
 
 def test_a_push_refused_by_a_node_that_does_not_know_the_pusher_yet_goes_again(cluster, tmp_path):

@@ -199,42 +199,77 @@ def _stripe(data: bytes, s: int, n: int) -> bytes:
 def test_a_chunk_in_stripes_fills_out_of_order_each_block_checked_and_serves_the_prefix_checked():
     data = os.urandom(7 * BLOCK + 100)  # 8 blocks, the last short
     p = Partial(len(data), BLOCK, block_hashes(data), what="chunk 2 of 5")
-    p.stripe(3)
+    p.stripe()
     body = {s: _stripe(data, s, 3) for s in range(3)}
-    assert sum(p.stripe_size(s) for s in range(3)) == len(data)
-    p.feed_stripe(1, body[1][: BLOCK + 10])  # block 1 whole, block 4 begun
+    assert sum(p.stripe_size((s, 3)) for s in range(3)) == len(data)
+    p.feed_stripe((1, 3), body[1][: BLOCK + 10])  # block 1 whole, block 4 begun
     assert p.has_block(1) and not p.has_block(0) and not p.has_block(4)
     assert p.ready == 0 and not p.servable  # nothing from the start yet
-    p.feed_stripe(0, body[0][:BLOCK])  # block 0
+    p.feed_stripe((0, 3), body[0][:BLOCK])  # block 0
     assert p.ready == 2 * BLOCK  # blocks 0 and 1: the prefix served on to streams of the whole chunk
-    p.feed_stripe(2, body[2])  # blocks 2 and 5
-    assert p.ready == 3 * BLOCK and p.stripe_whole(2) and not p.whole
-    p.feed_stripe(1, body[1][BLOCK + 10 :])
-    p.feed_stripe(0, body[0][BLOCK:])
+    p.feed_stripe((2, 3), body[2])  # blocks 2 and 5
+    assert p.ready == 3 * BLOCK and p.stripe_whole((2, 3)) and not p.whole
+    p.feed_stripe((1, 3), body[1][BLOCK + 10 :])
+    p.feed_stripe((0, 3), body[0][BLOCK:])
     assert p.whole and bytes(p.buf) == data and p.got == len(data)
-    p.feed_stripe(0, b"late")  # whole already (another stream completed it): ignored
+    p.feed_stripe((0, 3), b"late")  # whole already (another stream completed it): ignored
 
     q = Partial(len(data), BLOCK, block_hashes(data), what="chunk 2 of 5")
-    q.stripe(3)
+    q.stripe()
     bad = bytearray(_stripe(data, 2, 3))
     bad[BLOCK + 1] ^= 1  # in block 5, the stripe's second
     with pytest.raises(IntegrityError, match="chunk 2 of 5: block 5 does not match"):
-        q.feed_stripe(2, bytes(bad))
+        q.feed_stripe((2, 3), bytes(bad))
     assert q.has_block(2) and not q.has_block(5)
     with pytest.raises(IntegrityError, match="stripe 1 of 3 is longer than signed"):
-        q.feed_stripe(1, _stripe(data, 1, 3) + b"x")
+        q.feed_stripe((1, 3), _stripe(data, 1, 3) + b"x")
+
+
+def test_stripes_of_different_counts_overlap_without_trusting_either():
+    """A stripe's count is its pusher's word: stripes of 3 and of 2 fill one buffer, a block two of
+    them bring is written once, a bad copy of a block already checked is still caught, and a stripe
+    whose blocks have all checked out is held (a push of it would be declined)."""
+    data = os.urandom(6 * BLOCK)
+    hashes = block_hashes(data)
+    p = Partial(len(data), BLOCK, hashes)
+    p.stripe()
+    two = _stripe(data, 0, 2)  # blocks 0, 2, 4
+    three = _stripe(data, 0, 3)  # blocks 0, 3
+    p.feed_stripe((0, 2), two[: BLOCK // 2])  # half of block 0, kept apart
+    p.feed_stripe((0, 3), three[: BLOCK + 7])  # block 0 whole from this stream, block 3 begun
+    assert p.has_block(0) and not p.has_block(3)
+    p.feed_stripe((0, 2), two[BLOCK // 2 :])  # block 0 again (checked, not written), then 2 and 4
+    assert [p.has_block(b) for b in range(6)] == [True, False, True, False, True, False]
+    assert p.holds_stripe((0, 2))  # being taken
+    assert p.holds_stripe((2, 4))  # block 2 alone: checked out already
+    assert not p.holds_stripe((2, 3)) and not p.holds_stripe((3, 4))  # block 5, block 3: still to come
+    p.feed_stripe((0, 3), three[BLOCK + 7 :])
+    assert p.stripe_whole((0, 3)) and p.holds_stripe((3, 4)) and not p.whole
+    p.feed_stripe((1, 2), _stripe(data, 1, 2))  # blocks 1, 3 (checked already), 5
+    assert p.whole and bytes(p.buf) == data
+
+    q = Partial(len(data), BLOCK, hashes)
+    q.stripe()
+    q.feed_stripe((0, 3), _stripe(data, 0, 3))  # blocks 0 and 3
+    bad = bytearray(_stripe(data, 1, 2))
+    bad[BLOCK + 3] ^= 1  # block 3: checked here already, and this copy is bad
+    with pytest.raises(IntegrityError, match="block 3 does not match"):
+        q.feed_stripe((1, 2), bytes(bad))
+    assert bytes(q.buf[3 * BLOCK : 4 * BLOCK]) == data[3 * BLOCK : 4 * BLOCK]  # the checked copy kept
+    q.drop_stripe((1, 2))
+    assert not q.holds_stripe((1, 2))  # another pusher's copy of it may be taken
 
 
 @pytest.mark.asyncio
 async def test_a_stripe_is_served_on_block_by_block_as_each_checks_out():
     data = os.urandom(4 * BLOCK)
     p = Partial(len(data), BLOCK, block_hashes(data))
-    p.stripe(2)
+    p.stripe()
     waiting = asyncio.create_task(p.wait_block(3))
-    p.feed_stripe(1, data[BLOCK : 2 * BLOCK])
+    p.feed_stripe((1, 2), data[BLOCK : 2 * BLOCK])
     await asyncio.sleep(0.01)
     assert not waiting.done()
-    p.feed_stripe(1, data[3 * BLOCK :])
+    p.feed_stripe((1, 2), data[3 * BLOCK :])
     await asyncio.wait_for(waiting, 1)
     again = asyncio.create_task(p.wait_block(0))
     p.abort()
