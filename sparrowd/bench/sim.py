@@ -165,6 +165,7 @@ class Config:
     regions: int = 4
     patch: int = 64 * MB
     chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch
+    block: int | None = None  # the blocks chunks are hashed in; None: ``block_for``, as the trainer's daemon does
     versions: int = 2
     trainer_rate: float = 4 * MB
     node_rate: float = 8 * MB
@@ -190,6 +191,10 @@ class Config:
         return self.chunk or auto_chunk_size(self.patch)
 
     @property
+    def block_size(self) -> int:
+        return self.block or block_for(self.chunk_size)
+
+    @property
     def step(self) -> float:
         """The simulation's step: ``dt``, else at most 5 ms and under half the time a node takes to send
         one block. A relay hands a chunk on once a block has checked out, and each such hop took at
@@ -197,7 +202,7 @@ class Config:
         nodes in 8 regions read 1.51x the bound where 1 ms steps read 1.29x."""
         if self.dt is not None:
             return self.dt
-        return min(0.005, max(0.001, block_for(self.chunk_size) / max(self.trainer_rate, self.node_rate) / 2))
+        return min(0.005, max(0.001, self.block_size / max(self.trainer_rate, self.node_rate) / 2))
 
     @property
     def bound(self) -> float:
@@ -297,7 +302,7 @@ class Sim:
         self.dirty: set[Node] = set()
         self.chunk_size = cfg.chunk_size
         self.chunks = max(1, math.ceil(cfg.patch / self.chunk_size))
-        self.block = block_for(self.chunk_size)  # as the trainer's daemon hashes the version's chunks
+        self.block = cfg.block_size  # as the trainer's daemon hashes the version's chunks
         self.sizes = [min(self.chunk_size, cfg.patch - i * self.chunk_size) for i in range(self.chunks)]
         self.version = 0
         self.cross_bytes = 0

@@ -33,7 +33,7 @@ __all__ = ["ChunkRef", "VersionState", "announce_body", "block_hashes", "check_k
 
 MAX_CHUNKS_PER_VERSION = 1 << 20
 BLOCK = 64 << 10  # the grain of cut-through relaying: a node checks and hands on blocks of this size...
-RELAY_BLOCK_MIN, BLOCKS_PER_CHUNK = 16 << 10, 32  # ...or smaller ones, for small chunks (``block_for``)
+RELAY_BLOCK_MIN, BLOCKS_PER_CHUNK = 4 << 10, 64  # ...or smaller ones, for small chunks (``block_for``)
 BLOCK_HASH = 16  # bytes of BLAKE3 per block (the chunk's own hash, 32 bytes, is checked too before storing)
 MIN_BLOCK, MAX_BLOCK = 4 << 10, 64 << 20
 PAGE_STATEMENTS, PAGE_BYTES = 1024, 8 << 20  # what one exchange reply carries of the signed statements at most
@@ -49,12 +49,16 @@ class ChunkRef:
 
 def block_for(chunk: int) -> int:
     """The block size the trainer hashes a version's chunks in, from the size of its chunks: about a
-    32nd of a chunk, a power of two from 16 KiB (``RELAY_BLOCK_MIN``) to 64 KiB (``BLOCK``). A relay
+    64th of a chunk, a power of two from 4 KiB (``RELAY_BLOCK_MIN``) to 64 KiB (``BLOCK``). A relay
     hands a chunk on once its first block has checked out, so every hop down a chain of relays costs
-    a block's time: 6 MiB in 384 KiB chunks to 100 nodes took 1.33x the bound in 64 KiB blocks and
-    1.21x in 16 KiB ones, and 1,000 nodes 1.72-1.88x and 1.59-1.61x (``sparrowd bench sim``), where
-    2 MiB chunks gained nothing from blocks below 64 KiB. The floor bounds what the block hashes
-    add to the signed statements: 16 bytes a block, a 32nd of a chunk, is 0.05% of it."""
+    a block's time, and a chunk crossing in stripes ends with its last block sent on to every other
+    region (``swarm.push.stripe_plan``). ``sparrowd bench sim``, 8 regions, later versions: one
+    256 KiB chunk to 8 nodes, to 16, and to 16 at a quarter of the rates took 1.26x, 1.24x and 1.33x the bound in
+    16 KiB blocks (a 32nd of a chunk, from 16 KiB, as before), 1.14x, 1.16x and 1.22x in 8 KiB
+    ones, and 1.09x, 1.09x and 1.12x in 4 KiB ones; 2 MiB to 8 and 16 nodes 1.24x and 1.16x in
+    16 KiB blocks, 1.09x in 4 KiB; 6 MiB to 100 nodes 1.15x and 1.12x, 64 MiB (2 MiB chunks, 64 KiB
+    and 32 KiB blocks) 1.01x either way. The hashes add 16 bytes a block to the signed statements:
+    0.4% of a small patch's bytes, 0.05% of 2 MiB chunks'."""
     b = BLOCK
     while b > RELAY_BLOCK_MIN and b * BLOCKS_PER_CHUNK > chunk:
         b //= 2

@@ -146,14 +146,15 @@ def test_the_picker_fetches_from_a_neighbour_still_fetching_the_chunk_when_it_re
 
 
 def test_small_chunks_are_hashed_in_small_blocks():
-    """About a 32nd of a chunk, a power of two between 16 and 64 KiB: a relay hands a chunk on after
-    its first block, so small chunks move down a chain of relays in small steps."""
+    """About a 64th of a chunk, a power of two between 4 and 64 KiB: a relay hands a chunk on after
+    its first block, and a stripe's last block is sent on to every other region, so small chunks
+    move in small steps."""
     from sparrowd.swarm.versions import RELAY_BLOCK_MIN, block_for
 
-    assert block_for(2 << 20) == BLOCK == 64 << 10
+    assert block_for(8 << 20) == block_for(4 << 20) == BLOCK == 64 << 10
     assert block_for(64 << 20) == BLOCK  # never larger: a relay's first step stays short
-    assert block_for(1 << 20) == 32 << 10
-    assert block_for(384 << 10) == block_for(256 << 10) == RELAY_BLOCK_MIN == 16 << 10
+    assert block_for(2 << 20) == 32 << 10 and block_for(1 << 20) == 16 << 10
+    assert block_for(384 << 10) == block_for(256 << 10) == RELAY_BLOCK_MIN == 4 << 10
     assert block_for(1) == RELAY_BLOCK_MIN  # never smaller: hashes stay a small part of an announcement
     for size in (1, 5000, 300 << 10, 1 << 20, 3 << 20):
         b = block_for(size)
