@@ -102,8 +102,8 @@ class LyingPeer(threading.Thread):
                                     self.statements[e["version"]] = e["statements"]
                                     changed[0].set()
                                     changed[0] = asyncio.Event()
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass
+                except (OSError, aiohttp.ClientError, ValueError, KeyError, TypeError):
+                    pass  # (the trainer cuts it off once its credential is revoked: "Server disconnected")
 
         async def main():
             app = web.Application()
