@@ -163,7 +163,6 @@ class Partial:
                 if not self.checked[b]:  # (checked already: another stripe brought it)
                     self.buf[start : start + length] = whole
                     self.checked[b] = True
-                del whole
                 staged.clear()
                 done += take  # (a bad block's bytes are not counted in: the stripe is not whole)
         finally:
