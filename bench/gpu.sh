@@ -14,6 +14,11 @@
 # SWARM is a list of NODES:REGIONS:PATCH_MIB:VERSIONS runs of `sparrowd bench swarm --no-star`
 # (empty: none), each with SWARM_ARGS too (e.g. "--keep --log-level debug" for the daemons' logs);
 # their figures are packed into swarm.tar.gz with their logs (a lent box returns at most 8 files).
+# BASELINE=DIR alternates each swarm run with the same run on another tree of sparrowd (its
+# C extension built there too), so that a change is measured against the code before it on the
+# same box in the same call:
+#   git archive 809c1e4 | (mkdir -p .base && tar -x -C .base)   # .base ignored, carried with .whl
+#   BASELINE=.base VALUES= APPLY=0 CODEC=0 bench/gpu.sh
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
 # Python (3.12 in 2026-11) and carried with the call:
@@ -30,8 +35,10 @@ VALUES=${VALUES-ulp ulp2}
 APPLY=${APPLY:-1}
 CODEC=${CODEC:-1}
 SWARM_ARGS=${SWARM_ARGS:-}
+BASELINE=${BASELINE:-}
 SWARM=${SWARM-16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:0.25:3 16:4:2:3 16:4:6:3 16:8:0.25:3 16:4:64:2 32:4:0.25:3 32:4:6:3 32:8:2:3}
 PY=${PYTHON:-python3}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # the baseline builds elsewhere
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -42,9 +49,18 @@ fi
 # The CLI's package (cli/ installs as sparrowd_cli) without an install: the daemons are started
 # as `python -m sparrowd_cli.main`.
 mkdir -p /tmp/sparrowd-path && ln -sfn "$PWD/cli" /tmp/sparrowd-path/sparrowd_cli
+base_path=${PYTHONPATH:-}  # the wheels, for a baseline tree too
 export PYTHONPATH=$PWD:/tmp/sparrowd-path${PYTHONPATH:+:$PYTHONPATH}
 if ! "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
     echo "the C extension did not build (see build.log): the codec runs its numpy path"
+fi
+trees=this
+if [ -n "$BASELINE" ]; then
+    BASELINE=$(cd "$BASELINE" && pwd) || exit 1
+    (cd "$BASELINE" && "$PY" setup.py -q build_ext --inplace >"$OUT/build-baseline.log" 2>&1) ||
+        echo "the baseline's C extension did not build (see build-baseline.log)"
+    mkdir -p /tmp/sparrowd-path-baseline && ln -sfn "$BASELINE/cli" /tmp/sparrowd-path-baseline/sparrowd_cli
+    trees="this baseline"
 fi
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null
@@ -73,13 +89,21 @@ if [ -n "$SWARM" ]; then
         n=0
         for run in $SWARM; do
             IFS=: read -r nodes regions patch versions <<<"$run"
-            n=$((n + 1))
-            name=$n-$nodes-$regions-$patch
-            echo "== sparrowd bench swarm $run ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
-            mkdir -p "$OUT/swarm/$name"  # where --keep leaves the daemons' folders
-            TMPDIR=$OUT/swarm/$name timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star --nodes "$nodes" --regions "$regions" \
-                --patch-mib "$patch" --versions "$versions" --json "$OUT/swarm/$name.json" $SWARM_ARGS 2>&1 |
-                tee "$OUT/swarm/$name.log" | grep -E "version|time to all|upload|cross-region bytes" | tee -a "$OUT/gpu.log"
+            for tree in $trees; do
+                n=$((n + 1))
+                name=$n-$nodes-$regions-$patch
+                path=$PYTHONPATH
+                if [ "$tree" = baseline ]; then
+                    name=$name-baseline
+                    path=$BASELINE:/tmp/sparrowd-path-baseline${base_path:+:$base_path}
+                fi
+                echo "== sparrowd bench swarm $run, $tree tree ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
+                mkdir -p "$OUT/swarm/$name"  # where --keep leaves the daemons' folders
+                TMPDIR=$OUT/swarm/$name PYTHONPATH=$path timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star \
+                    --nodes "$nodes" --regions "$regions" --patch-mib "$patch" --versions "$versions" \
+                    --json "$OUT/swarm/$name.json" $SWARM_ARGS 2>&1 |
+                    tee "$OUT/swarm/$name.log" | grep -E "version|time to all|upload|cross-region bytes" | tee -a "$OUT/gpu.log"
+            done
         done
         (cd "$OUT" && find swarm -name "*.log" -o -name "*.json" | tar -czf swarm.tar.gz -T -) && rm -rf "$OUT/swarm"
     else

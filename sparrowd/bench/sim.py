@@ -407,6 +407,14 @@ class Sim:
             return len(x.queue[self.lane(x, y)]) < QUEUE_ADMIT  # a relay admits by its lane's queue depth
         return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near(x, y)[1])
 
+    def owed(self, x: Node, y: Node) -> frozenset[int]:
+        """As the daemon's ``_owed``: the chunks the trainer's super-seeding gave y and y lacks, shown
+        and served to it whatever x's choker says."""
+        if x.superseed is None:
+            return frozenset()
+        k = x.known.get(y.id)
+        return x.superseed.given_to(y.id) - (k.have if k is not None else set())
+
     def near(self, x: Node, y: Node) -> tuple[int, int]:
         """As the daemon's ``_near``: for a peer of another region, the trainer's own region's peers it
         may serve now, and the free slots it keeps for those still short of the version."""
@@ -420,7 +428,7 @@ class Sim:
         if not x.trainer:
             return len(x.queue[self.lane(x, y)]) >= QUEUE_ADMIT
         if self.wants(x, y):
-            return not self.may_download(x, y)
+            return not self.may_download(x, y) and not self.owed(x, y)
         return self.choking_active(x) and y.id not in x.unchoked
 
     def shown(self, x: Node, y: Node) -> set[int]:
@@ -428,7 +436,7 @@ class Sim:
         if not x.trainer:
             return x.have
         if not self.may_download(x, y):
-            return set()
+            return self.owed(x, y) & x.have
         k = x.known[y.id]
         trusted = bool(k.have) or not any(x.held_by.values())
         near = self.near_trainer
@@ -462,8 +470,8 @@ class Sim:
         feed = None if r.chunk in x.have or not self.cfg.cut_through else x.partial.get(r.chunk)
         if feed is not None and self.cfg.relay_after_block and not self.ready(feed):
             feed = None  # nothing has come of it yet: it may be fed, in a circle, by the streams it would serve
-        if k is None or (r.chunk not in x.have and feed is None) or not self.may_download(x, y) \
-                or k.uploads >= UPLOADS_PER_PEER:
+        if k is None or (r.chunk not in x.have and feed is None) \
+                or not (self.may_download(x, y) or r.chunk in self.owed(x, y)) or k.uploads >= UPLOADS_PER_PEER:
             return self.at(self.now + self.owd(x, y), self.refused, r)  # the daemon's 404 (not a lie) or 503
         k.uploads += 1
         if x.trainer:

@@ -110,6 +110,11 @@ class SuperSeed:
         if self.owner.get(index) == peer:
             self.claimed.discard(index)
 
+    def given_to(self, peer: str) -> frozenset[int]:
+        """The chunks ``peer`` was given and may still be fetching: its standing assignments, until
+        it holds them, it is choked (``forget``) or they go to another (``offer``)."""
+        return frozenset(self.assigned.get(peer, ()))
+
     def forget(self, peer: str, *, unclaimed_only: bool = False) -> None:
         """``peer`` left (or was choked: ``unclaimed_only``, since a transfer it started goes on):
         what it was given and does not hold may be given to another at once. A peer that left also

@@ -411,6 +411,23 @@ def test_a_page_of_statements_stops_at_its_count_or_its_bytes_but_always_moves_o
     assert page.take(small, 0) == []
 
 
+def test_a_peer_keeps_what_it_was_given_until_it_is_choked_or_the_chunk_goes_to_another():
+    """``given_to``: the assignments the trainer shows and serves a peer even once its choker would
+    refuse it (``Swarm._owed``). They last until the peer is choked (``forget``, its unclaimed ones
+    only) or the chunk, unasked for past ``claim_within``, goes to another peer."""
+    s = SuperSeed(2, per_peer=1, claim_within=3.0, regive_after=30.0, rng=random.Random(0))
+    (a,) = s.offer(0.0, "a", set(), {})
+    (b,) = s.offer(0.0, "b", set(), {})
+    assert s.given_to("a") == {a} and s.given_to("b") == {b} and s.given_to("c") == frozenset()
+    s.claim(b, "b")
+    s.forget("a", unclaimed_only=True)
+    s.forget("b", unclaimed_only=True)
+    assert s.given_to("a") == frozenset() and s.given_to("b") == {b}  # b's transfer goes on
+    assert s.offer(0.5, "c", set(), {}) == {a} and s.given_to("c") == {a}  # a's went at once
+    assert s.offer(4.0, "d", set(), {}) == {a}  # c never asked for it: it lapsed to d
+    assert s.given_to("c") == frozenset() and s.given_to("d") == {a}
+
+
 def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
     """The first copies of a small patch start in as many places as there are chunks: two a peer
     put 8 chunks into 4 peers (and at 16 nodes in 8 regions, into 2 regions)."""

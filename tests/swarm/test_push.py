@@ -403,6 +403,43 @@ def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_traine
     assert Swarm._shown(me, Remote("u1", "us"), vs) == set()
 
 
+def test_the_trainer_serves_a_peer_the_chunk_it_gave_it_once_its_choker_would_refuse_the_peer():
+    """A swarm forming: the trainer gives first copies while it has no more live peers than upload
+    slots (its choker idle), and the swarm grows past them before the peers ask. A peer the choker
+    never unchoked is then refused (503, "choked") but never choked either, which would hand its
+    assignment to another, so the chunk reached nobody until ``claim_within`` (3 s) had passed:
+    2 MiB to 16 daemons in 8 regions, the trainer's copy sent 2-4 s late in 1 first version in 5.
+    Its assignment is now shown and served to it; other chunks are not."""
+    import random
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import Remote, Swarm
+    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.superseed import SuperSeed
+
+    key = Key(1, False)
+    vs = SimpleNamespace(key=key, have={0, 1, 2}, chunks=[None] * 3, total=3)
+    admitted = {"open": True}
+    me = SimpleNamespace(signer=object(), _may_download=lambda r: admitted["open"],
+                         superseed={key: SuperSeed(3, single_from=4, rng=random.Random(0))},
+                         daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
+                         _showing=0, held_by={}, _live=lambda: (6, 3, 1, 3), _choking_active=lambda: True,
+                         _near=lambda r: (3, 3))
+    me._owed = lambda r, k: Swarm._owed(me, r, k)
+    a, b = Remote("e1", "eu"), Remote("e2", "eu")
+    given = Swarm._shown(me, a, vs)
+    assert len(given) == 1
+    (mine,) = given
+    admitted["open"] = False  # the swarm grew past the upload slots; the choker left e1 out
+    assert Swarm._shown(me, a, vs) == given  # still shown to it...
+    assert Swarm._may_fetch(me, a, key, mine)  # ...and served
+    assert Swarm._owes(me, a)
+    assert not any(Swarm._may_fetch(me, a, key, c) for c in {0, 1, 2} - given)  # the rest: refused
+    assert Swarm._shown(me, b, vs) == set() and not Swarm._may_fetch(me, b, key, mine) and not Swarm._owes(me, b)
+    a.have[key] = frozenset(given)
+    assert not Swarm._owes(me, a)  # it holds it: nothing more is owed
+
+
 def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_count_asks():
     """``Swarm._live`` counts the peers heard from at most once a second. A count taken as a swarm
     formed, before any peer of another region was heard, said one region, and ``first_copies_near``
