@@ -34,7 +34,7 @@ def _many_chunks(path, chunks: int) -> None:
 
 def test_a_new_peer_gets_a_large_versions_statements_a_page_at_a_time(cluster, tmp_path):
     path = tmp_path / "v1.sprw"
-    _many_chunks(path, PAGE_STATEMENTS + 300)
+    _many_chunks(path, PAGE_STATEMENTS + 40)
     m = manifests([path])[1]
     total = len(m.chunks) + 1  # an announcement a chunk, and the manifest
     assert total > PAGE_STATEMENTS
