@@ -678,9 +678,13 @@ class Swarm:
         # region (2 of 6 first versions on 16 daemons crossed 1.33x (R-1) x patch).
         chunks = vs.total if vs.total is not None else len(vs.chunks)
         far = remote.region != self.daemon.settings.region
-        fresh = not far or not first_copies_near(chunks, regions, near, servable)
+        home = first_copies_near(chunks, regions, near, servable)
+        # While first copies stay near, only the near peers take them: counted by them, a region of
+        # two is given two chunks a peer at a time, and the trainer's uplink no longer waits between
+        # one chunk and the next request (``SuperSeed.offer``).
         return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
-                        self.held_by.get(vs.key, {}), trusted=trusted, peers=live, fresh=fresh, far=far,
+                        self.held_by.get(vs.key, {}), trusted=trusted, peers=near if home else live,
+                        fresh=not far or not home, far=far,
                         far_most=far_first_copies(chunks, regions, near)) & vs.have
 
     def _owed(self, remote: Remote, key: Key) -> frozenset[int]:
