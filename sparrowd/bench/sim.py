@@ -442,7 +442,8 @@ class Sim:
         near = self.near_trainer
         servable = self.near(x, y)[0] if self.choking_active(x) else near  # as the daemon's ``_shown``
         far = y.region != x.region
-        home = first_copies_near(len(self.sizes), self.cfg.regions, near, servable)
+        home = first_copies_near(len(self.sizes), self.cfg.regions, near, servable,
+                                 quick=self.cfg.patch / self.cfg.trainer_rate < self.cfg.rtt)  # as ``Swarm._quick``
         return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted,
                                  peers=near if home else len(x.known), fresh=not far or not home, far=far,
                                  far_most=far_first_copies(len(self.sizes), self.cfg.regions, near)) & x.have

@@ -678,7 +678,7 @@ class Swarm:
         # region (2 of 6 first versions on 16 daemons crossed 1.33x (R-1) x patch).
         chunks = vs.total if vs.total is not None else len(vs.chunks)
         far = remote.region != self.daemon.settings.region
-        home = first_copies_near(chunks, regions, near, servable)
+        home = first_copies_near(chunks, regions, near, servable, quick=self._quick(vs))
         # While first copies stay near, only the near peers take them: counted by them, a region of
         # two is given two chunks a peer at a time, and the trainer's uplink no longer waits between
         # one chunk and the next request (``SuperSeed.offer``).
@@ -686,6 +686,17 @@ class Swarm:
                         self.held_by.get(vs.key, {}), trusted=trusted, peers=near if home else live,
                         fresh=not far or not home, far=far,
                         far_most=far_first_copies(chunks, regions, near)) & vs.have
+
+    def _quick(self, vs: VersionState) -> bool:
+        """Whether the trainer sends this version in less than a round trip between regions (its
+        upload limit and the median delay its peers measured; the chunks announced so far stand for
+        the rest until the manifest comes): ``first_copies_near``'s ``quick``. Without an upload
+        limit the trainer does not know its rate, and says no."""
+        delay, sizes = self.delay(), [c.size for c in vs.chunks.values()]
+        if not self.up.rate or not delay or not sizes:
+            return False
+        size = sum(sizes) * max(1.0, (vs.total or 0) / len(sizes))
+        return size / self.up.rate < 2 * delay
 
     def _owed(self, remote: Remote, key: Key) -> frozenset[int]:
         """The chunks of ``key`` super-seeding gave ``remote`` and it may still fetch: the trainer shows

@@ -457,6 +457,8 @@ def test_first_copies_stay_in_the_seeds_region_while_it_has_peers_to_take_them()
     assert not first_copies_near(1, 4, 0, 0)  # nobody near
     assert not first_copies_near(4, 1, 8, 8)  # one region: nothing to cross
     assert not first_copies_near(None, 4, 8, 8) and not first_copies_near(0, 4, 8, 8)  # no manifest yet
+    # A version that leaves the seed in less than a round trip stays near wherever two near peers may take it.
+    assert first_copies_near(16, 8, 2, 2, quick=True) and not first_copies_near(16, 8, 2, 1, quick=True)
     ss = SuperSeed(1, single_from=4, claim_within=3.0)
     assert ss.offer(0.0, "far", set(), {}, peers=16, fresh=False) == set()
     assert ss.offer(0.1, "near", set(), {}, peers=16) == {0}

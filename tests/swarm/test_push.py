@@ -397,7 +397,7 @@ def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_traine
     me = SimpleNamespace(signer=signer, _may_download=lambda r: True, superseed={Key(1, False): _superseed(1)},
                          daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
                          _showing=0, held_by={}, _live=lambda: (6, 3, 3, 3), _choking_active=lambda: False,
-                         _near=lambda r: (3, 3))
+                         _near=lambda r: (3, 3), _quick=lambda vs: False)
     assert Swarm._shown(me, Remote("u1", "us"), vs) == set()  # another region's peer: not a first copy
     assert Swarm._shown(me, Remote("e1", "eu"), vs) == {0}
     assert Swarm._shown(me, Remote("u1", "us"), vs) == set()
@@ -426,7 +426,7 @@ def test_while_first_copies_stay_near_the_trainer_paces_them_by_its_near_peers()
                                                        rng=random.Random(0))},
                              daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
                              _showing=0, held_by={}, _live=lambda: (live, near, regions, near),
-                             _choking_active=lambda: False, _near=lambda r: (near, 0))
+                             _choking_active=lambda: False, _near=lambda r: (near, 0), _quick=lambda vs: False)
         return me, vs
 
     assert SEED_PER_PEER == 2 and SEED_SINGLE_FROM <= 6
@@ -460,7 +460,7 @@ def test_the_trainer_serves_a_peer_the_chunk_it_gave_it_once_its_choker_would_re
                          superseed={key: SuperSeed(3, single_from=4, rng=random.Random(0))},
                          daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
                          _showing=0, held_by={}, _live=lambda: (6, 3, 1, 3), _choking_active=lambda: True,
-                         _near=lambda r: (3, 3))
+                         _near=lambda r: (3, 3), _quick=lambda vs: False)
     me._owed = lambda r, k: Swarm._owed(me, r, k)
     a, b = Remote("e1", "eu"), Remote("e2", "eu")
     given = Swarm._shown(me, a, vs)
@@ -474,6 +474,27 @@ def test_the_trainer_serves_a_peer_the_chunk_it_gave_it_once_its_choker_would_re
     assert Swarm._shown(me, b, vs) == set() and not Swarm._may_fetch(me, b, key, mine) and not Swarm._owes(me, b)
     a.have[key] = frozenset(given)
     assert not Swarm._owes(me, a)  # it holds it: nothing more is owed
+
+
+def test_the_trainer_knows_a_version_quick_when_it_leaves_in_less_than_a_round_trip():
+    """``Swarm._quick``, ``first_copies_near``'s ``quick``: the version's bytes (the chunks announced so
+    far standing for the rest until the manifest) over the trainer's upload limit, against twice the
+    median one-way delay its peers measured. No limit, no delay or no chunk: not quick."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import Swarm
+
+    MB = 1 << 20
+
+    def quick(rate, delay, sizes, total=None):
+        me = SimpleNamespace(up=SimpleNamespace(rate=rate), delay=lambda: delay)
+        vs = SimpleNamespace(chunks={i: SimpleNamespace(size=n) for i, n in enumerate(sizes)}, total=total)
+        return Swarm._quick(me, vs)
+
+    assert quick(100 * MB, 0.04, [MB] * 2)  # 2 MiB at 100 MiB/s: 20 ms, under an 80 ms round trip
+    assert not quick(100 * MB, 0.04, [MB] * 2, total=8)  # 8 MiB once the manifest says 8 chunks: 80 ms
+    assert not quick(4 * MB, 0.04, [MB] * 2)  # at 4 MiB/s: half a second
+    assert not quick(None, 0.04, [MB]) and not quick(100 * MB, None, [MB]) and not quick(100 * MB, 0.04, [])
 
 
 def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_count_asks():
