@@ -689,14 +689,15 @@ class Swarm:
 
     def _quick(self, vs: VersionState) -> bool:
         """Whether the trainer sends this version in less than a round trip between regions (its
-        upload limit and the median delay its peers measured; the chunks announced so far stand for
-        the rest until the manifest comes): ``first_copies_near``'s ``quick``. Without an upload
-        limit the trainer does not know its rate, and says no."""
-        delay, sizes = self.delay(), [c.size for c in vs.chunks.values()]
-        if not self.up.rate or not delay or not sizes:
+        upload limit and the median delay its peers measured; its size taken as its chunk count, once
+        the manifest gives it, else the chunks announced so far, times one chunk's size: every
+        exchange the trainer answers asks, so no walk over a large version's chunks):
+        ``first_copies_near``'s ``quick``. Without an upload limit the trainer does not know its
+        rate, and says no."""
+        delay, first = self.delay(), next(iter(vs.chunks.values()), None)
+        if not self.up.rate or not delay or first is None:
             return False
-        size = sum(sizes) * max(1.0, (vs.total or 0) / len(sizes))
-        return size / self.up.rate < 2 * delay
+        return first.size * (vs.total or len(vs.chunks)) / self.up.rate < 2 * delay
 
     def _owed(self, remote: Remote, key: Key) -> frozenset[int]:
         """The chunks of ``key`` super-seeding gave ``remote`` and it may still fetch: the trainer shows
