@@ -706,13 +706,14 @@ class Swarm:
         that were refused them after it (HTTP 503, "choked"), never having been unchoked, so never
         choked either (which hands their assignments to others), and the chunk reached nobody until
         ``claim_within`` (3 s) had passed: 2.1x and 7.2x the bound in two first versions of 2 MiB to
-        16 daemons in 8 regions (``bench swarm``), the trainer's copy sent 2-4 s late."""
+        16 daemons in 8 regions (``bench swarm``), the trainer's copy sent 2-4 s late. Those its
+        have-map shows it holds are not owed any more."""
         ss = self.superseed.get(key)
-        return ss.given_to(remote.node_id) if ss is not None else frozenset()
+        return ss.given_to(remote.node_id) - remote.have.get(key, frozenset()) if ss is not None else frozenset()
 
     def _owes(self, remote: Remote) -> bool:
-        """Whether ``remote`` has an assignment it does not hold yet (``_owed``), of any version."""
-        return any(self._owed(remote, k) - remote.have.get(k, frozenset()) for k in self.superseed)
+        """Whether ``remote`` is owed a chunk (``_owed``) of any version."""
+        return any(self._owed(remote, k) for k in self.superseed)
 
     def _may_fetch(self, remote: Remote, key: Key, index: int) -> bool:
         """Whether ``remote``'s request for chunk ``index`` of ``key`` is served now (else 503,
