@@ -9,6 +9,33 @@ from tests.daemon.harness import Daemon, free_port, make_token, node_ids, wait_f
 TTL = 2.0  # short leases keep the tests fast; renewals come every TTL/3
 
 
+ENGINE = "tests/engine/"  # the tests that start real vLLM servers and engines
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vLLM tests first: under ``-n 2`` (the README's test command) they take one worker from the
+    start, the longest share of the suite, while the other works through the rest."""
+    items.sort(key=lambda item: not item.nodeid.startswith(ENGINE))  # stable: each module keeps its order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, the vLLM tests one scope: they run on one worker, one at a time
+    and in order (one module's tests share a server and build on each other's steps, and each server
+    keeps this machine's two cores busy while it loads). Every other test is its own scope, shared out
+    as workers come free. (``--dist loadgroup`` would say this with a mark, but it groups nothing under
+    pytest 9, whose node ids it can no longer suffix.)"""
+    if config.getvalue("dist") != "load":  # -n's own default; any other --dist asked for is left alone
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ENGINE if nodeid.startswith(ENGINE) else nodeid
+
+    return VllmApart(config, log)
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """Start daemons with ``cluster.add(...)``; whatever still runs is killed at the end."""

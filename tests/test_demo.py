@@ -14,8 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_demo_runs_end_to_end_and_cleans_up():
     r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "demo", "--nodes", "3", "--regions", "2",
-                        "--steps", "3"], capture_output=True, text=True, timeout=120, env={"COLUMNS": "200",
-                                                                                           **_env()})
+                        "--steps", "3"], capture_output=True, text=True, timeout=120, env={**_env(), "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "a trainer and 3 rollout daemons in 2 regions" in out
