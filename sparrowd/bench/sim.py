@@ -120,7 +120,6 @@ import numpy as np
 
 from ..codec.patch import auto_chunk_size
 from ..daemon.swarm import (
-    CROSS_RATE,
     MIN_RATE,
     QUEUE_ADMIT,
     RELAY_CONCURRENT,
@@ -203,6 +202,12 @@ class Config:
         if self.dt is not None:
             return self.dt
         return min(0.005, max(0.001, self.block_size / max(self.trainer_rate, self.node_rate) / 2))
+
+    @property
+    def wan_rtt(self) -> float:
+        """The round trip between regions as a node measures it (``Swarm.wan_delay``, doubled): none
+        where there is one region."""
+        return self.rtt if self.regions > 1 else 0.0
 
     @property
     def bound(self) -> float:
@@ -751,7 +756,8 @@ class Sim:
                 k.inflight -= 1
         if r.stripe is not None and y.partial.get(r.chunk) is r.asm and \
                 not any(q.stripe is not None for q in y.fetching.get(r.chunk, {}).values()):
-            self.at(self.now + STRIPE_WAIT, self.stripes_stopped, r.asm)  # the last stripe out: the rest may not come
+            # The last stripe out: the rest may not come.
+            self.at(self.now + STRIPE_WAIT + self.cfg.wan_rtt, self.stripes_stopped, r.asm)
         self.dirty.add(y)
 
     def refused(self, r: Req) -> None:
@@ -950,9 +956,10 @@ class Sim:
         return min(first * self.block, a.size)
 
     def stripes_stopped(self, a: Req) -> None:
-        """The daemon's ``STRIPE_WAIT``: no stripe of a chunk came for that long; it is asked for whole."""
+        """The daemon's ``STRIPE_WAIT`` (plus the round trip between regions): no stripe of a chunk came for
+        that long; it is asked for whole."""
         y = a.dst
-        if y.partial.get(a.chunk) is not a or self.now - a.fed_at < STRIPE_WAIT - 1e-9 or \
+        if y.partial.get(a.chunk) is not a or self.now - a.fed_at < STRIPE_WAIT + self.cfg.wan_rtt - 1e-9 or \
                 any(q.stripe is not None for q in y.fetching.get(a.chunk, {}).values()):
             return
         del y.partial[a.chunk]
@@ -1023,7 +1030,7 @@ class Sim:
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
         gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]
         region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
-        y.picker.cross_wait = 3.0 + self.chunk_size / CROSS_RATE
+        y.picker.pace(self.chunk_size, self.cfg.wan_rtt)
         views = []
         haves = {}
         for pid, k in y.known.items():

@@ -143,13 +143,14 @@ DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that kno
 SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
 SEED_PER_PEER = 2  # chunks the trainer assigns a peer at a time (3 measured no faster, and more duplicates)...
 SEED_SINGLE_FROM = 4  # ...but one, once this many peers keep its upload slots busy (SuperSeed)
-CROSS_RATE = 256 << 10  # the slowest cross-region rate a designated crosser is waited for
 STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
 PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
 STRIPED_TAKEN = 16  # chunks a node receives in stripes at once, apart (a patch's chunks cross side by side)
-PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it
+PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it,
+# beyond the round trip to that peer
 PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
-STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole
+STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole,
+# beyond the round trip between regions (its stripes come from all of them)
 NO_HASHES = "no signed block hashes for that chunk here yet"
 NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
 PUSH_TRIES = 4  # a push the receiver refuses as from a node it does not know yet goes again this often in all
@@ -1284,6 +1285,7 @@ class Swarm:
         if now < self.store_paused_until:
             return 0
         self.counted = {k: c for k, c in self.counted.items() if k in self.versions and not self.versions[k].complete}
+        round_trip = 2 * (self.wan_delay() or 0.0)  # between regions, as this node measured it
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -1297,8 +1299,9 @@ class Swarm:
             trusted = {p for p in counted if p in self.peers and not self.peers[p].stalled}
             region_nodes = self._crossers(trusted)
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
-            # Give the region's designated crosser time to move a chunk before anyone else crosses for it.
-            self.picker.cross_wait = 3.0 + chunk_size / CROSS_RATE
+            # Give the region's designated crosser time to move a chunk before anyone else crosses for it,
+            # and a request time to come back before the endgame duplicates it: both wait a round trip more.
+            self.picker.pace(chunk_size, round_trip)
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
@@ -1310,7 +1313,7 @@ class Swarm:
                 part = self.partials.get((k, i))
                 if part is None or not part.striped or part.feeders:
                     continue
-                if now - part.fed_at < STRIPE_WAIT and not part.failed:
+                if now - part.fed_at < STRIPE_WAIT + round_trip and not part.failed:
                     inflight[i].add("")
                 else:
                     del self.partials[(k, i)]
@@ -1318,7 +1321,7 @@ class Swarm:
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
                           index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks)
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
-                for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM else ():
+                for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM + (p.rtt or round_trip) else ():
                     if i in inflight:
                         inflight[i].add(p.node_id)
             since = {i: self.available_since.get((k, i), now) for i in missing}

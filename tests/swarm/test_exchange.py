@@ -8,7 +8,7 @@ import pytest
 
 from sparrowd.swarm import versions
 from sparrowd.swarm.choker import Choker, ChokerPeer
-from sparrowd.swarm.picker import PeerView, Picker, designated, slots_for_rate
+from sparrowd.swarm.picker import CROSS_GRACE, CROSS_RATE, ENDGAME_AFTER, PeerView, Picker, designated, slots_for_rate
 from sparrowd.swarm.rate import Rate
 from sparrowd.swarm.superseed import CROSS_BUDGET, SuperSeed, far_first_copies, first_copies_near
 from sparrowd.swarm.versions import from_bitmap, to_bitmap
@@ -140,6 +140,34 @@ def test_endgame_duplicates_the_last_requests_and_respects_slots():
     one = [PeerView("a", "eu", set(range(10)), slots=3, inflight=1)]
     assert len(Picker("me", "eu").pick(0.0, version=1, missing=range(10), inflight={}, peers=one,
                                        region_nodes=["me"], available_since={})) == 2
+
+
+def test_the_waits_stretch_by_the_round_trip_between_regions():
+    chunk = 512 << 10
+    p = Picker("n1", "eu")
+    p.pace(chunk)  # no round trip measured yet
+    assert p.cross_wait == CROSS_GRACE + chunk / CROSS_RATE and p.endgame_after == ENDGAME_AFTER
+    p.pace(chunk, 2.0)
+    assert p.cross_wait == CROSS_GRACE + chunk / CROSS_RATE + 2.0 and p.endgame_after == ENDGAME_AFTER + 2.0
+    # What that changes: 3 s after a chunk was asked for across a 2 s round trip, its first byte has
+    # only just had time to come; no second request goes out for it yet. With the wait unstretched
+    # (the round trip not measured), it would.
+    peers = [PeerView(x, "us", {0, 1}, slots=4) for x in ("a", "b")]
+    args = dict(version=1, missing=[0, 1], inflight={0: {"a"}, 1: {"b"}}, peers=peers, region_nodes=["n1"],
+                available_since={0: 0.0, 1: 0.0}, asked_at={0: 7.0, 1: 7.0})
+    assert p.pick(10.0, **args) == []
+    assert {(r.index, r.duplicate) for r in p.pick(11.0, **args)} == {(0, True), (1, True)}
+    p.pace(chunk, None)
+    assert {(r.index, r.duplicate) for r in p.pick(10.0, **args)} == {(0, True), (1, True)}
+    # A designated crosser that has not started is passed over only once its stretched wait is out.
+    region = ["n1", "idle"]
+    c = next(c for c in range(40) if designated(7, c, region) == "idle")
+    views = [PeerView("far", "us", {c}), PeerView("idle", "eu", set())]
+    p.pace(chunk, 2.0)
+    late = CROSS_GRACE + chunk / CROSS_RATE + 1.0  # past the unstretched wait, within the stretched one
+    assert p.stalled(late, version=7, missing=[c], peers=views, region_nodes=region, available_since={c: 0.0}) == set()
+    assert p.stalled(late + 1.0, version=7, missing=[c], peers=views, region_nodes=region,
+                     available_since={c: 0.0}) == {"idle"}
 
 
 def test_slots_follow_the_rate():
