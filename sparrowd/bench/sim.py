@@ -271,6 +271,7 @@ class Node:
         self.have: set[int] = set()
         self.fetching: dict[int, dict[str, Req]] = {}
         self.partial: dict[int, Req] = {}  # chunks being fetched that it relays cut-through: their first requests
+        self.unstriped: set[int] = set()  # chunks whose stripes stopped short, asked for whole (``Swarm.unstriped``)
         self.available_since: dict[int, float] = {}
         self.counted: frozenset[str] | None = None
         self.counted_known: frozenset[str] = frozenset()  # the region's peers known when counted was decided
@@ -907,6 +908,8 @@ class Sim:
             if s in a.parts or y.id in z.fetching.get(c, {}):
                 return False  # declined: a stripe held
         elif z.fetching.get(c):
+            if c in z.unstriped:
+                return False  # declined: asked for whole
             if (u := self.unstarted(z, c, y)) is None:
                 return False  # declined: being fetched
             u.cancelled = True
@@ -963,6 +966,7 @@ class Sim:
                 any(q.stripe is not None for q in y.fetching.get(a.chunk, {}).values()):
             return
         del y.partial[a.chunk]
+        y.unstriped.add(a.chunk)
         self.assemblies.discard(a)
         self.abort(a)
         self.dirty.add(y)
@@ -1135,6 +1139,7 @@ class Sim:
             n.counted_known = frozenset()
             n.pushed = {}
             n.striped_to = {}
+            n.unstriped = set()
             n.first_hand = set()
             n.root = {}
             n.aware = False

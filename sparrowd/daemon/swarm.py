@@ -268,6 +268,7 @@ class Swarm:
         self.asked_at: dict[tuple[Key, int], float] = {}  # when a chunk in flight was asked for (the endgame)
         self.available_since: dict[tuple[Key, int], float] = {}
         self.partials: dict[tuple[Key, int], Partial] = {}  # chunks being fetched, served cut-through
+        self.unstriped: set[tuple[Key, int]] = set()  # chunks whose stripes stopped short: asked for whole
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
         self.turns_waited = 0  # requests for a chunk still arriving that waited for a stream of it to end
         self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
@@ -1286,6 +1287,9 @@ class Swarm:
             return 0
         self.counted = {k: c for k, c in self.counted.items() if k in self.versions and not self.versions[k].complete}
         round_trip = 2 * (self.wan_delay() or 0.0)  # between regions, as this node measured it
+        if self.unstriped:
+            self.unstriped = {(k, i) for k, i in self.unstriped
+                              if k in self.versions and i not in self.versions[k].have}
         for k in sorted(self.wanted()):
             vs = self.versions.get(k)
             if vs is None or vs.complete:
@@ -1318,6 +1322,7 @@ class Swarm:
                 else:
                     del self.partials[(k, i)]
                     part.abort()
+                    self.unstriped.add((k, i))
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
                           index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks)
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
@@ -1826,6 +1831,11 @@ class Swarm:
                 s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
             except ValueError as e:
                 return str(e)
+        if stripe is not None and (key, i) in self.unstriped and (key, i) in self.inflight:
+            # Its stripes stopped short and it is asked for whole: stripes pushed now would replace that
+            # request (``_unstarted``) and stop short again (at 2 s round trips, a chunk's fallback across
+            # was so replaced by four stripes of a seventh, and the region waited out STRIPE_WAIT twice).
+            return "asked for whole"
         if joining:
             # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
             # from another, is still in flight until its task has run its cancellation, and declining
