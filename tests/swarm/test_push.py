@@ -321,6 +321,36 @@ def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_r
     assert Swarm._unstarted(me, key, 0, "r2") is None  # that one is a push being taken
 
 
+def test_a_chunk_whose_stripes_stopped_short_takes_no_stripes_while_it_is_asked_for_whole():
+    """Once a chunk's stripes stopped short it is asked for whole; a stripe pushed meanwhile would take
+    that request's place (``_unstarted``) and stop short again, so it is declined, and the pusher hands
+    it to its fallbacks. A whole push is still taken in the request's place, and once no request is
+    out for the chunk (it failed), stripes are welcome again."""
+    from types import SimpleNamespace
+
+    from sparrowd.daemon.swarm import PeerState, Swarm
+    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.versions import BLOCK_HASH
+
+    key, task = Key(3, False), object()
+    vs = SimpleNamespace(chunks={0: SimpleNamespace(size=1 << 20)}, blocks={0: bytes(BLOCK_HASH * 64)}, have=set())
+    me = SimpleNamespace(signer=None, versions={key: vs}, partials={}, inflight={(key, 0): {"r1": task}},
+                         unstriped=set(), wanted=lambda: {key}, store_paused_until=0.0, _taking=set(),
+                         _taking_stripes=set())
+    pusher = PeerState("r2", "a:1", "us", "rollout")
+
+    def declines(**kw):
+        return Swarm._declines(me, key, 0, pusher, **kw)
+
+    assert declines(stripe="1/4") == "being fetched"  # a request out: it may still take that one's place...
+    assert declines(stripe="1/4", replacing=True) is None
+    me.unstriped.add((key, 0))  # ...but not once its stripes stopped short and it is asked for whole
+    assert declines(stripe="1/4") == declines(stripe="1/4", replacing=True) == "asked for whole"
+    assert declines(replacing=True) is None  # the chunk whole may still take the request's place
+    me.inflight.clear()  # the request failed: stripes are taken again
+    assert declines(stripe="1/4") is None
+
+
 def test_a_manifest_after_the_last_chunk_completes_the_version_like_the_chunk_would(tmp_path):
     """A pushed chunk can outrun the version's manifest: every chunk is here before the manifest
     names them. The exchange reply that brings the manifest completes the version then, as the
