@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
 from aiohttp import web
 
 from .. import __version__
@@ -68,6 +69,7 @@ from .membership import (
     LocalTrackerClient,
     Membership,
     bearer,
+    outgoing,
 )
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .settings import Settings, read_tokens
@@ -143,6 +145,11 @@ class Daemon:
         self.swarm: Swarm | None = None
         self.token = ""
         self.source_address: str | None = None
+        # Outgoing connections, one pool for the tracker client and the swarm: the trainer's swarm
+        # address is its tracker's, and a node's first exchange with it then goes over the connection
+        # its join opened, not a new one (at 300 ms round trips a node of a swarm just formed heard of
+        # the others a round trip later for that handshake, and its stripes went on that much later).
+        self.connector: aiohttp.TCPConnector | None = None
         self.metrics = DaemonMetrics(self)
         self.stopping = asyncio.Event()
         self.exit_code = 0
@@ -314,7 +321,7 @@ class Daemon:
             self._client = LocalTrackerClient(self.tracker)
         else:
             self._client = HttpTrackerClient(s.tracker, self.token, timeout=min(5.0, s.lease_ttl / 3),
-                                             source=self.source_address)
+                                             connector=self.outgoing())
         self.membership = Membership(self._client, me, self.key, report=self.report, on_fatal=self._fatal,
                                      on_lease=self._on_lease)
         if self.swarm.verifier is not None:
@@ -436,6 +443,12 @@ class Daemon:
         self.exit_code = 1
         self.stopping.set()
 
+    def outgoing(self) -> aiohttp.TCPConnector:
+        """The daemon's pool of outgoing connections (``connector``), made on first use."""
+        if self.connector is None:
+            self.connector = outgoing(self.source_address)
+        return self.connector
+
     async def stop(self) -> None:
         sdnotify.notify("STOPPING=1", self.env)
         if self.membership is not None and self.exit_code == 0:
@@ -449,6 +462,8 @@ class Daemon:
             await self.swarm.stop()
         if self._client is not None:
             await self._client.close()
+        if self.connector is not None:
+            await self.connector.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._store is not None:

@@ -111,9 +111,10 @@ class HttpTrackerClient:
     """Tracker calls over HTTP: msgpack bodies, the swarm token as a bearer token."""
 
     def __init__(self, url: str, token: str, *, timeout: float = 5.0, source: str | None = None,
-                 connections: int = 100):
+                 connections: int = 100, connector: aiohttp.BaseConnector | None = None):
+        """``connector``: connections shared with others (the daemon's, ``outgoing``), not closed here."""
         self.url = url.rstrip("/")
-        self._source, self._connections = source, connections
+        self._source, self._connections, self._connector = source, connections, connector
         self._headers = {"Authorization": bearer(token), "Content-Type": MSGPACK}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -123,8 +124,10 @@ class HttpTrackerClient:
 
     async def _call(self, path: str, msg: dict) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout,
-                                                  connector=outgoing(self._source, self._connections))
+            shared = self._connector is not None
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector_owner=not shared,
+                                                  connector=self._connector if shared else
+                                                  outgoing(self._source, self._connections))
         try:
             async with self._session.post(f"{self.url}{path}", data=pack(msg), headers=self._headers) as r:
                 body = await read_limited(r.content, MAX_TRACKER_MESSAGE)

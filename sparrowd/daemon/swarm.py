@@ -113,7 +113,6 @@ from ..swarm.versions import (
 from .bodies import read_limited
 from .cutthrough import Partial
 from .logs import Throttle, event
-from .membership import outgoing
 from .store import ChunkStore
 
 __all__ = ["Swarm", "MSGPACK", "MAX_CHUNK", "NODE_HEADER", "REGION_HEADER"]
@@ -328,7 +327,7 @@ class Swarm:
             self.load()
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=outgoing(self.daemon.source_address), headers={
+        self._session = aiohttp.ClientSession(connector=self.daemon.outgoing(), connector_owner=False, headers={
             "Authorization": f"Bearer {self.daemon.token}", NODE_HEADER: self.daemon.node_id,
             REGION_HEADER: self.daemon.settings.region})
         if self.signer is not None:
