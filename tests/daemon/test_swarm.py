@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import threading
 import time
 
@@ -104,13 +105,15 @@ def test_a_node_killed_mid_transfer_does_not_stop_the_others_and_resumes_without
 
 @contextlib.contextmanager
 def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), connections=None, region="eu",
-                 claims=True, push=None):
+                 claims=True, push=None, first_reply_after=0.0):
     """A node with the swarm token, in ``region``: it joins and renews like a daemon, relays the
     trainer's real signed statements, claims every chunk (``claims``; or none), and answers chunk
     requests with ``serve_chunk(request, index, true_bytes)`` (an aiohttp handler body); ``forged``
     adds versions of its own making (exchange entries); ``push``, an aiohttp handler, takes the
     chunks pushed to it. Yields the indices asked of it. ``connections``, a list, gets ``(kind,
-    client port)`` for every request (kind: exchange, ping, chunk, push)."""
+    client port)`` for every connection opened to it (kind: connect) and every request on one
+    (exchange, ping, chunk, push). ``first_reply_after``: seconds the first exchange is held before
+    its reply (then ``("answered", port)``)."""
     port = free_port()
     mp = {"Content-Type": "application/msgpack"}
     view = parse_patch(patch.read_bytes())
@@ -135,8 +138,14 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
         seen("ping", request)
         return web.Response(status=204)
 
+    answered = []
+
     async def exchange(request):
         seen("exchange", request)
+        if not answered:
+            await asyncio.sleep(first_reply_after)
+            answered.append(True)
+            seen("answered", request)
         reply = {"gen": 1, "choked": False, "versions": [
             {"version": view.manifest.version, "statements": statements, "have": everything, "fetching": b""},
             *forged]}
@@ -160,9 +169,22 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+    listener.setblocking(False)
+
+    async def accept():  # aiohttp's server on the connections accepted here, each told of as it is made
+        while True:
+            sock, (_, client_port) = await loop.sock_accept(listener)
+            if connections is not None:
+                connections.append(("connect", client_port))
+            await loop.connect_accepted_socket(runner.server, sock)
+
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    acceptor = asyncio.run_coroutine_threadsafe(accept(), loop)
     stop = threading.Event()
 
     def renew():
@@ -178,7 +200,9 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
         yield asked
     finally:
         stop.set()
+        acceptor.cancel()
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        listener.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
 
@@ -186,9 +210,9 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
 def test_a_node_opens_a_spare_connection_to_each_peer_and_keeps_it_for_its_requests(cluster, tmp_path):
     """A peer's long poll holds the connection a node has to it, and a chunk request or push on a new
     one pays TCP's handshake, a round trip across regions, before its first byte. So a node opens a
-    spare connection to each peer it takes (``GET /v1/swarm/ping``, 204) and keeps idle connections
-    for an hour (an RL step between two versions is often minutes): the spare carries its later
-    requests to that peer."""
+    spare connection to each peer it takes, bare (no request on it until one needs it), and keeps
+    idle connections for an hour (an RL step between two versions is often minutes): the spare
+    carries its later requests to that peer."""
     paths = write_chain(tmp_path / "patches", 1, mib=8, chunk_kib=8)
     (m,) = manifests(paths).values()
     cluster.trainer()
@@ -198,15 +222,18 @@ def test_a_node_opens_a_spare_connection_to_each_peer_and_keeps_it_for_its_reque
     async def serve(request, i, data):
         return web.Response(body=data)
 
-    with hostile_peer(cluster, paths[0], serve, connections=seen):
+    with hostile_peer(cluster, paths[0], serve, connections=seen, first_reply_after=1.0):
         honest = cluster.rollout("honest", "eu", extra=("--push", "off"))
-        wait_for(lambda: any(kind == "ping" for kind, _ in seen), 20, "the node to open a spare connection",
-                 detail=lambda: seen[-5:])
         wait_for(lambda: held(cluster).get("honest") == [1], 30, "the node to complete the version")
         check_store(honest, m)
-        (spare, *_) = [port for kind, port in seen if kind == "ping"]
-        later = [port for kind, port in seen[[k for k, _ in seen].index("ping") + 1:] if kind != "ping"]
-        assert spare in later, (spare, seen)  # kept open, and used again
+        # While its first exchange here was held (it knew of no chunk here yet, so asked for none),
+        # the node opened a second connection: the spare, on which no request came (not even a
+        # ping) until one needed it.
+        answered = seen.index(next(e for e in seen if e[0] == "answered"))
+        opened = [port for kind, port in seen[:answered] if kind == "connect"]
+        spare = [p for p in opened if not any(k != "connect" and q == p for k, q in seen[:answered])]
+        assert spare, seen[:answered + 3]
+        assert any(k in ("exchange", "chunk") and q in spare for k, q in seen[answered:]), seen[:answered + 8]
 
 
 def _flipped(view, i, data):
