@@ -126,13 +126,12 @@ from ..daemon.swarm import (
     SEED_CONCURRENT,
     SEED_PER_PEER,
     SEED_SINGLE_FROM,
-    STRIPE_WAIT,
     UPLOAD_SLOTS,
     UPLOADS_PER_PEER,
 )
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
-from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
+from ..swarm.picker import STRIPE_WAIT, PeerView, Picker, recount, slots_for_rate, stripes_stopped
 from ..swarm.push import (
     DEFAULT_PUSH,
     PushPeer,
@@ -960,10 +959,13 @@ class Sim:
 
     def stripes_stopped(self, a: Req) -> None:
         """The daemon's ``STRIPE_WAIT`` (plus the round trip between regions): no stripe of a chunk came for
-        that long; it is asked for whole."""
+        that long, or a region-mate holds it whole (``picker.stripes_stopped``); it is asked for whole."""
         y = a.dst
-        if y.partial.get(a.chunk) is not a or self.now - a.fed_at < STRIPE_WAIT + self.cfg.wan_rtt - 1e-9 or \
-                any(q.stripe is not None for q in y.fetching.get(a.chunk, {}).values()):
+        if y.partial.get(a.chunk) is not a or any(q.stripe is not None for q in y.fetching.get(a.chunk, {}).values()):
+            return
+        near = any(a.chunk in k.have for k in y.known.values()
+                   if k.node.region == y.region and not k.node.trainer and not k.stalled)
+        if not stripes_stopped(self.now + 1e-9, a.fed_at, self.cfg.wan_rtt, near_whole=near):
             return
         del y.partial[a.chunk]
         y.unstriped.add(a.chunk)
@@ -1003,6 +1005,9 @@ class Sim:
                 continue
             if c not in k.have:
                 k.have.add(c)
+                if z.region == y.region and not y.trainer and (a := z.partial.get(c)) is not None \
+                        and a.parts is not None:
+                    self.at(self.now, self.stripes_stopped, a)  # a region-mate holds it whole: wait no more
                 if len(k.have) < self.chunks:  # seen partly held (the daemon counts only partial have maps)
                     k.held += 1
                 if z.trainer:

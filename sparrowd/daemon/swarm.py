@@ -79,7 +79,7 @@ from ..swarm.bucket import TokenBucket
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
-from ..swarm.picker import PeerView, Picker, recount, slots_for_rate
+from ..swarm.picker import PeerView, Picker, recount, slots_for_rate, stripes_stopped
 from ..swarm.push import (
     RATE_HEADER,
     STRIPE_HEADER,
@@ -149,8 +149,6 @@ STRIPED_TAKEN = 16  # chunks a node receives in stripes at once, apart (a patch'
 PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it,
 # beyond the round trip to that peer
 PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
-STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole,
-# beyond the round trip between regions (its stripes come from all of them)
 NO_HASHES = "no signed block hashes for that chunk here yet"
 NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
 PUSH_TRIES = 4  # a push the receiver refuses as from a node it does not know yet goes again this often in all
@@ -1330,18 +1328,25 @@ class Swarm:
                               proven=p.node_id in trusted, cut_through=p.cut_through and p.role != "trainer")
                      for p in self.peers.values()]
             inflight = {i: set(self.inflight.get((k, i), {})) for i in missing}
+            near_whole: set[int] | None = None  # chunks a rollout of this node's region holds whole
             for i in missing:  # arriving in stripes, between streams: not asked for until they stop coming
                 part = self.partials.get((k, i))
                 if part is None or not part.striped or part.feeders:
                     continue
-                if now - part.fed_at < STRIPE_WAIT + round_trip and not part.failed:
+                if near_whole is None:
+                    near_whole = set().union(*(p.have.get(k, ()) for p in self.peers.values()
+                                               if p.role != "trainer" and p.region == self.daemon.settings.region
+                                               and not p.stalled))
+                near = i in near_whole
+                if not stripes_stopped(now, part.fed_at, round_trip, failed=part.failed, near_whole=near):
                     inflight[i].add("")
                 else:
                     del self.partials[(k, i)]
                     part.abort()
                     self.unstriped.add((k, i))
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
-                          index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks)
+                          index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks,
+                          why="a peer of this region holds it" if near else "no stripe came")
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
                 for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM + (p.rtt or round_trip) else ():
                     if i in inflight:

@@ -8,7 +8,17 @@ import pytest
 
 from sparrowd.swarm import versions
 from sparrowd.swarm.choker import Choker, ChokerPeer
-from sparrowd.swarm.picker import CROSS_GRACE, CROSS_RATE, ENDGAME_AFTER, PeerView, Picker, designated, slots_for_rate
+from sparrowd.swarm.picker import (
+    CROSS_GRACE,
+    CROSS_RATE,
+    ENDGAME_AFTER,
+    STRIPE_WAIT,
+    PeerView,
+    Picker,
+    designated,
+    slots_for_rate,
+    stripes_stopped,
+)
 from sparrowd.swarm.rate import Rate
 from sparrowd.swarm.superseed import CROSS_BUDGET, SuperSeed, far_first_copies, first_copies_near
 from sparrowd.swarm.versions import from_bitmap, to_bitmap
@@ -168,6 +178,19 @@ def test_the_waits_stretch_by_the_round_trip_between_regions():
     assert p.stalled(late, version=7, missing=[c], peers=views, region_nodes=region, available_since={c: 0.0}) == set()
     assert p.stalled(late + 1.0, version=7, missing=[c], peers=views, region_nodes=region,
                      available_since={c: 0.0}) == {"idle"}
+
+
+def test_a_chunk_in_stripes_is_waited_for_until_they_stop_or_a_region_mate_holds_it_whole():
+    fed = 10.0
+    # Stripes still coming: waited for, a round trip between regions longer than STRIPE_WAIT alone.
+    assert not stripes_stopped(fed + STRIPE_WAIT - 0.01, fed, 0.0)
+    assert stripes_stopped(fed + STRIPE_WAIT, fed, 0.0)
+    assert not stripes_stopped(fed + STRIPE_WAIT + 0.1, fed, 0.3)
+    assert stripes_stopped(fed + STRIPE_WAIT + 0.3, fed, 0.3)
+    assert not stripes_stopped(fed + STRIPE_WAIT - 0.01, fed, -1.0)  # (a clock's jitter never shortens it)
+    # A stripe failed, or a node of this region holds the chunk whole: asked for whole at once.
+    assert stripes_stopped(fed, fed, 0.3, failed=True)
+    assert stripes_stopped(fed + 0.001, fed, 0.3, near_whole=True)
 
 
 def test_slots_follow_the_rate():
