@@ -393,21 +393,25 @@ def test_a_patch_crosses_into_regions_of_one_node_in_stripes_each_handed_on_by_i
     assert up < 1.9, up
 
 
-def _stripe_rig(cluster, seed: int):
-    """A relay r0 (pushing nothing) and three members of other regions, each a peer of r0; a chunk of
-    4 blocks of 16 KiB (the last short) signed by the trainer as chunk 0 of version 5, which no one
-    else has. Returns r0, the members, the chunk's bytes, and ``push(member, s, n, body, label=)``,
-    which pushes ``body`` to r0 as stripe ``s/n`` (or as ``label``) and returns (status, reply)."""
+def _stripe_rig(cluster, seed: int, near: int = 0):
+    """A relay r0 (pushing nothing), ``near`` more like it in its region (r1, ...), and three members
+    of other regions, each a peer of them; a chunk of 4 blocks of 16 KiB (the last short) signed by
+    the trainer as chunk 0 of version 5, which no one else has. Returns r0 (or, with ``near``, the
+    relays), the members, the chunk's bytes, and ``push(member, s, n, body, label=, to=r0)``, which
+    pushes ``body`` to a relay as stripe ``s/n`` (or as ``label``) and returns (status, reply)."""
     import base64
 
     from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
     from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
 
     trainer = cluster.trainer()
-    r0 = cluster.rollout("r0", "eu", extra=("--push", "off"))
+    extra = ("--push", "off", *(("--log-level", "debug") if near else ()))  # (debug: to read why r0 asked)
+    relays = [cluster.rollout(f"r{i}", "eu", extra=extra) for i in range(1 + near)]
+    r0 = relays[0]
     members = [Member(cluster, f"m{i}", region) for i, region in enumerate(("us", "ap", "sa"))]  # 3 stripes
     for mb in members:
-        wait_for(lambda: mb.known_to(r0), 20, "r0 to know the member")
+        for r in relays:
+            wait_for(lambda: mb.known_to(r), 20, f"{r.name} to know the member")
     block = 16 << 10
     data = np.random.default_rng(seed).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
     ref = ChunkRef(blake3.blake3(data).digest(), len(data))
@@ -415,15 +419,17 @@ def _stripe_rig(cluster, seed: int):
         ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
     statement = base64.b64encode(st.to_bytes()).decode()
 
-    def push(member, s: int, n: int, body: bytes, label: str | None = None) -> tuple[int, dict]:
-        code, reply = get(f"{r0.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
-                          headers={**member.headers("r0"), "Content-Type": "application/octet-stream",
+    def push(member, s: int, n: int, body: bytes, label: str | None = None, to=r0) -> tuple[int, dict]:
+        code, reply = get(f"{to.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
+                          headers={**member.headers(to.name), "Content-Type": "application/octet-stream",
                                    "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/{n}"})
         return code, json.loads(reply or b"{}")
 
-    wait_for(lambda: "no stripe 3/3 of a chunk of 4 blocks" in push(members[0], 0, 3, b"", "3/3")[1].get("error", ""),
-             20, "r0 to take the members as peers", detail=lambda: push(members[0], 0, 3, b"", "3/3"))
-    return r0, members, data, push
+    for r in relays:
+        wait_for(lambda: "no stripe 3/3 of a chunk of 4 blocks" in push(members[0], 0, 3, b"", "3/3", r)[1].get(
+                 "error", ""), 20, f"{r.name} to take the members as peers",
+                 detail=lambda: push(members[0], 0, 3, b"", "3/3", r))
+    return (relays if near else r0), members, data, push
 
 
 def _stripe_of(data: bytes, s: int, n: int, block: int = 16 << 10) -> bytes:
@@ -470,6 +476,23 @@ def test_a_stripe_count_is_the_pushers_word_and_a_false_one_holds_nothing_up(clu
     assert push(members[2], 0, 3, _stripe_of(data, 0, 3)) == (200, {"stored": True})  # blocks 0 (again) and 3
     assert time.monotonic() - t0 < 1.0 and _holds_chunk(r0, members[2])
     assert metric(r0, cluster.token, 'sparrowd_peers_banned_total{reason="bad-chunk"}') == 0
+
+
+def test_a_chunk_arriving_in_stripes_is_fetched_whole_at_once_from_a_region_mate_that_holds_it(cluster, tmp_path):
+    """In a swarm just formed, two members of a region can each be taken for its stripes' receiver by
+    nodes that had not heard of the other yet. The one left with a stripe does not wait out
+    ``STRIPE_WAIT`` for the rest once its region-mate holds the chunk whole: it asks that one for it."""
+    (r0, r1), members, data, push = _stripe_rig(cluster, 8, near=1)
+    assert push(members[1], 1, 3, _stripe_of(data, 1, 3)) == (200, {"stored": False})  # r0: one stripe in 3
+    t0 = time.monotonic()
+    for s, mb in enumerate(members):  # r1: all three
+        assert push(mb, s, 3, _stripe_of(data, s, 3), to=r1)[1] == {"stored": s == 2}
+    wait_for(lambda: _holds_chunk(r0, members[0]), 10, "r0 to hold the chunk")
+    took = time.monotonic() - t0
+    assert re.search(r'stripes stopped short; asking for the chunk whole .*why="a peer of this region holds it"',
+                     r0.log()), r0.log()[-3000:]
+    assert took < 1.0, took  # STRIPE_WAIT after r0's stripe, it would have asked anyway
+    assert metric(r1, cluster.token, 'sparrowd_bytes_total{direction="up",region_class="same"}') >= len(data)
 
 
 def test_a_push_refused_by_a_node_that_does_not_know_the_pusher_yet_goes_again(cluster, tmp_path):
