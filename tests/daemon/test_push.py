@@ -104,6 +104,7 @@ def test_a_push_is_taken_only_when_it_can_be_checked_and_a_bad_one_bans_its_send
     wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
 
     def push(index: int, data: bytes) -> tuple[int, dict]:
+        mallory.renew()  # its lease kept, as a daemon's (leases last 2 s here: a loaded run outlived it)
         code, body = get(f"{r0.url}/v1/swarm/chunk/1/{index}", None, method="POST", data=bytes(data),
                          headers={**mallory.headers(r0.name), "Content-Type": "application/octet-stream"},
                          timeout=30)
@@ -420,6 +421,7 @@ def _stripe_rig(cluster, seed: int, near: int = 0):
     statement = base64.b64encode(st.to_bytes()).decode()
 
     def push(member, s: int, n: int, body: bytes, label: str | None = None, to=r0) -> tuple[int, dict]:
+        member.renew()  # leases last 2 s here
         code, reply = get(f"{to.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
                           headers={**member.headers(to.name), "Content-Type": "application/octet-stream",
                                    "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/{n}"})
