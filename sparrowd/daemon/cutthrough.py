@@ -70,7 +70,7 @@ class Partial:
         self.feeders = 0  # ...streams feeding it now
         self.storing = False  # ...one of them is storing it whole
         self.fed_at = 0.0  # ...when a stripe last brought bytes (time.monotonic)
-        self.own: tuple[int, int] | None = None  # ...the stripe its region's receiver took from the first holder
+        self.own: list[tuple[int, int]] = []  # ...the stripes its region's receiver took from the root region
         self._moved = asyncio.Event()
 
     def stripe(self) -> None:

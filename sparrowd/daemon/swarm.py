@@ -270,7 +270,7 @@ class Swarm:
         self.cut_through_bytes = 0  # bytes served from chunks still arriving
         self.turns_waited = 0  # requests for a chunk still arriving that waited for a stream of it to end
         self.pushed: dict[Key, dict[int, dict[str, bool]]] = {}  # per chunk: the peers pushed to (True: across)
-        self.striped_to: dict[Key, dict[int, set[tuple[str, int]]]] = {}  # per chunk: (receiver, stripe) pushed
+        self.striped_to: dict[Key, dict[int, set[tuple[str, tuple[int, int]]]]] = {}  # per chunk: (receiver, (s, n))
         self.fed_along: dict[Key, dict[int, frozenset[str]]] = {}  # per chunk: the peers its pusher also fed
         self.pushes: collections.Counter = collections.Counter()  # taken, refused, failed; received, declined
         self.stripes: collections.Counter = collections.Counter()  # sent (pushed and taken), received (whole)
@@ -1633,28 +1633,31 @@ class Swarm:
         if index not in vs.have and (part is None or part.failed):
             return
         region = self.daemon.settings.region
-        took = part is not None and part.striped and part.own is not None  # a stripe from the first holder
+        took = part is not None and part.striped and bool(part.own)  # a stripe from the first holder
         if index in vs.handed_on or took or (region in plan.stripe and plan.receiver[region] == self.daemon.node_id):
             # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
             # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
             # first holder dealt 7, and its stripe fitted nobody's: every region waited out
-            # ``STRIPE_WAIT``). One that fetches the chunk whole, having asked before its stripe came,
-            # hands its own on from that fetch as the blocks arrive (held back until the fetch was
-            # whole, the other receivers waited for it and fetched the chunk across again).
-            if (mine := vs.handed_on.get(index)) is not None:
-                pass
-            elif part is not None and part.striped:
-                if part.own is None or not part.has_block(part.own[0]):
-                    return  # not begun here yet: handed on once it has
-                mine = part.own
-            elif index in vs.have or part.servable:
-                mine = (plan.stripe[region], plan.n)
-            else:
+            # ``STRIPE_WAIT``); and every other stripe a node of the root region sent it, each once a
+            # block of it is here: a member there that pushed a stripe of its own choosing, or that
+            # only opened one, no longer keeps the first holder's from the other regions (handing on
+            # only the first to begin, the other regions waited out ``STRIPE_WAIT``; honest, no node
+            # but the first holder sends stripes from there). One that fetches the chunk whole, having
+            # asked before its stripe came, hands its own on from that fetch as the blocks arrive (held
+            # back until the fetch was whole, the other receivers waited for it and fetched the chunk
+            # across again).
+            mine = set(vs.handed_on.get(index, ()))
+            if part is not None and part.striped:
+                mine |= {st for st in part.own if part.has_block(st[0])}  # (not begun: handed on once it has)
+            elif not mine and (index in vs.have or part.servable):
+                mine = {(plan.stripe[region], plan.n)}
+            if not mine:
                 return
             vs.handed_on[index] = mine
-            for r, h in plan.receiver.items():
-                if r != region:
-                    self._stripe_to(vs, index, h, mine)
+            for st in sorted(mine):
+                for r, h in plan.receiver.items():
+                    if r != region:
+                        self._stripe_to(vs, index, h, st)
             return
         first = index in vs.first_hand
         for pid, s in stripe_targets(plan, self.daemon.node_id, region, first):
@@ -1667,10 +1670,10 @@ class Swarm:
     def _stripe_to(self, vs: VersionState, index: int, pid: str, stripe: tuple[int, int], fallback=()) -> None:
         """Push stripe ``stripe`` of chunk ``index`` to ``pid`` (once); if it declines, to ``fallback``."""
         sent = self.striped_to.setdefault(vs.key, {}).setdefault(index, set())
-        if (pid, stripe[0]) in sent or pid in self.banned or (ps := self._peer(pid)) is None or \
+        if (pid, stripe) in sent or pid in self.banned or (ps := self._peer(pid)) is None or \
                 index in ps.have.get(vs.key, ()):
             return
-        sent.add((pid, stripe[0]))
+        sent.add((pid, stripe))
         task = asyncio.create_task(self._push_to(ps, vs, index, stripe=stripe, fallback=fallback),
                                    name=f"stripe-{vs.key.tag}-{index}-{stripe[0]}")
         self._background.add(task)
@@ -1959,8 +1962,8 @@ class Swarm:
                 into = part
             into.stripe_got[striped] = 0
             into.fed_at = time.monotonic()
-            if ps.region == vs.roots.get(i):
-                into.own = striped  # from the first holder: the stripe this node hands on, if a receiver
+            if ps.region == vs.roots.get(i) and striped not in into.own:
+                into.own.append(striped)  # from the root region: stripes this node hands on, if a receiver
             into.feeders += 1
         event(log, logging.DEBUG, "taking a push", peer=remote.node_id, object=str(key), index=i, stripe=stripe)
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False, stripe=striped, into=into),

@@ -154,7 +154,7 @@ class VersionState:
     blocks: dict[int, bytes] = field(default_factory=dict)  # chunk -> its blocks' hashes (``block_hashes``)
     roots: dict[int, str] = field(default_factory=dict)  # chunk -> the region it entered the swarm in (push tree)
     first_hand: set[int] = field(default_factory=set)  # chunks this node took from the trainer (stripe_targets)
-    handed_on: dict[int, tuple[int, int]] = field(default_factory=dict)  # chunk -> the stripe (s, n) it hands on
+    handed_on: dict[int, set[tuple[int, int]]] = field(default_factory=dict)  # chunk -> the stripes (s, n) it hands on
     trees: dict[int, tuple[float, float]] = field(default_factory=dict)  # chunk -> its tree's (send, hop), signed
     announced: dict[int, Signed] = field(default_factory=dict, repr=False)  # chunk -> the statement announcing it
     held_at: float | None = None  # when this node came to hold it whole, wall clock (None: before this run)

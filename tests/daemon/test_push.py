@@ -394,17 +394,39 @@ def test_a_patch_crosses_into_regions_of_one_node_in_stripes_each_handed_on_by_i
     assert up < 1.9, up
 
 
+def _signed_chunk(trainer, seed: int) -> tuple[bytes, str]:
+    """A chunk of 4 blocks of 16 KiB (the last short), and the trainer's statement announcing it as
+    chunk 0 of version 5 (base64, as a push carries it), which no one else has."""
+    import base64
+
+    from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
+    from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
+
+    block = 16 << 10
+    data = np.random.default_rng(seed).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
+    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
+    st = load_or_create_key(trainer.data_dir / "trainer.key").sign(
+        ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
+    return data, base64.b64encode(st.to_bytes()).decode()
+
+
+def _push_stripe(to, member, statement: str, label: str, body: bytes, root: str | None = None) -> tuple[int, dict]:
+    """``member`` pushes ``body`` to relay ``to`` as stripe ``label`` ("s/n") of chunk 0 of version 5
+    (``root``: the region it says the chunk entered the swarm in); (status, reply)."""
+    member.renew()  # leases last 2 s here
+    code, reply = get(f"{to.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
+                      headers={**member.headers(to.name), "Content-Type": "application/octet-stream",
+                               "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label,
+                               **({"X-Sparrowd-Root": root} if root else {})})
+    return code, json.loads(reply or b"{}")
+
+
 def _stripe_rig(cluster, seed: int, near: int = 0):
     """A relay r0 (pushing nothing), ``near`` more like it in its region (r1, ...), and three members
     of other regions, each a peer of them; a chunk of 4 blocks of 16 KiB (the last short) signed by
     the trainer as chunk 0 of version 5, which no one else has. Returns r0 (or, with ``near``, the
     relays), the members, the chunk's bytes, and ``push(member, s, n, body, label=, to=r0)``, which
     pushes ``body`` to a relay as stripe ``s/n`` (or as ``label``) and returns (status, reply)."""
-    import base64
-
-    from sparrowd.swarm.signing import ANNOUNCE, load_or_create_key
-    from sparrowd.swarm.versions import ChunkRef, announce_body, block_hashes
-
     trainer = cluster.trainer()
     extra = ("--push", "off", *(("--log-level", "debug") if near else ()))  # (debug: to read why r0 asked)
     relays = [cluster.rollout(f"r{i}", "eu", extra=extra) for i in range(1 + near)]
@@ -413,19 +435,10 @@ def _stripe_rig(cluster, seed: int, near: int = 0):
     for mb in members:
         for r in relays:
             wait_for(lambda: mb.known_to(r), 20, f"{r.name} to know the member")
-    block = 16 << 10
-    data = np.random.default_rng(seed).integers(0, 256, 4 * block - 100, dtype=np.uint8).tobytes()  # 4 blocks
-    ref = ChunkRef(blake3.blake3(data).digest(), len(data))
-    st = load_or_create_key(trainer.data_dir / "trainer.key").sign(
-        ANNOUNCE, 5, announce_body(0, [ref], [block_hashes(data, block)], block))
-    statement = base64.b64encode(st.to_bytes()).decode()
+    data, statement = _signed_chunk(trainer, seed)
 
     def push(member, s: int, n: int, body: bytes, label: str | None = None, to=r0) -> tuple[int, dict]:
-        member.renew()  # leases last 2 s here
-        code, reply = get(f"{to.url}/v1/swarm/chunk/5/0", None, method="POST", data=body, timeout=30,
-                          headers={**member.headers(to.name), "Content-Type": "application/octet-stream",
-                                   "X-Sparrowd-Statement": statement, "X-Sparrowd-Stripe": label or f"{s}/{n}"})
-        return code, json.loads(reply or b"{}")
+        return _push_stripe(to, member, statement, label or f"{s}/{n}", body)
 
     for r in relays:
         wait_for(lambda: "no stripe 3/3 of a chunk of 4 blocks" in push(members[0], 0, 3, b"", "3/3", r)[1].get(
@@ -495,6 +508,49 @@ def test_a_chunk_arriving_in_stripes_is_fetched_whole_at_once_from_a_region_mate
                      r0.log()), r0.log()[-3000:]
     assert took < 1.0, took  # STRIPE_WAIT after r0's stripe, it would have asked anyway
     assert metric(r1, cluster.token, 'sparrowd_bytes_total{direction="up",region_class="same"}') >= len(data)
+
+
+def test_a_receiver_hands_on_every_stripe_its_root_region_sent_not_only_the_first(cluster, tmp_path):
+    """A member of the chunk's root region that pushes a receiver a stripe of its own choosing, ahead
+    of the first holder, does not keep the first holder's stripe from the other regions: the
+    receiver hands on each stripe a node of the root region sent it (the blocks are checked either
+    way). Handing on only the first, the other regions waited out ``STRIPE_WAIT`` for theirs."""
+    from sparrowd.swarm.push import stripe_plan
+
+    path = tmp_path / "v1.sprw"
+    _write_patch(path, 1, 64 << 10, 64 << 10, np.random.default_rng(12))
+    trainer = cluster.trainer(region="eu")
+    publish(cluster, path)  # (the far receivers below relay the trainer's statements of it)
+    r0 = cluster.rollout("r0", "us")
+    root = Member(cluster, "m0", "eu")  # the root region's only rollout: its head
+    wait_for(lambda: root.known_to(r0), 20, "r0 to know the root region's member")
+    data, statement = _signed_chunk(trainer, 13)
+    got: dict[str, list[str]] = {"pa": [], "psa": []}
+
+    def taker(name):
+        async def push(request):
+            got[name].append(request.headers.get("X-Sparrowd-Stripe", "whole"))
+            await request.read()
+            return web.json_response({"stored": False})
+        return push
+
+    polls: list = []
+    with hostile_peer(cluster, path, None, node_id="pa", region="ap", claims=False, push=taker("pa"),
+                      connections=polls), \
+            hostile_peer(cluster, path, None, node_id="psa", region="sa", claims=False, push=taker("psa")):
+        wait_for(lambda: ("exchange" in {k for k, _ in polls}) and root.known_to(r0), 20,
+                 "r0 to take the far receivers as peers")
+        plan = stripe_plan("5", 0, "eu", {"eu": ["m0"], "us": ["r0"], "ap": ["pa"], "sa": ["psa"]}, 4)
+        assert plan is not None and plan.n == 3 and plan.receiver["us"] == "r0", plan
+        real = plan.stripe["us"]
+        false = (real + 1) % 3  # another region's stripe, pushed to r0 first
+        assert _push_stripe(r0, root, statement, f"{false}/3", _stripe_of(data, false, 3), root="eu") == \
+            (200, {"stored": False})
+        assert _push_stripe(r0, root, statement, f"{real}/3", _stripe_of(data, real, 3), root="eu") == \
+            (200, {"stored": False})
+        wait_for(lambda: all(f"{real}/3" in g for g in got.values()), 10, "r0 to hand on the real stripe",
+                 detail=lambda: got)
+        assert all(f"{false}/3" in g for g in got.values()), got  # and the other, checked, as it came
 
 
 def test_a_push_refused_by_a_node_that_does_not_know_the_pusher_yet_goes_again(cluster, tmp_path):
