@@ -70,7 +70,7 @@ class Partial:
         self.feeders = 0  # ...streams feeding it now
         self.storing = False  # ...one of them is storing it whole
         self.fed_at = 0.0  # ...when a stripe last brought bytes (time.monotonic)
-        self.own: list[tuple[int, int]] = []  # ...the stripes its region's receiver took from the root region
+        self.own: dict[tuple[int, int], None] = {}  # ...the stripes its receiver took from the root region, in order
         self._moved = asyncio.Event()
 
     def stripe(self) -> None:

@@ -93,6 +93,7 @@ from ..swarm.push import (
     stripe_plan,
     stripe_size,
     stripe_targets,
+    stripes_handed_on,
     tree_timing,
 )
 from ..swarm.rate import Rate
@@ -1638,17 +1639,15 @@ class Swarm:
             # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
             # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
             # first holder dealt 7, and its stripe fitted nobody's: every region waited out
-            # ``STRIPE_WAIT``); and every other stripe a node of the root region sent it, each once a
-            # block of it is here: a member there that pushed a stripe of its own choosing, or that
-            # only opened one, no longer keeps the first holder's from the other regions (handing on
-            # only the first to begin, the other regions waited out ``STRIPE_WAIT``; honest, no node
-            # but the first holder sends stripes from there). One that fetches the chunk whole, having
-            # asked before its stripe came, hands its own on from that fetch as the blocks arrive (held
-            # back until the fetch was whole, the other receivers waited for it and fetched the chunk
-            # across again).
+            # ``STRIPE_WAIT``), and the one its own plan deals it if that came too (``stripes_handed_on``),
+            # each once a block of it is here. One that fetches the chunk whole, having asked before its
+            # stripe came, hands its own on from that fetch as the blocks arrive (held back until the
+            # fetch was whole, the other receivers waited for it and fetched the chunk across again).
             mine = set(vs.handed_on.get(index, ()))
             if part is not None and part.striped:
-                mine |= {st for st in part.own if part.has_block(st[0])}  # (not begun: handed on once it has)
+                dealt = (plan.stripe[region], plan.n) if region in plan.stripe else None
+                mine |= {st for st in stripes_handed_on(part.own, dealt)
+                         if part.has_block(st[0])}  # (not begun here yet: handed on once it has)
             elif not mine and (index in vs.have or part.servable):
                 mine = {(plan.stripe[region], plan.n)}
             if not mine:
@@ -1962,8 +1961,8 @@ class Swarm:
                 into = part
             into.stripe_got[striped] = 0
             into.fed_at = time.monotonic()
-            if ps.region == vs.roots.get(i) and striped not in into.own:
-                into.own.append(striped)  # from the root region: stripes this node hands on, if a receiver
+            if ps.region == vs.roots.get(i):
+                into.own.setdefault(striped)  # from the root region: handed on if a receiver (``_stripe_out``)
             into.feeders += 1
         event(log, logging.DEBUG, "taking a push", peer=remote.node_id, object=str(key), index=i, stripe=stripe)
         task = asyncio.create_task(self._receive(ps, vs, i, _body(request), whole=False, stripe=striped, into=into),

@@ -86,7 +86,7 @@ from .picker import _score, designated
 
 __all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "STRIPE_HEADER", "PushPeer", "StripePlan", "parse_push",
            "parse_stripe", "push_heads", "push_targets", "region_tree", "relay_fanout", "stream_rate",
-           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "tree_timing"]
+           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "stripes_handed_on", "tree_timing"]
 
 DEFAULT_PUSH = (2, 2)  # (local, cross) pushes a relay sends of each chunk (``--push``)
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
@@ -313,6 +313,21 @@ def stripe_targets(plan: StripePlan, me: str, region: str, first: bool) -> list[
         s = plan.stripe[region]
         return [(h, s) for r, h in plan.receiver.items() if r != region]
     return [(plan.receiver[r], s) for r, s in plan.stripe.items()] if first else []
+
+
+def stripes_handed_on(from_root: Sequence[tuple[int, int]] | Mapping[tuple[int, int], object],
+                      dealt: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """Of the stripes ``(s, n)`` nodes of a chunk's root region pushed a receiver (in the order they
+    came), those it hands on to every other region's receiver: the first, the first holder's as that
+    one dealt them (in a swarm just formed, its plan and the receiver's can differ), and the one the
+    receiver's own plan deals it (``dealt``), if that came too. A member there that pushes stripes of
+    its own choosing ahead of the first holder's keeps nothing from the other regions (handing on only
+    the first, they waited out ``STRIPE_WAIT``), and however many it pushes, no more than two go on.
+    Honest, only the first holder sends stripes from the root region: one."""
+    out = list(itertools.islice(from_root, 1))
+    if dealt is not None and dealt in from_root and dealt not in out:
+        out.append(dealt)
+    return out
 
 
 def stripe_blocks(stripe: int, n: int, blocks: int) -> range:

@@ -510,11 +510,12 @@ def test_a_chunk_arriving_in_stripes_is_fetched_whole_at_once_from_a_region_mate
     assert metric(r1, cluster.token, 'sparrowd_bytes_total{direction="up",region_class="same"}') >= len(data)
 
 
-def test_a_receiver_hands_on_every_stripe_its_root_region_sent_not_only_the_first(cluster, tmp_path):
+def test_a_receiver_hands_on_its_own_stripe_though_a_root_region_member_pushed_another_first(cluster, tmp_path):
     """A member of the chunk's root region that pushes a receiver a stripe of its own choosing, ahead
     of the first holder, does not keep the first holder's stripe from the other regions: the
-    receiver hands on each stripe a node of the root region sent it (the blocks are checked either
-    way). Handing on only the first, the other regions waited out ``STRIPE_WAIT`` for theirs."""
+    receiver hands on the first stripe the root region sent it and the one its own plan deals it
+    (``swarm.push.stripes_handed_on``; the blocks are checked either way). Handing on only the
+    first, the other regions waited out ``STRIPE_WAIT`` for theirs."""
     from sparrowd.swarm.push import stripe_plan
 
     path = tmp_path / "v1.sprw"

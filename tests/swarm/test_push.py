@@ -18,6 +18,7 @@ from sparrowd.swarm.push import (
     stripe_plan,
     stripe_size,
     stripe_targets,
+    stripes_handed_on,
     tree_timing,
 )
 
@@ -614,6 +615,16 @@ def test_a_trees_timing_is_the_chunk_at_the_trainers_uplink_and_a_crossings_dela
     assert tree_timing(256 << 10, 16 << 10, 4 << 20, 0.04) == (0.0625, 0.04 + 0.00390625)
     assert tree_timing(256 << 10, 16 << 10, None, 0.04) is None  # no upload limit at the trainer
     assert tree_timing(256 << 10, 16 << 10, 4 << 20, None) is None  # no delay measured yet
+
+
+def test_a_receiver_hands_on_the_first_stripe_from_the_root_region_and_its_own_but_no_more():
+    real, a, b = (2, 7), (0, 7), (5, 7)
+    assert stripes_handed_on([real], real) == [real]  # honest: the first holder's stripe, its own
+    assert stripes_handed_on([a], real) == [a]  # a first holder whose plan differed (a swarm just formed)
+    assert stripes_handed_on([a, b, real], real) == [a, real]  # a member's own choosing pushed first
+    assert stripes_handed_on({a: None, real: None}, real) == [a, real]  # (the receiver's ordered dict)
+    assert stripes_handed_on([a, b], real) == [a]  # its own never came: the first alone
+    assert stripes_handed_on([], real) == [] and stripes_handed_on([b], None) == [b]
 
 
 def test_a_chunk_crosses_in_stripes_one_per_region_each_handed_on_by_its_receiver_to_every_other():
