@@ -1634,7 +1634,7 @@ class Swarm:
         if index not in vs.have and (part is None or part.failed):
             return
         region = self.daemon.settings.region
-        took = part is not None and part.striped and bool(part.own)  # a stripe from the first holder
+        took = part is not None and part.striped and bool(part.own)  # a stripe from the root region
         if index in vs.handed_on or took or (region in plan.stripe and plan.receiver[region] == self.daemon.node_id):
             # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
             # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
