@@ -69,6 +69,48 @@ def _link_options(s, link_help: str = "") -> None:
                         "regions' crossers (the daemons' --push; default 2,2; off to compare with pull alone)")
 
 
+_RATES = ("trainer_rate", "node_rate", "wan_rate", "link_rate")
+
+
+def _check_links(args, *, unlimited: tuple[str, ...] = ()) -> dict[str, int]:
+    """The options ``bench swarm`` and ``bench sim`` share, checked (InputError, one line); returns
+    the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
+    from sparrowd.errors import InputError
+    from sparrowd.units import parse_size
+
+    if args.regions < 1 or args.versions < 1:
+        raise InputError(f"--regions {args.regions}, --versions {args.versions}: each must be at least 1")
+    if args.rtt < 0:
+        raise InputError(f"--rtt {args.rtt}: give seconds, 0 or more")
+    rates = {}
+    for k in _RATES:
+        flag = "--" + k.replace("_", "-")
+        try:
+            rates[k] = parse_size(getattr(args, k))
+        except ValueError as e:
+            raise InputError(f"{flag}: {e}") from None
+        if rates[k] <= 0 and k not in unlimited:
+            raise InputError(f"{flag} {getattr(args, k)}: give a rate above 0")
+    return rates
+
+
+def _chunk(text: str) -> int:
+    """``--chunk``: a size the codec cuts chunks at and the daemons carry."""
+    from sparrowd.codec.patch import MIN_CHUNK_SIZE
+    from sparrowd.daemon.swarm import MAX_CHUNK
+    from sparrowd.errors import InputError
+    from sparrowd.units import format_bytes, parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise InputError(f"--chunk: {e}") from None
+    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK:
+        raise InputError(f"--chunk {text}: give a size from {format_bytes(MIN_CHUNK_SIZE)} to "
+                         f"{format_bytes(MAX_CHUNK)}")
+    return size
+
+
 def _push(args) -> tuple[int, int]:
     from sparrowd.errors import InputError
     from sparrowd.swarm.push import parse_push
@@ -112,9 +154,17 @@ def cmd_swarm(args) -> int:
     from sparrowd.bench.swarm import run
     from sparrowd.errors import InputError
 
+    _check_links(args, unlimited=("node_rate", "wan_rate", "link_rate"))
+    if args.nodes < 1 or args.patch_mib <= 0:
+        raise InputError(f"--nodes {args.nodes}, --patch-mib {args.patch_mib:g}: give at least 1 node and a "
+                         "patch above 0")
+    if args.regions > args.nodes:
+        raise InputError(f"--regions {args.regions} is more than --nodes {args.nodes}: every region needs a rollout")
     for name in ("interval", "settle"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)}: give seconds, 0 or more")
+    if args.chunk != "auto":
+        _chunk(args.chunk)
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
@@ -152,7 +202,6 @@ def register_sim(bs) -> None:
 def cmd_sim(args) -> int:
     from sparrowd.bench.sim import run
     from sparrowd.errors import InputError
-    from sparrowd.units import parse_size
 
     try:
         nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
@@ -162,15 +211,13 @@ def cmd_sim(args) -> int:
     if not nodes or min(nodes) < 1 or not patches or min(patches) <= 0:
         raise InputError("--nodes must be at least 1 and --patch-mib positive")
     push = _push(args)
-    if args.regions < 1 or args.versions < 1 or not 0 <= args.churn < 1 or args.rtt < 0:
-        raise InputError("--regions and --versions must be at least 1, --churn in [0, 1), --rtt not negative")
-    rates = {k: parse_size(getattr(args, k)) for k in ("trainer_rate", "node_rate", "wan_rate", "link_rate")}
-    if min(rates.values()) <= 0:
-        raise InputError("rates must be positive")
+    rates = _check_links(args)
+    if not 0 <= args.churn < 1:
+        raise InputError(f"--churn {args.churn}: give a fraction in [0, 1)")
     if args.plot and not os.access(Path(args.plot).parent, os.W_OK):
         raise InputError(f"--plot {args.plot}: its folder is not writable")
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
-               chunk=None if args.chunk == "auto" else parse_size(args.chunk), rtt=args.rtt, churn=args.churn,
+               chunk=None if args.chunk == "auto" else _chunk(args.chunk), rtt=args.rtt, churn=args.churn,
                seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through,
                trace_path=args.trace, push=push, **rates)
 

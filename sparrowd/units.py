@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_bytes"]
+__all__ = ["parse_size", "format_bytes", "format_rate"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -16,6 +16,11 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (use a number with an optional K, M, G or T suffix)")
     return int(float(m.group(1)) * _MULT[m.group(2).lower()])
+
+
+def format_rate(n: float | None) -> str:
+    """Bytes per second as a limit reads: ``4.00 MiB/s``, or ``no limit`` for 0 or None."""
+    return f"{format_bytes(n)}/s" if n else "no limit"
 
 
 def format_bytes(n: float) -> str:

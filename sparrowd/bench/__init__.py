@@ -21,6 +21,18 @@ def write_lines(path: str | Path, records) -> None:
         tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
+def cross_region_over(cross_bytes: float, regions: int, nodes: int, patch: int) -> float | None:
+    """Bytes that crossed regions over (R - 1) x patch, R the regions that hold a rollout (the
+    benchmarks deal rollouts round the regions, the trainer's first); None where that is one."""
+    occupied = min(regions, nodes)
+    return None if occupied < 2 else cross_bytes / ((occupied - 1) * patch)
+
+
+def ratio_text(value: float | None) -> str:
+    """A ratio as the benchmarks print it, ``n/a`` where there is none."""
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
 def torch_device(torch, device: str):
     """``device`` as a torch device this torch can use; InputError (one line) otherwise."""
     from ..errors import InputError

@@ -149,6 +149,7 @@ from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
 from ..swarm.versions import block_for
 from ..units import format_bytes
+from . import cross_region_over, ratio_text
 
 MB = 1 << 20
 CONCURRENT = {True: SEED_CONCURRENT, False: RELAY_CONCURRENT}  # chunks a node sends at once, by trainer or not
@@ -1205,7 +1206,8 @@ class Sim:
                    "done_quartiles": [float(q) - t0 for q in np.quantile(finished, [0.25, 0.5, 0.75])]
                    if finished else None,
                    "trainer_upload_over_patch": (self.sent[0] - sent0) / cfg.patch,
-                   "cross_region_over_r_minus_1": (self.cross_bytes - cross0) / max(1, (cfg.regions - 1) * cfg.patch),
+                   "cross_region_over_r_minus_1": cross_region_over(self.cross_bytes - cross0, cfg.regions, cfg.nodes,
+                                                                    cfg.patch),
                    "wasted_over_patch": (self.wasted - wasted0) / cfg.patch,
                    "cut_through_over_patch": (self.relayed - relayed0) / cfg.patch, "streams_cut": self.cuts - cuts0,
                    "left": cfg.nodes - len(live)}
@@ -1307,7 +1309,7 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
                       f"{r['version']}: all in {r['seconds']:7.2f} s ({r['time_over_bound']:.2f}x the bound of "
                       f"{cfg.bound:.2f} s{'' if r['all_done'] else ', NOT ALL'}; star {star / r['seconds']:.0f}x "
                       f"slower); trainer {r['trainer_upload_over_patch']:.2f}x the patch; cross-region "
-                      f"{r['cross_region_over_r_minus_1']:.2f}x (R-1) x patch"
+                      f"{ratio_text(r['cross_region_over_r_minus_1'])} (R-1) x patch"
                       + (f"; {r['left']} left mid-version" if r["left"] else ""), flush=True)
             print(f"          (simulated in {wall:.1f} s)", flush=True)
     if plot:

@@ -1,0 +1,67 @@
+"""``sparrowd bench swarm`` from the command line: bad input refused before anything starts, and
+small runs that report what they measured (real daemons on loopback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, tmp_path, timeout=60):
+    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "swarm", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--interval", "-1"], "--interval -1"),
+    (["--settle", "-1"], "--settle -1"),
+    (["--nodes", "0"], "--nodes 0"),
+    (["--patch-mib", "0"], "--patch-mib 0"),
+    (["--regions", "0"], "--regions 0"),
+    (["--versions", "0"], "--versions 0"),
+    (["--rtt", "-0.5"], "--rtt -0.5"),
+    (["--nodes", "2", "--regions", "5"], "every region needs a rollout"),
+    (["--trainer-rate", "0"], "--trainer-rate 0"),
+    (["--node-rate", "4X"], "--node-rate: not a size"),
+    (["--chunk", "1K"], "--chunk 1K"),
+    (["--push", "2"], "--push"),
+])
+def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path, bad, says):
+    p = _cli(*bad, tmp_path=tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and says in lines[0], p.stderr
+    assert not p.stdout  # refused before the banner: no daemon was started
+
+
+def test_one_region_has_no_round_trip_in_its_bound_and_no_cross_region_figure(tmp_path):
+    """One region: the bound is the patch over the trainer's uplink alone, cross-region bytes are
+    ``n/a`` (null in the JSON) and not among the targets; this run divided by zero before."""
+    out = tmp_path / "r.json"
+    p = _cli("--nodes", "2", "--regions", "1", "--patch-mib", "0.25", "--versions", "1", "--no-star",
+             "--json", str(out), tmp_path=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    (v,) = doc["versions"]
+    assert v["cross_region_over_r_minus_1"] is None
+    assert v["lower_bound_seconds"] == pytest.approx(v["patch_bytes"] / (4 << 20))
+    assert 0 < v["time_over_bound"] and v["trainer_upload_over_patch"] >= 1.0
+    assert "cross-region n/a" in p.stdout and "cross-region bytes" not in p.stdout
+
+
+def test_two_regions_report_the_crossing_against_the_regions_that_hold_rollouts(tmp_path):
+    """A rollout in each of two regions: the patch crosses once (1.00x (R-1) x patch), the bound counts
+    the round trip, and a limit of 0 prints as none."""
+    out = tmp_path / "r.json"
+    p = _cli("--nodes", "2", "--regions", "2", "--patch-mib", "0.25", "--versions", "2", "--no-star",
+             "--rtt", "0.02", "--link-rate", "0", "--json", str(out), tmp_path=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+    versions = json.loads(out.read_text())["versions"]
+    assert len(versions) == 2
+    for v in versions:
+        assert v["lower_bound_seconds"] == pytest.approx(v["patch_bytes"] / (4 << 20) + 0.02)
+        assert 0.99 <= v["cross_region_over_r_minus_1"] <= 1.1, v
+        assert 0.99 <= v["trainer_upload_over_patch"] <= 1.1, v
+    assert "no limit per direction" in p.stdout and "cross-region bytes" in p.stdout
