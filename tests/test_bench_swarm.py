@@ -62,6 +62,10 @@ def test_two_regions_report_the_crossing_against_the_regions_that_hold_rollouts(
     assert len(versions) == 2
     for v in versions:
         assert v["lower_bound_seconds"] == pytest.approx(v["patch_bytes"] / (4 << 20) + 0.02)
+        # requests served per daemon in the version: the exchanges that told of it, and its chunk
+        # (asked for, or pushed: the same path)
+        served = v["requests_per_node"]
+        assert served["/v1/swarm/exchange"] >= 1 and served["/v1/swarm/chunk/{key}/{index}"] > 0, served
         assert 0.99 <= v["cross_region_over_r_minus_1"] <= 1.1, v
         assert 0.99 <= v["trainer_upload_over_patch"] <= 1.1, v
     assert "no limit per direction" in p.stdout and "cross-region bytes" in p.stdout

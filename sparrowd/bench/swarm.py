@@ -71,6 +71,17 @@ def metric(url: str, token: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
+def requests_served(urls: list[str], token: str) -> dict[str, float]:
+    """HTTP requests the daemons at ``urls`` have served so far, by endpoint (summed over them)."""
+    out: dict[str, float] = {}
+    for u in urls:
+        text = _get(f"{u}/metrics", token).decode()
+        for endpoint, v in re.findall(r'^sparrowd_http_requests_total{endpoint="([^"]*)",[^}]*} ([0-9.e+]+)$', text,
+                                      re.M):
+            out[endpoint] = out.get(endpoint, 0.0) + float(v)
+    return out
+
+
 def _write_patch(path: Path, version: int, size: int, chunk: int, rng) -> int:
     data = rng.integers(0, 256, size, dtype=np.uint8)
     new = {f"bench.v{version}": RawTensor("U8", (size,), data)}
@@ -251,6 +262,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         time.sleep(settle)  # a swarm that has just formed is still opening its connections
         node_urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(nodes)]
         up_before, wan_before = 0.0, 0
+        everyone = [direct] + node_urls
+        served_before = requests_served(everyone, token)
 
         def _trainer_up() -> float:
             return metric(direct, token, 'sparrowd_bytes_total{direction="up",region_class="same"}') + metric(
@@ -295,7 +308,10 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                    "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,
                    "cross_region_over_r_minus_1": cross_region_over(wan - wan_before, regions, nodes, m.patch_bytes),
                    "cpu_busy_fraction": busy}
-            up_before, wan_before = up, wan
+            served = requests_served(everyone, token)
+            row["requests_per_node"] = {k: (v - served_before.get(k, 0.0)) / len(everyone)
+                                        for k, v in sorted(served.items()) if v > served_before.get(k, 0.0)}
+            up_before, wan_before, served_before = up, wan, served
             results.append(row)
             print(f"   version {m.version}: {format_bytes(m.patch_bytes)} in {len(m.chunks)} chunks, all nodes in "
                   f"{elapsed:.1f} s (bound {bound:.1f} s, {row['time_over_bound']:.2f}x; the trainer had sent one copy "
