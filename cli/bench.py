@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
+
+from .checks import at_least, out_file, positive, seconds
 
 
 def json_file(value: str) -> str:
@@ -51,6 +54,9 @@ def register(sub) -> None:
 def cmd_codec(args) -> int:
     from sparrowd.bench.codec import run
 
+    at_least("--steps", args.steps)
+    at_least("--size-mib", args.size_mib)
+    positive("--lr", args.lr)
     return run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json, model=args.model)
 
 
@@ -76,14 +82,21 @@ def _check_links(args, *, unlimited: tuple[str, ...] = ()) -> dict[str, int]:
     """The options ``bench swarm`` and ``bench sim`` share, checked (InputError, one line); returns
     the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
     from sparrowd.errors import InputError
-    from sparrowd.units import parse_size
 
     if args.regions < 1 or args.versions < 1:
         raise InputError(f"--regions {args.regions}, --versions {args.versions}: each must be at least 1")
-    if args.rtt < 0:
-        raise InputError(f"--rtt {args.rtt}: give seconds, 0 or more")
+    return _check_wan(args, _RATES, unlimited=unlimited)
+
+
+def _check_wan(args, names: tuple[str, ...], *, unlimited: tuple[str, ...] = ()) -> dict[str, int]:
+    """The emulated WAN's --rtt and the rates ``names`` (of ``args``), checked (InputError, one line);
+    returns the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
+    from sparrowd.errors import InputError
+    from sparrowd.units import parse_size
+
+    seconds("--rtt", args.rtt)
     rates = {}
-    for k in _RATES:
+    for k in names:
         flag = "--" + k.replace("_", "-")
         try:
             rates[k] = parse_size(getattr(args, k))
@@ -155,14 +168,13 @@ def cmd_swarm(args) -> int:
     from sparrowd.errors import InputError
 
     _check_links(args, unlimited=("node_rate", "wan_rate", "link_rate"))
-    if args.nodes < 1 or args.patch_mib <= 0:
+    if args.nodes < 1 or not (math.isfinite(args.patch_mib) and args.patch_mib > 0):
         raise InputError(f"--nodes {args.nodes}, --patch-mib {args.patch_mib:g}: give at least 1 node and a "
                          "patch above 0")
     if args.regions > args.nodes:
         raise InputError(f"--regions {args.regions} is more than --nodes {args.nodes}: every region needs a rollout")
     for name in ("interval", "settle"):
-        if getattr(args, name) < 0:
-            raise InputError(f"--{name} {getattr(args, name)}: give seconds, 0 or more")
+        seconds(f"--{name}", getattr(args, name))
     if args.chunk != "auto":
         _chunk(args.chunk)
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
@@ -208,14 +220,16 @@ def cmd_sim(args) -> int:
         patches = [float(x) for x in args.patch_mib.split(",") if x.strip()]
     except ValueError:
         raise InputError("--nodes takes comma-separated integers, --patch-mib comma-separated numbers") from None
-    if not nodes or min(nodes) < 1 or not patches or min(patches) <= 0:
+    if not nodes or min(nodes) < 1 or not patches or not all(math.isfinite(p) and p > 0 for p in patches):
         raise InputError("--nodes must be at least 1 and --patch-mib positive")
     push = _push(args)
     rates = _check_links(args)
     if not 0 <= args.churn < 1:
         raise InputError(f"--churn {args.churn}: give a fraction in [0, 1)")
-    if args.plot and not os.access(Path(args.plot).parent, os.W_OK):
-        raise InputError(f"--plot {args.plot}: its folder is not writable")
+    if args.plot is not None:
+        folder = out_file("--plot", args.plot).parent
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(f"--plot {args.plot}: its folder {folder} is not writable")
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
                chunk=None if args.chunk == "auto" else _chunk(args.chunk), rtt=args.rtt, churn=args.churn,
                seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through,
@@ -236,6 +250,8 @@ def _register_sized(bs, name: str, help: str, description: str, size_mib: int, e
 def _run_sized(name: str, args, extra=()) -> int:
     import importlib
 
+    at_least("--size-mib", args.size_mib)
+    at_least("--steps", args.steps)
     run = importlib.import_module(f"sparrowd.bench.{name}").run
     return run(size_mib=args.size_mib, steps=args.steps, json_path=args.json, **{k: getattr(args, k) for k in extra})
 
@@ -286,8 +302,12 @@ def register_serve(bs) -> None:
     s.add_argument("--gap-s", type=float, default=6.0, help="seconds between published versions (default 6)")
 
 
+_WAN_RATES = ("link_rate", "trainer_rate")  # add_wan_flags's rates; a link rate of 0 is no limit
+
+
 def add_wan_flags(s, d) -> None:
-    """The emulated WAN's flags (bench rl, bench coldstart); ``d`` is the benchmark's default config."""
+    """The emulated WAN's flags (bench rl, bench coldstart, checked by ``_check_wan(args, _WAN_RATES)``);
+    ``d`` is the benchmark's default config."""
     s.add_argument("--link-rate", default=d.link_rate,
                    help=f"each ordered pair of regions, bytes/s (default {d.link_rate})")
     s.add_argument("--trainer-rate", default=d.trainer_rate,
@@ -331,6 +351,7 @@ def cmd_rl(args) -> int:
         raise InputError(f"--strategies {args.strategies!r}: name some of full, star, swarm, ideal")
     if not 2 <= args.servers <= 4:
         raise InputError("--servers must be 2 to 4")
+    _check_wan(args, _WAN_RATES, unlimited=("link_rate",))
     kw = {"servers": args.servers, "on_policy": args.on_policy, "link_rate": args.link_rate,
           "trainer_rate": args.trainer_rate, "rtt": args.rtt, "strategies": names}
     if args.steps is not None:
@@ -374,6 +395,7 @@ def cmd_coldstart(args) -> int:
     if args.model_mib < 8 or args.boxes < 1 or args.regions < 1 or args.versions < 1 or args.anchor_every < 1:
         raise InputError("--model-mib must be at least 8, and --boxes, --regions, --versions, --anchor-every at "
                          "least 1")
+    _check_wan(args, ("node_rate", *_WAN_RATES), unlimited=("node_rate", "link_rate"))
     cfg = ColdstartConfig(model_mib=args.model_mib, boxes=args.boxes, regions=args.regions, versions=args.versions,
                           anchor_every=args.anchor_every, trainer_rate=args.trainer_rate, node_rate=args.node_rate,
                           link_rate=args.link_rate, rtt=args.rtt, star=not args.no_star)
@@ -452,8 +474,8 @@ def cmd_project(args) -> int:
     from sparrowd.errors import InputError
 
     kw = {f.name: getattr(args, f.name) for f in fields(Assumptions) if hasattr(args, f.name)}
-    bad = [k for k, v in kw.items() if not isinstance(v, bool) and v <= 0 and k != "density"]
-    if bad or not 0 < kw["density"] <= 1:
+    bad = [k for k, v in kw.items() if not isinstance(v, bool) and not (math.isfinite(v) and v > 0)]
+    if bad or not kw["density"] <= 1:
         raise InputError(f"--{(bad or ['density'])[0].replace('_', '-')} must be positive (density at most 1)")
     return run(Assumptions(**kw), json_path=args.json)
 
@@ -476,5 +498,9 @@ def register_soak(bs) -> None:
 def cmd_soak(args) -> int:
     from sparrowd.bench.soak import run
 
+    at_least("--nodes", args.nodes, 2)  # the trainer and a rollout
+    for flag, value in (("--regions", args.regions), ("--versions", args.versions), ("--patch-kib", args.patch_kib),
+                        ("--kill-every", args.kill_every)):
+        at_least(flag, value)
     return run(nodes=args.nodes, regions=args.regions, versions=args.versions, patch_kib=args.patch_kib,
                kill_every=args.kill_every, json_path=args.json)

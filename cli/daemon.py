@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import check_start, http_call, publish_file, published_state, tracker_status
+from sparrowd.daemon.calls import check_start, check_url, http_call, publish_file, published_state, tracker_status
 from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
-from sparrowd.swarm.leases import ROLES
+from sparrowd.swarm.leases import ROLES, check_name
 
+from .checks import path_arg, path_args, seconds
 from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
@@ -213,6 +214,8 @@ def _toml_value(v) -> str:
 def cmd_join(args) -> int:
     from sparrowd.daemon.app import RUNTIME_FILE, read_runtime
 
+    seconds("--timeout", args.timeout)
+    path_args(("--data-dir", args.data_dir), ("--token-file", args.token_file))
     data_dir = Path(args.data_dir or default_data_dir()).expanduser().absolute()
     flags = {"role": args.role, "tracker": args.tracker, "region": args.region, "data_dir": str(data_dir),
              "token_file": str(Path(args.token_file).expanduser().absolute()), "listen": args.listen,
@@ -272,6 +275,7 @@ def cmd_checkout(args) -> int:
 
     if args.version is not None and args.version < 0:
         raise InputError("--version must be 0 or more")
+    path_args(("OUT", args.out), ("--data-dir", args.data_dir))
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     prog = Progress(0, "chunks")
     try:
@@ -287,17 +291,18 @@ def local_daemon(data_dir: str | None, hint: str = "") -> tuple[Path, dict, str]
     """The daemon running on this machine's data dir: (data dir, its daemon.json, its token)."""
     from sparrowd.daemon.app import read_runtime
 
-    path = Path(data_dir or default_data_dir()).expanduser().absolute()
-    info = read_runtime(path)
+    folder = Path(path_arg("--data-dir", data_dir) or default_data_dir()).expanduser().absolute()
+    info = read_runtime(folder)
     if not info or not _alive(int(info.get("pid", 0))):
-        raise InputError(f"no daemon runs on {path}{hint}")
+        raise InputError(f"no daemon runs on {folder}{hint}")
     token, _ = read_token(Path(info["token_file"]))
-    return path, info, token
+    return folder, info, token
 
 
 def cmd_leave(args) -> int:
     from sparrowd.daemon.app import read_runtime
 
+    seconds("--timeout", args.timeout)
     data_dir, info, token = local_daemon(args.data_dir)
     http_call(f"{info['url']}/v1/node/leave", token, method="POST")
     deadline = time.monotonic() + args.timeout
@@ -323,6 +328,7 @@ def add_tracker_args(p) -> None:
 def fetch_status(tracker: str, token_file: str) -> dict:
     if not tracker:
         raise InputError("give --tracker http://HOST:PORT (or set SPARROWD_TRACKER)")
+    check_url(tracker, "--tracker")
     if not token_file:
         raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
     token, _ = read_token(Path(token_file).expanduser())
@@ -343,14 +349,19 @@ def cmd_wait(args) -> int:
 
     from sparrowd.daemon.calls import wait_arrival
 
-    if args.version < 0 or args.timeout < 0 or (args.fraction is not None and not 0 < args.fraction <= 1):
-        raise InputError("VERSION and --timeout must be 0 or more, --fraction in (0, 1]")
+    if args.version < 0 or (args.fraction is not None and not 0 < args.fraction <= 1):
+        raise InputError("VERSION must be 0 or more, --fraction in (0, 1]")
+    seconds("--timeout", args.timeout)
+    nodes = None
+    if args.nodes is not None:
+        nodes = [check_name("--nodes: node id", n.strip()) for n in args.nodes.split(",") if n.strip()]
+        if not nodes:
+            raise InputError(f"--nodes {args.nodes!r}: give node ids, comma-separated")
     fetch_status(args.tracker, args.token_file)  # the same checks and errors as status
     token, _ = read_token(Path(args.token_file).expanduser())
     t0 = time.monotonic()
     a = wait_arrival(args.tracker, token, args.version, applied=args.applied, engines=args.engines,
-                     nodes=args.nodes.split(",") if args.nodes else None, fraction=args.fraction,
-                     timeout=args.timeout)
+                     nodes=nodes, fraction=args.fraction, timeout=args.timeout)
     what = "applied on" if args.applied else "held by"
     print(f"version {args.version} {what} {_count(len(a['reached']), 'node')} "
           f"({a['needed']} needed) after {time.monotonic() - t0:.2f} s")
@@ -382,7 +393,7 @@ def _publish_checkpoint(args, token: str) -> int:
     """Diff the checkpoint against the last one published from the state dir, publish, keep it."""
     import shutil
 
-    from sparrowd.checkpoint import atomic_dir
+    from sparrowd.checkpoint import atomic_dir, open_checkpoint
     from sparrowd.delta import diff_files
 
     if args.version is None or args.version < 0:
@@ -395,6 +406,8 @@ def _publish_checkpoint(args, token: str) -> int:
     src = Path(args.checkpoint)
     if not src.exists():
         raise InputError(f"{src}: no such checkpoint")
+    with open_checkpoint(src):  # a text file or a folder without weights is refused before anything is recorded
+        pass
     state = Path(args.state_dir or default_data_dir() / "published").expanduser()
     kept, record = state / "checkpoint", state / "published.json"
 
@@ -446,6 +459,8 @@ def _publish_checkpoint(args, token: str) -> int:
 
 
 def cmd_publish(args) -> int:
+    path_args(("PATCH", args.patch), ("--checkpoint", args.checkpoint), ("--state-dir", args.state_dir))
+    check_url(args.daemon, "--daemon")
     if not args.token_file:
         raise InputError("give --token-file FILE (or set SPARROWD_TOKEN_FILE)")
     token, _ = read_token(Path(args.token_file).expanduser())

@@ -10,6 +10,7 @@ from sparrowd.codec import ABSOLUTE, ULP, ULP2
 from sparrowd.delta import apply_file, diff_files, export_patch, inspect_patch
 from sparrowd.units import format_bytes, parse_size
 
+from .checks import path_arg, path_args
 from .progress import Progress
 
 
@@ -88,6 +89,7 @@ def default_values() -> str:
 
 
 def cmd_diff(args) -> int:
+    path_args(("OLD", args.old), ("NEW", args.new), ("-o", args.output))
     with open_checkpoint(args.new) as ck:
         n = len(ck)
     prog = Progress(n, "comparing tensors", enabled=None if not args.quiet else False)
@@ -106,6 +108,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_apply(args) -> int:
+    path_args(("BASE", args.base), ("PATCH", args.patch), ("-o", args.output))
     m = apply_file(args.base, args.patch, args.output, force=args.force)
     if not args.quiet:
         print(f"wrote {args.output}: version {m.version} ({len(m.tensors)} tensors touched, "
@@ -114,7 +117,7 @@ def cmd_apply(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    s = inspect_patch(args.patch)
+    s = inspect_patch(path_arg("PATCH", args.patch))
     if args.json:
         print(json.dumps(s.to_json(), sort_keys=True))
         return 0
@@ -136,6 +139,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
+    path_args(("PATCH", args.patch), ("-o", args.output), ("--base", args.base))
     m = export_patch(args.patch, args.output, base=args.base)
     print(f"wrote {args.output}: decoded version {m.version} ({len(m.tensors)} tensors)")
     return 0

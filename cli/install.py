@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,13 @@ from sparrowd.daemon.settings import load_settings, read_tokens
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 
+from .checks import path_args
 from .daemon import add_current_flag, add_follow_flags
 
 ETC = Path("etc/sparrowd")
 UNIT = Path("etc/systemd/system/sparrowd.service")
 STATE = Path("var/lib/sparrowd")
+_POSIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")  # a user or group name systemd takes as given
 
 
 def register(sub) -> None:
@@ -90,6 +93,10 @@ def _write(path: Path, text: str, mode: int) -> bool:
 
 
 def cmd_install(args) -> int:
+    path_args(("--prefix", args.prefix), ("--token-file", args.token_file))
+    if args.group is not None and not _POSIX_NAME.fullmatch(args.group):
+        raise InputError(f"--group {args.group!r}: give a group name (letters, digits, '_', '.', '-', "
+                         "starting with a letter or '_', at most 32)")
     prefix = Path(args.prefix)
     if args.now and prefix.resolve() != Path("/"):
         raise InputError("--now starts the service on this box: it needs --prefix /")
@@ -119,6 +126,7 @@ def cmd_install(args) -> int:
 
 
 def cmd_uninstall(args) -> int:
+    path_args(("--prefix", args.prefix))
     prefix = Path(args.prefix)
     if prefix.resolve() == Path("/") and shutil.which("systemctl"):
         subprocess.run(["systemctl", "disable", "--now", "sparrowd"], capture_output=True)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
 from sparrowd.daemon.calls import http_call
 from sparrowd.daemon.settings import default_data_dir
 from sparrowd.errors import InputError
-from sparrowd.swarm.identity import parse_duration
+from sparrowd.swarm.identity import is_credential_id, parse_duration
 
+from .checks import out_file
 from .daemon import local_daemon
 
 
@@ -77,14 +77,14 @@ def cmd_create(args) -> int:
             parse_duration(args.expires)
         except ValueError:
             raise InputError(f"--expires {args.expires!r}: give a duration such as 30d, 12h, 90m, or never") from None
+    out = out_file("--out", args.out) if args.out is not None else None  # before the credential is issued
     url, token = _trainer(args)
     r = http_call(f"{url}/v1/tracker/credentials", token, method="POST",
                   body={"role": args.role, "region": args.region, "node": args.node, "expires": args.expires})
     where = f"region {r['region']}" if r.get("region") else "any region"
     summary = (f"credential {r['id']}: role {r['role']}, {where}, node {r.get('node') or 'any'}, "
                f"expires {_when(r.get('expires'))}")
-    if args.out:
-        out = Path(args.out).expanduser()
+    if out is not None:
         with atomic_file(out, private=True) as tmp:
             tmp.write_text(r["credential"] + "\n")
         print(f"{summary}; written to {out}")
@@ -116,6 +116,8 @@ def cmd_list(args) -> int:
 
 
 def cmd_revoke(args) -> int:
+    if not is_credential_id(args.id):
+        raise InputError(f"{args.id!r} is not a credential id (`sparrowd token list` shows them)")
     url, token = _trainer(args)
     r = http_call(f"{url}/v1/tracker/credentials/{args.id}/revoke", token, method="POST")
     print(f"credential {r['id']} revoked" + (f"; node {r['node_id']} is out of the swarm" if r.get("node_id") else

@@ -8,6 +8,7 @@ import time
 
 from sparrowd.errors import SparrowError
 
+from .checks import seconds
 from .topview import COLUMNS, TopView, fit
 
 STYLES = {"stale": "bold red", "error": "bold red", "lagging": "yellow", "trainer": "cyan", "": ""}
@@ -57,6 +58,7 @@ def render_once(view: TopView, width: int, now: float, *, color: bool) -> str:
 def cmd_top(args) -> int:
     from .daemon import fetch_status
 
+    seconds("--interval", args.interval, positive=True)
     view = TopView(args.tracker or "?", sort=args.sort, region=args.region)
     fetch = lambda: fetch_status(args.tracker, args.token_file)  # noqa: E731
     if args.once:

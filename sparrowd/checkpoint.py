@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .codec.bits import RawTensor, dtype_info, uint_type
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, OutputPathError
 
 __all__ = [
     "Checkpoint",
@@ -40,6 +40,7 @@ __all__ = [
     "writable_views",
     "atomic_file",
     "atomic_dir",
+    "check_output",
     "INDEX_NAME",
 ]
 
@@ -201,6 +202,17 @@ def _umask() -> int:
     return mask
 
 
+def check_output(path: str | os.PathLike, *, folder: bool = False) -> None:
+    """Refuse, naming ``path`` (never a temporary), an output that cannot be put in place: a file
+    that is an existing folder (``folder``: a folder may replace one), or a folder that is not there."""
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise OutputPathError(f"{path}: is a folder")
+    if not path.parent.is_dir():
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise OutputPathError(f"{path}: its folder {path.parent} {what}")
+
+
 @contextmanager
 def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` on success.
@@ -208,6 +220,7 @@ def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
     Each call gets a fresh name (so two writers of one path never share a temporary) made with
     ``O_EXCL``. ``private`` keeps the file 0600 from its creation on, for secrets."""
     path = Path(path)
+    check_output(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:  # name the file asked for, not the temporary
@@ -228,6 +241,7 @@ def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
 def atomic_dir(path: Path, *, force: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside ``path``; move it to ``path`` on success."""
     path = Path(path)
+    check_output(path, folder=True)
     if path.exists() and not force:
         raise InputError(f"{path}: already exists (use --force to replace it)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))

@@ -24,6 +24,7 @@ from .checkpoint import (
     TensorSpec,
     atomic_dir,
     atomic_file,
+    check_output,
     open_checkpoint,
     open_input,
     writable_views,
@@ -93,8 +94,11 @@ def diff_files(
     patch carries (an anchor's config and tokenizer: ``current.model_files``)."""
     if old is None:
         base_version = None
+    elif version < 1:  # version 0 is where a chain starts: nothing comes before it to patch
+        raise InputError(f"version {version}: a patch on a base makes version 1 or more (0 has no base)")
     elif base_version is None:
-        base_version = version - 1 if version > 0 else None
+        base_version = version - 1
+    check_output(out)  # before the diff, not after it
     with ExitStack() as stack:
         a = stack.enter_context(open_checkpoint(old)) if old is not None else {}
         b = stack.enter_context(open_checkpoint(new))
@@ -241,6 +245,7 @@ def export_patch(path: str | os.PathLike, out: str | os.PathLike, base: str | os
     :mod:`sparrowd.decoded`): ``<name>.indices`` and ``<name>.values`` per patched tensor,
     ``<name>.full`` per tensor written whole, and a table of every touched tensor. ``base``: the
     base checkpoint, which an ulp2 patch is decoded against."""
+    check_output(out)
     with open_patch(path) as view, ExitStack() as stack:
         m = view.manifest
         if m.values == ULP2 and base is None:

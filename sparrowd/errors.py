@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "BaseMismatchError",
     "InputError",
+    "OutputPathError",
     "VersionUnavailableError",
 ]
 
@@ -36,6 +37,11 @@ class BaseMismatchError(IntegrityError):
 
 class InputError(SparrowError):
     """Arguments or inputs that cannot be used as given (missing tensors, bad options)."""
+
+
+class OutputPathError(InputError, OSError):
+    """An output that cannot be put in place (a folder where a file goes, a folder that is not there),
+    refused before anything is written; an OSError too, as the failed write it forestalls would be."""
 
 
 class VersionUnavailableError(SparrowError):

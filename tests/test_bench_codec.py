@@ -2,10 +2,12 @@
 knows the previous patch falls when the previous patch tells something, and only then."""
 
 import numpy as np
+import pytest
 
 from sparrowd.bench.codec import _baselines
 from sparrowd.codec import RawTensor
 from sparrowd.codec.bits import ulp_add
+from tests.helpers import sparrowd
 
 N = 1 << 17
 
@@ -37,3 +39,13 @@ def test_the_previous_patch_lowers_the_bound_only_when_it_predicts():
     plain = fresh["index_entropy_exp_bits"] + fresh["value_entropy_class_bits"]
     assert 0.9 * plain < fresh["bound_prev_bits"] <= plain * 1.02
     assert _baselines(_snap(one), _snap(_step(one, elsewhere, fresh_signs)))["bound_prev_bits"] is None
+
+
+@pytest.mark.parametrize("bad, says", [(("--steps", "0"), "--steps 0: give 1 or more"),
+                                       (("--size-mib", "0"), "--size-mib 0: give 1 or more"),
+                                       (("--lr", "-1"), "--lr -1.0: give a number above 0"),
+                                       (("--lr", "nan"), "--lr nan: give a number above 0")])
+def test_the_command_refuses_bad_input_in_one_line_before_training(tmp_path, bad, says):
+    r = sparrowd("bench", "codec", *bad, cwd=tmp_path, timeout=60)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"sparrowd: error: {says}"], r.stderr
+    assert not r.stdout

@@ -53,3 +53,12 @@ def test_the_command_prints_the_table_and_refuses_bad_input(tmp_path):
     assert figures["assumptions"]["generate_seconds"] == 20 and len(figures["rows"]) == 3
     r = sparrowd("bench", "project", "--wan-gbps", "0")
     assert r.returncode != 0 and r.stderr.strip() == "sparrowd: error: --wan-gbps must be positive (density at most 1)"
+
+
+@pytest.mark.parametrize("bad", [("--wan-gbps", "nan"), ("--train-seconds", "inf"), ("--density", "nan"),
+                                 ("--density", "1.5"), ("--nodes-per-region", "0")])
+def test_non_finite_and_out_of_range_assumptions_are_one_line(tmp_path, bad):
+    r = sparrowd("bench", "project", *bad, cwd=tmp_path, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"sparrowd: error: {bad[0]} must be"), r.stderr
+    assert not r.stdout and "Traceback" not in r.stderr

@@ -46,6 +46,21 @@ def test_bench_publish_refuses_a_device_name_torch_does_not_know():
         run(size_mib=64, steps=1, device="nonsense")
 
 
+@pytest.mark.parametrize("bad, says", [
+    (("publish", "--size-mib", "-5", "--steps", "0"), "--size-mib -5: give 1 or more"),
+    (("apply", "--size-mib", "0", "--steps", "0"), "--size-mib 0: give 1 or more"),
+    (("apply", "--steps", "0"), "--steps 0: give 1 or more"),
+    (("serve", "--steps", "-1"), "--steps -1: give 1 or more"),
+])
+def test_the_sized_benchmarks_refuse_a_size_or_steps_below_1_in_one_line(tmp_path, bad, says):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", *bad], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"sparrowd: error: {says}"], r.stderr
+    assert not r.stdout and not any(tmp_path.iterdir())
+
+
 def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
     import subprocess
     import sys

@@ -60,11 +60,14 @@ def _cli(*args, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--nodes", "x"], ["--nodes", "0"], ["--churn", "1.5"], ["--trainer-rate", "0"],
-                                 ["--push", "2"], ["--push", "a,b"], ["--push", "2,-1"]])
+                                 ["--push", "2"], ["--push", "a,b"], ["--push", "2,-1"], ["--rtt", "nan"],
+                                 ["--rtt", "-1"], ["--patch-mib", "nan"], ["--patch-mib", "1,inf"],
+                                 ["--plot", "."], ["--plot", ""], ["--plot", "nowhere/sim.svg"]])
 def test_cli_refuses_bad_input_in_one_line(tmp_path, bad):
     p = _cli(*bad, tmp_path=tmp_path)
     assert p.returncode != 0
-    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr and ".tmp" not in p.stderr
+    assert not p.stdout and not any(tmp_path.iterdir())  # refused before the run: nothing printed or written
 
 
 def test_cli_prints_writes_json_and_a_plot(tmp_path):

@@ -140,6 +140,31 @@ def test_bad_inputs_give_one_line_and_leave_nothing(files):
     assert after - before == {"trunc.sprw", "corrupt.sprw", "text.safetensors", "missing.safetensors"}
 
 
+@pytest.mark.parametrize("args, says", [
+    (["diff", "v0.safetensors", "v1.safetensors", "-o", "new.sprw", "--version", "0"], "version 0: a patch on a base"),
+    (["diff", "", "v1.safetensors", "-o", "new.sprw"], "OLD '': give a path"),
+    (["diff", "v0.safetensors", "", "-o", "new.sprw"], "NEW '': give a path"),
+    (["diff", "v0.safetensors", "v1.safetensors", "-o", ""], "-o '': give a path"),
+    (["diff", "v0.safetensors", "v1.safetensors", "-o", "adir"], "adir: is a folder"),
+    (["apply", "v0.safetensors", "p.sprw", "-o", "adir"], "adir: is a folder"),
+    (["apply", "v0.safetensors", "p.sprw", "-o", ""], "-o '': give a path"),
+    (["apply", "", "p.sprw", "-o", "new.safetensors"], "BASE '': give a path"),
+    (["export", "p.sprw", "-o", "adir", "--base", "v0.safetensors"], "adir: is a folder"),
+    (["export", "p.sprw", "-o", "nowhere/new.safetensors", "--base", "v0.safetensors"],
+     "nowhere/new.safetensors: its folder nowhere does not exist"),
+    (["export", "p.sprw", "-o", "new.safetensors", "--base", ""], "--base '': give a path"),
+    (["inspect", ""], "PATCH '': give a path"),
+])
+def test_empty_paths_folders_as_files_and_version_0_are_one_line_and_write_nothing(files, args, says):
+    d, *_ = files
+    assert sparrowd("delta", "diff", "v0.safetensors", "v1.safetensors", "-o", "p.sprw", cwd=d).returncode == 0
+    (d / "adir").mkdir()
+    before = listing(d)
+    err = bad(sparrowd("delta", *args, cwd=d, timeout=60))
+    assert says in err and ".tmp" not in err and "Traceback" not in err, err
+    assert listing(d) == before and not any((d / "adir").iterdir())  # nothing written, no temporary left
+
+
 def _limit_file_size():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))

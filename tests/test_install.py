@@ -67,12 +67,24 @@ def test_install_writes_settings_token_and_a_unit_systemd_accepts(tmp_path, toke
     (("--role", "rollout"), "a rollout needs the tracker's address"),
     (("--tracker", "ftp://x"), "is not a tracker URL"),
     (("--tracker", "http://a:1", "--now"), "--now starts the service on this box: it needs --prefix /"),
+    (("--tracker", "http://a:1", "--group", "no such group!"), "--group 'no such group!': give a group name"),
+    (("--tracker", "http://a:1", "--group", "wheel\nUser=root"), "--group 'wheel\\nUser=root'"),
+    (("--tracker", "http://a:1", "--token-file", ""), "--token-file '': give a path"),
 ])
 def test_bad_installs_are_one_clear_error_and_write_nothing(tmp_path, token, extra, message):
     root = tmp_path / "root"
     r = sparrowd("install", "--token-file", token, "--region", "eu", "--prefix", root, *extra)
     assert r.returncode != 0 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not root.exists()
+
+
+@pytest.mark.parametrize("command", [("install", "--tracker", "http://a:1", "--region", "eu"), ("uninstall",)])
+def test_an_empty_prefix_is_refused_not_taken_as_the_current_folder(tmp_path, token, command):
+    extra = ("--token-file", token) if command[0] == "install" else ()
+    r = sparrowd(*command, *extra, "--prefix", "", cwd=tmp_path, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and lines == ["sparrowd: error: --prefix '': give a path"], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.token"]  # no etc/ written here
 
 
 def test_the_trainer_installs_without_a_tracker(tmp_path, token):

@@ -49,6 +49,7 @@ def test_the_engine_socket_lives_where_the_service_manager_says():
     [
         ({**BASE, "listen": "nope"}, {}, "setting --listen: 'nope' is not HOST:PORT"),
         ({**BASE, "listen": "h:70000"}, {}, "is not HOST:PORT"),
+        ({**BASE, "advertise": "127.0.0.1:0"}, {}, "setting --advertise: '127.0.0.1:0': port 0 is not one"),
         ({**BASE}, {"SPARROWD_LEASE_TTL": "soon"}, "setting SPARROWD_LEASE_TTL: 'soon' is not a number"),
         ({**BASE, "lease_ttl": "0"}, {}, "more than 0"),
         ({**BASE, "role": "boss"}, {}, "must be one of trainer, rollout, relay"),
@@ -73,6 +74,9 @@ def test_bad_config_files(tmp_path):
         load_settings(BASE, env={}, config=cfg)
     cfg.write_text("role = \n")
     with pytest.raises(InputError, match="not valid TOML"):
+        load_settings(BASE, env={}, config=cfg)
+    cfg.write_bytes(b"\xff\xfe\x00role = 1\n")  # not text: one line, not a UnicodeDecodeError
+    with pytest.raises(InputError, match="not valid TOML \\(not UTF-8 text\\)"):
         load_settings(BASE, env={}, config=cfg)
     cfg.write_text('lease_ttl = "x"\n')
     with pytest.raises(InputError, match=f"setting lease_ttl in config {cfg}"):

@@ -130,6 +130,22 @@ def test_the_live_app_headless_sorts_filters_and_survives_an_outage():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--interval", "0"], "--interval 0.0: give seconds, above 0"),
+    (["--interval", "-1"], "--interval -1.0: give seconds, above 0"),
+    (["--interval", "nan"], "--interval nan"),
+    (["--once", "--interval", "inf"], "--interval inf"),
+    (["--once", "--tracker", "notaurl"], "--tracker 'notaurl': give a URL like http://HOST:PORT"),
+    (["--once", "--tracker", ""], "give --tracker"),
+])
+def test_bad_input_is_one_line_before_the_screen_changes(tmp_path, args, says):
+    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "top", "--tracker", "http://127.0.0.1:9",
+                        "--token-file", str(make_bad_token(tmp_path)), *args],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and says in lines[0] and not r.stdout, r.stderr
+
+
 @pytest.mark.slow
 def test_top_against_a_live_swarm_once_and_in_a_real_terminal(cluster, tmp_path):
     cluster.trainer()

@@ -11,16 +11,32 @@ import json
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 
-from ..errors import SparrowError
+from ..errors import InputError, SparrowError
 
-__all__ = ["http_call", "tracker_status", "published_state", "check_start", "wait_arrival"]
+__all__ = ["check_url", "http_call", "tracker_status", "published_state", "check_start", "wait_arrival"]
+
+
+def check_url(url: str, flag: str | None = None) -> str:
+    """``url`` if it can be called: http or https, a host, a numeric port, no spaces or control
+    characters; else one InputError naming ``flag`` (the option that gave it) and the URL."""
+    try:
+        u = urlsplit(url)
+        ok = (u.scheme in ("http", "https") and bool(u.hostname) and (u.port or 0) >= 0
+              and not any(c.isspace() or not c.isprintable() for c in url))
+    except (ValueError, TypeError):  # a port that is not a number, or out of range
+        ok = False
+    if not ok:
+        raise InputError(f"{flag + ' ' if flag else ''}{url!r}: give a URL like http://HOST:PORT")
+    return url
 
 
 def http_call(url: str, token: str | None, *, method: str = "GET", timeout: float = 5.0, data=None,
               body: dict | None = None) -> dict:
     """One JSON call to a daemon, with the swarm token (or, without one, to another JSON service
     such as vLLM's RL routes, ``body`` sent as JSON); errors become one-line SparrowErrors."""
+    check_url(url)
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     if body is not None:
         data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"

@@ -43,6 +43,14 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return m.group("v6") or m.group("host"), int(m.group("port"))
 
 
+def _advertise(text: Any) -> tuple[str, int]:
+    """The address other nodes reach this one on: a real port (0 only means "pick one" to --listen)."""
+    host, port = parse_hostport(text)
+    if port == 0:
+        raise ValueError(f"{text!r}: port 0 is not one other nodes can reach; give the port they use")
+    return host, port
+
+
 def _http_url(example: str) -> Callable[[Any], str]:
     """A parser of ``http(s)://HOST[:PORT]`` URLs (no path), normalised; ``example`` goes in the error."""
     def parse(text: Any) -> str:
@@ -217,7 +225,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "region": _name("region"),
     "token_file": _path,
     "tracker": _tracker_url,
-    "advertise": parse_hostport,
+    "advertise": _advertise,
     "lease_ttl": _positive_float,
     "node_id": _name("node id"),
     "peer_limit": _positive_int,
@@ -247,6 +255,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise InputError(f"config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"config {path}: not valid TOML ({e})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"config {path}: not valid TOML (not UTF-8 text)") from None
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")

@@ -71,6 +71,7 @@ __all__ = [
     "Binding",
     "CredentialBook",
     "CREDENTIAL_PREFIX",
+    "is_credential_id",
     "MAX_SKEW",
     "PROOF_TTL",
     "key_id",
@@ -91,6 +92,7 @@ MAX_SKEW = 300.0  # seconds a message's clock may differ from the tracker's (the
 PROOF_TTL = 60.0  # seconds a peer proof is good for; a node makes a new one every PROOF_TTL / 2
 CREDENTIAL_PREFIX = "spw1."
 MAX_CREDENTIAL = 2048
+_CREDENTIAL_ID_BYTES = 5  # a credential's id: this many random bytes, in lowercase hex
 _TRACKER_DOMAIN = b"sparrowd-tracker-v1\x00"
 _CREDENTIAL_DOMAIN = b"sparrowd-credential-v1\x00"
 _PROOF_DOMAIN = b"sparrowd-peer-v1\x00"
@@ -262,7 +264,8 @@ class Credential:
     def issue(cls, sign, *, role: str, region: str | None, node: str | None, now: float,
               lifetime: float | None) -> tuple["Credential", str]:
         """A new credential and its text; ``sign`` is the trainer's signing function."""
-        c = cls(secrets.token_hex(5), role, region, node, now, None if lifetime is None else now + lifetime)
+        c = cls(secrets.token_hex(_CREDENTIAL_ID_BYTES), role, region, node, now,
+                None if lifetime is None else now + lifetime)
         claims = pack({"id": c.id, "role": c.role, "region": c.region, "node": c.node, "iat": c.issued,
                        "exp": c.expires})
         return c, CREDENTIAL_PREFIX + _b64(claims) + "." + _b64(sign(_CREDENTIAL_DOMAIN + claims))
@@ -291,6 +294,11 @@ class Credential:
     def to_json(self) -> dict:
         return {"id": self.id, "role": self.role, "region": self.region, "node": self.node,
                 "issued": self.issued, "expires": self.expires}
+
+
+def is_credential_id(text: str) -> bool:
+    """Whether ``text`` has the form of the ids :meth:`Credential.issue` makes."""
+    return len(text) == 2 * _CREDENTIAL_ID_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
 def parse_duration(text: str) -> float:
