@@ -23,6 +23,9 @@ def _cli(*args, tmp_path, timeout=60):
     (["--regions", "0"], "--regions 0"),
     (["--versions", "0"], "--versions 0"),
     (["--rtt", "-0.5"], "--rtt -0.5"),
+    (["--rtt", "nan"], "--rtt nan"),
+    (["--patch-mib", "nan"], "--patch-mib nan"),
+    (["--interval", "inf"], "--interval inf"),
     (["--nodes", "2", "--regions", "5"], "every region needs a rollout"),
     (["--trainer-rate", "0"], "--trainer-rate 0"),
     (["--node-rate", "4X"], "--node-rate: not a size"),
@@ -69,3 +72,18 @@ def test_two_regions_report_the_crossing_against_the_regions_that_hold_rollouts(
         assert 0.99 <= v["cross_region_over_r_minus_1"] <= 1.1, v
         assert 0.99 <= v["trainer_upload_over_patch"] <= 1.1, v
     assert "no limit per direction" in p.stdout and "cross-region bytes" in p.stdout
+
+
+def test_the_star_baseline_ends_though_it_outlasts_the_leases(tmp_path):
+    """The star's clients renew their leases while they pull: unrenewed, the trainer refused each
+    as no member once its lease ran out (2 s here; the star takes about 4 s at a 512 KiB/s
+    uplink), and ``bench swarm``'s default run never ended."""
+    from sparrowd.bench.swarm import run
+
+    out = tmp_path / "r.json"
+    assert run(nodes=2, regions=1, patch_mib=1, versions=1, trainer_rate="512K", rtt=0.0, link_rate="0",
+               json_path=str(out), lease_ttl=2.0) == 0
+    doc = json.loads(out.read_text())
+    star, (v,) = doc["star"], doc["versions"]
+    # every client pulled the whole patch through the trainer's uplink: no faster than the uplink allows
+    assert star["seconds"] >= 0.8 * 2 * v["patch_bytes"] / (512 << 10), star

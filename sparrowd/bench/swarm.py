@@ -138,8 +138,10 @@ def _wait(pred, timeout: float, what: str, every: float = 0.1):
 
 async def _star(trainer: str, token: str, version: int, manifest, clients: int, regions: int) -> float:
     """N clients, spread over the regions, each pull every chunk of ``version`` from the trainer.
-    Each joins the swarm with a key of its own first, as any member must, and proves it on every
-    request; the clock starts once all have joined."""
+    Each joins the swarm with a key of its own first, as any member must, proves it on every
+    request, and renews its lease while it pulls (a star outlasts a lease: unrenewed, every client
+    was refused as no member once its lease ran out, and the run never ended); the clock starts
+    once all have joined."""
     import aiohttp
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -152,15 +154,13 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
     n = len(manifest.chunks)
     tracker = HttpTrackerClient(trainer, token)
     keys = [NodeKey(Ed25519PrivateKey.generate()) for _ in range(clients)]
-    trainer_id = None
-    try:
-        for k, key in enumerate(keys):
-            reply = await tracker.join(seal(key, "join", {
-                "node_id": f"star-{k}", "role": "rollout", "region": "star", "address": f"{_addr(k % regions, 2, k)}:9",
-                "key": key.public, "ts": time.time()}))
-            trainer_id = next(p["node_id"] for p in reply["peers"] if p["role"] == "trainer")
-    finally:
-        await tracker.close()
+    trainer_id, epochs, every = None, [], 1.0
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(every)
+            for k, key in enumerate(keys):
+                await tracker.renew(seal(key, "renew", {"node_id": f"star-{k}", "epoch": epochs[k], "ts": time.time()}))
 
     async def client(k: int, session) -> None:
         hdr = {"Authorization": f"Bearer {token}", NODE_HEADER: f"star-{k}", REGION_HEADER: "star"}
@@ -185,22 +185,42 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
                         await asyncio.sleep(0.2)
                         break
 
-    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(_addr(k % regions, 2, k), 0)))
-                for k in range(clients)]
-    t0 = time.monotonic()
+    sessions = []
+    renewing = None
     try:
-        await asyncio.gather(*(client(k, sessions[k]) for k in range(clients)))
+        for k, key in enumerate(keys):
+            reply = await tracker.join(seal(key, "join", {
+                "node_id": f"star-{k}", "role": "rollout", "region": "star", "address": f"{_addr(k % regions, 2, k)}:9",
+                "key": key.public, "ts": time.time()}))
+            trainer_id = next(p["node_id"] for p in reply["peers"] if p["role"] == "trainer")
+            epochs.append(int(reply["epoch"]))
+            every = float(reply["renew_interval"])
+        renewing = asyncio.create_task(renew())
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(_addr(k % regions, 2, k), 0)))
+                    for k in range(clients)]
+        t0 = time.monotonic()
+        pulls = asyncio.gather(*(client(k, sessions[k]) for k in range(clients)))
+        done, _ = await asyncio.wait([pulls, renewing], return_when=asyncio.FIRST_COMPLETED)
+        if pulls not in done:  # a renewal failed: every client would be refused from then on
+            pulls.cancel()
+            renewing.result()  # raises why
+        pulls.result()
+        return time.monotonic() - t0
     finally:
+        if renewing is not None:
+            renewing.cancel()
         for s in sessions:
             await s.close()
-    return time.monotonic() - t0
+        await tracker.close()
 
 
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0,
-        settle: float = 0.0) -> int:
+        settle: float = 0.0, lease_ttl: float | None = None) -> int:
+    """``lease_ttl``: the daemons' lease TTL (default: theirs), for tests of a run that outlasts one."""
+    ttl = ["--lease-ttl", str(lease_ttl)] if lease_ttl else []
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
@@ -247,7 +267,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"{t_host}:{port}",
                     "--advertise", f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file",
                     str(token_file), "--node-id", "trainer", "--upload-rate", trainer_rate,
-                    "--wan-upload-rate", wan_rate, "--log-level", log_level, name="trainer")
+                    "--wan-upload-rate", wan_rate, "--log-level", log_level, *ttl, name="trainer")
         _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
         for i, (host, p) in enumerate(listen):
             r, j = i % regions, i // regions
@@ -256,7 +276,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
                         "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
                         "--cut-through", "on" if cut_through else "off", "--push", ",".join(map(str, push)),
-                        "--log-level", log_level,
+                        "--log-level", log_level, *ttl,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
         time.sleep(settle)  # a swarm that has just formed is still opening its connections
@@ -322,6 +342,9 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         star_row = None
         if star:
             last = parse_patch(patches[-1].read_bytes()).manifest
+            print(f"   star: {nodes} clients each pulling version {last.version} from the trainer, about "
+                  f"{nodes * last.patch_bytes / rates['trainer']:.0f} s at its uplink (--no-star skips this)...",
+                  flush=True)
             t_star = asyncio.run(_star(tracker, token, last.version, last, nodes, regions))
             star_row = {"seconds": t_star, "over_swarm": t_star / results[-1]["seconds"]}
             print(f"   star (every node pulls every chunk from the trainer): {t_star:.1f} s, "
