@@ -155,6 +155,9 @@ def register_swarm(bs) -> None:
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
                         "256K and 2M)")
     _link_options(s, link_help="; 0: none")
+    s.add_argument("--rate-burst", type=float, default=0.1, metavar="SECONDS",
+                   help="the daemons' --rate-burst: how much of a second's upload limit may go at once (default 0.1, "
+                        "theirs; 0: uplinks held to their rate from the first byte, as `bench sim`'s links)")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -173,15 +176,15 @@ def cmd_swarm(args) -> int:
                          "patch above 0")
     if args.regions > args.nodes:
         raise InputError(f"--regions {args.regions} is more than --nodes {args.nodes}: every region needs a rollout")
-    for name in ("interval", "settle"):
-        seconds(f"--{name}", getattr(args, name))
+    for name in ("interval", "settle", "rate_burst"):
+        seconds(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.chunk != "auto":
         _chunk(args.chunk)
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level,
-               interval=args.interval, settle=args.settle)
+               interval=args.interval, settle=args.settle, rate_burst=args.rate_burst)
 
 
 def register_sim(bs) -> None:

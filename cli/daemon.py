@@ -20,8 +20,8 @@ from .status import render_status
 
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
-                  "wan_upload_rate", "engine_socket", "follow_vllm", "follow_every", "follow_vllm_remote", "super_seed",
-                  "current", "cut_through", "push")
+                  "wan_upload_rate", "rate_burst", "engine_socket", "follow_vllm", "follow_every",
+                  "follow_vllm_remote", "super_seed", "current", "cut_through", "push")
 
 
 def add_follow_flags(p) -> None:
@@ -72,6 +72,9 @@ def register(sub) -> None:
     r.add_argument("--download-rate", metavar="BYTES", help="download limit per second (default: none)")
     r.add_argument("--wan-upload-rate", metavar="BYTES",
                    help="limit on uploads to other regions (cross-region egress costs money; default: none)")
+    r.add_argument("--rate-burst", metavar="SECONDS",
+                   help="how much of a second's rate limit may go at once, at least 16 KiB (default 0.1; 0 holds "
+                        "each limit to its steady rate, as a link's bottleneck does)")
     r.add_argument("--engine-socket", metavar="PATH",
                    help="Unix socket the co-located engine reads patches from (default $RUNTIME_DIRECTORY/engine.sock "
                         "under systemd, else DATA/engine.sock; 'off' for none)")

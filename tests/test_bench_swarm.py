@@ -26,6 +26,7 @@ def _cli(*args, tmp_path, timeout=60):
     (["--rtt", "nan"], "--rtt nan"),
     (["--patch-mib", "nan"], "--patch-mib nan"),
     (["--interval", "inf"], "--interval inf"),
+    (["--rate-burst", "-0.1"], "--rate-burst -0.1"),
     (["--nodes", "2", "--regions", "5"], "every region needs a rollout"),
     (["--trainer-rate", "0"], "--trainer-rate 0"),
     (["--node-rate", "4X"], "--node-rate: not a size"),
@@ -41,16 +42,21 @@ def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path, bad, 
 
 def test_one_region_has_no_round_trip_in_its_bound_and_no_cross_region_figure(tmp_path):
     """One region: the bound is the patch over the trainer's uplink alone, cross-region bytes are
-    ``n/a`` (null in the JSON) and not among the targets; this run divided by zero before."""
+    ``n/a`` (null in the JSON) and not among the targets (this run divided by zero before); and
+    uplinks that never burst are held to their rate."""
     out = tmp_path / "r.json"
     p = _cli("--nodes", "2", "--regions", "1", "--patch-mib", "0.25", "--versions", "1", "--no-star",
-             "--json", str(out), tmp_path=tmp_path, timeout=180)
+             "--rate-burst", "0", "--json", str(out), tmp_path=tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     (v,) = doc["versions"]
     assert v["cross_region_over_r_minus_1"] is None
     assert v["lower_bound_seconds"] == pytest.approx(v["patch_bytes"] / (4 << 20))
-    assert 0 < v["time_over_bound"] and v["trainer_upload_over_patch"] >= 1.0
+    # Its uplink held to 4 MiB/s from the first byte (--rate-burst 0), the trainer takes the bound to
+    # send the patch, and nobody can have it sooner (with the daemons' burst, 0.4 MiB, it went at once
+    # and the version read about 0.45x).
+    assert v["time_over_bound"] >= 0.9 and v["trainer_upload_over_patch"] >= 1.0, v
+    assert doc["rate_burst"] == 0 and "limits never burst" in p.stdout
     assert "cross-region n/a" in p.stdout and "cross-region bytes" not in p.stdout
 
 

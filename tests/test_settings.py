@@ -28,7 +28,8 @@ def test_precedence_flags_over_env_over_toml(tmp_path):
 def test_defaults_and_parsing():
     s = load_settings({**BASE, "listen": "[::1]:0", "advertise": "box.example:7071"}, env={})
     assert s.listen == ("::1", 0) and s.advertise == ("box.example", 7071)
-    assert s.lease_ttl == 15.0 and s.peer_limit == 32 and s.log_level == "info"
+    assert s.lease_ttl == 15.0 and s.peer_limit == 32 and s.log_level == "info" and s.rate_burst == 0.1
+    assert load_settings({**BASE, "rate_burst": "0"}, env={}).rate_burst == 0.0
     assert default_data_dir({"STATE_DIRECTORY": "/var/lib/sparrowd"}) == Path("/var/lib/sparrowd")
     assert parse_hostport("127.0.0.1:80") == ("127.0.0.1", 80)
 
@@ -52,6 +53,7 @@ def test_the_engine_socket_lives_where_the_service_manager_says():
         ({**BASE, "advertise": "127.0.0.1:0"}, {}, "setting --advertise: '127.0.0.1:0': port 0 is not one"),
         ({**BASE}, {"SPARROWD_LEASE_TTL": "soon"}, "setting SPARROWD_LEASE_TTL: 'soon' is not a number"),
         ({**BASE, "lease_ttl": "0"}, {}, "more than 0"),
+        ({**BASE, "rate_burst": "-1"}, {}, "setting --rate-burst"),
         ({**BASE, "role": "boss"}, {}, "must be one of trainer, rollout, relay"),
         ({**BASE, "region": "eu west"}, {}, "setting --region: region 'eu west' must be"),
         ({**BASE, "tracker": "ftp://x"}, {}, "is not a tracker URL"),

@@ -218,9 +218,11 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0,
-        settle: float = 0.0, lease_ttl: float | None = None) -> int:
-    """``lease_ttl``: the daemons' lease TTL (default: theirs), for tests of a run that outlasts one."""
+        settle: float = 0.0, rate_burst: float = 0.1, lease_ttl: float | None = None) -> int:
+    """``rate_burst``: the daemons' ``--rate-burst`` (0: uplinks that never burst, as ``bench sim``'s
+    fluid links); ``lease_ttl``: their lease TTL (default: theirs), for tests of a run that outlasts one."""
     ttl = ["--lease-ttl", str(lease_ttl)] if lease_ttl else []
+    ttl += ["--rate-burst", str(rate_burst)]
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
@@ -241,7 +243,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
           f"{format_rate(rates['node'])}, cross-region uploads {format_rate(rates['wan'])} per node; "
           f"between regions {rtt * 1000:.0f} ms RTT and {format_rate(rates['link'])} per direction; relays "
           + ("cut-through" if cut_through else "store-and-forward")
-          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only"))
+          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
+          + (f"; limits burst {rate_burst:g} s" if rate_burst else "; limits never burst"))
     patches = []
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
@@ -372,5 +375,5 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
     if json_path:
         write_json(json_path, {"versions": results, "star": star_row, "nodes": nodes,
                                "regions": regions, "rates": rates, "rtt": rtt, "push": list(push),
-                               "interval": interval, "settle": settle})
+                               "interval": interval, "settle": settle, "rate_burst": rate_burst})
     return 0

@@ -247,7 +247,7 @@ class Daemon:
         signer = load_or_create_key(self.data_dir / "trainer.key") if s.is_tracker else None
         self.swarm = Swarm(self, ChunkStore(self.data_dir), signer=signer, retain=s.retain,
                            upload_rate=s.upload_rate, download_rate=s.download_rate,
-                           wan_upload_rate=s.wan_upload_rate)
+                           wan_upload_rate=s.wan_upload_rate, rate_burst=s.rate_burst)
         if s.is_tracker:
             self.swarm.load()
             self._store = SqliteLeaseStore(self.data_dir / "tracker.db")

@@ -199,6 +199,7 @@ class Settings:
     upload_rate: int | None = None
     download_rate: int | None = None
     wan_upload_rate: int | None = None
+    rate_burst: float = 0.1  # seconds of a rate limit that may go at once (at least 16 KiB)
     engine_socket: str = ""  # "": DATA/engine.sock; "off": no engine socket; else its path
     follow_vllm: str | None = None  # the co-located vLLM server this daemon moves to each new version
     follow_every: float = 0.0  # at most one update per this many seconds (0: every version)
@@ -235,6 +236,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "upload_rate": _rate,
     "download_rate": _rate,
     "wan_upload_rate": _rate,
+    "rate_burst": _non_negative_float,
     "engine_socket": _engine_socket,
     "follow_vllm": _server_url,
     "follow_every": _non_negative_float,

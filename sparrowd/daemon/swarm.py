@@ -224,7 +224,8 @@ def _view(ps: PeerState) -> tuple:
 
 class Swarm:
     def __init__(self, daemon, store: ChunkStore, *, signer: Signer | None, retain: int,
-                 upload_rate: int | None, download_rate: int | None, wan_upload_rate: int | None):
+                 upload_rate: int | None, download_rate: int | None, wan_upload_rate: int | None,
+                 rate_burst: float = 0.1):
         self.daemon = daemon
         self.store = store
         self.signer = signer
@@ -286,9 +287,9 @@ class Swarm:
         self.superseed: dict[Key, SuperSeed] = {}
         # Per version: the region's peers counted on, and those known when that was decided (recount).
         self.counted: dict[Key, tuple[frozenset[str], frozenset[str]]] = {}
-        self.up = TokenBucket(upload_rate)
-        self.down = TokenBucket(download_rate)
-        self.wan_up = TokenBucket(wan_upload_rate)
+        self.up = TokenBucket(upload_rate, burst_seconds=rate_burst)
+        self.down = TokenBucket(download_rate, burst_seconds=rate_burst)
+        self.wan_up = TokenBucket(wan_upload_rate, burst_seconds=rate_burst)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         # A node's uplink finishes a few chunks at a time rather than many at once: a finished chunk

@@ -10,10 +10,11 @@ __all__ = ["TokenBucket"]
 @dataclass
 class TokenBucket:
     """``rate`` bytes per second (0 or None: unlimited), bursts up to ``burst`` bytes
-    (default: a tenth of a second's worth, at least 16 KiB)."""
+    (default: ``burst_seconds``' worth, at least 16 KiB)."""
 
     rate: float | None
     burst: float | None = None
+    burst_seconds: float = 0.1
     _tokens: float = 0.0
     _last: float | None = None
 
@@ -22,7 +23,7 @@ class TokenBucket:
         if not self.rate:
             return 0.0
         if self.burst is None:
-            self.burst = max(16 << 10, self.rate / 10)
+            self.burst = max(16 << 10, self.rate * self.burst_seconds)
         if self._last is None:
             self._tokens, self._last = self.burst, now
         self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)

@@ -408,6 +408,16 @@ def test_token_bucket_paces_to_its_rate_after_a_small_burst():
     assert TokenBucket(None).take(0.0, 1 << 30) == 0.0
 
 
+def test_a_token_buckets_burst_is_its_seconds_of_rate_at_least_16_kib():
+    from sparrowd.swarm.bucket import TokenBucket
+
+    rate = 4 << 20
+    assert TokenBucket(rate).take(0.0, 256 << 10) == 0.0  # a tenth of a second (410 KiB) goes at once
+    # held to its steady rate from the first byte but 16 KiB (the daemons' --rate-burst 0)
+    assert TokenBucket(rate, burst_seconds=0).take(0.0, 256 << 10) == pytest.approx((240 << 10) / rate)
+    assert TokenBucket(rate, burst_seconds=0.5).take(0.0, 2 << 20) == 0.0
+
+
 def test_super_seed_gives_nothing_to_untrusted_peers_and_rests_a_peer_that_let_a_chunk_lapse():
     s = SuperSeed(2, per_peer=2, claim_within=3.0, regive_after=30.0, rng=random.Random(0))
     assert s.offer(0.0, "lurker", set(), {}, trusted=False) == set()  # a member that shows no chunks
