@@ -154,6 +154,7 @@ from . import cross_region_over, ratio_text
 MB = 1 << 20
 CONCURRENT = {True: SEED_CONCURRENT, False: RELAY_CONCURRENT}  # chunks a node sends at once, by trainer or not
 PLAN_EVERY = 0.25  # the daemon's scheduler also runs this often with nothing new
+TICK_EVERY = 10.0  # seconds of wall time between progress lines of a long simulation
 PLAN_GAP = 0.01  # the least time between two plans of one node
 CHOKE_EVERY = 1.0  # the trainer's choke decisions
 
@@ -1166,10 +1167,13 @@ class Sim:
         n.aware = True
         self.dirty.add(n)
 
-    def run(self, *, progress=None, horizon: float = 60.0) -> list[dict]:
+    def run(self, *, progress=None, tick=None, horizon: float = 60.0) -> list[dict]:
+        """Simulate every version; ``progress(row)`` after each, ``tick(version, simulated seconds,
+        nodes holding it, live nodes)`` every ``TICK_EVERY`` seconds of wall time while one runs."""
         cfg = self.cfg
         dt = cfg.step
         rows = []
+        ticked = time.monotonic()
         for v in range(cfg.versions):
             t0 = self.version_start = self.now
             sent0, cross0, wasted0 = self.sent[0], self.cross_bytes, self.wasted
@@ -1197,6 +1201,10 @@ class Sim:
                 self.now += dt
                 if one_copy is None and self.sent[0] - sent0 >= cfg.patch - 1:
                     one_copy = self.now - t0
+                if tick is not None and time.monotonic() - ticked >= TICK_EVERY:
+                    ticked = time.monotonic()
+                    live = [n for n in self.nodes[1:] if n.alive]
+                    tick(self.version, self.now - t0, sum(n.done_at is not None for n in live), len(live))
             live = [n for n in self.nodes[1:] if n.alive]
             finished = [n.done_at for n in live if n.done_at is not None]
             elapsed = (max(finished) if len(finished) == len(live) else self.now) - t0
@@ -1297,11 +1305,8 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
                          push=push)
             t = time.monotonic()
             sim = Sim(cfg)
-            rows = sim.run()
-            wall = time.monotonic() - t
-            if sim.trace is not None:
-                traces += [{"patch_mib": p, "rollouts": n, **e} for e in sim.trace]
-            for r in rows:
+
+            def row(r, n=n, p=p, cfg=cfg) -> None:
                 r.update(patch_mib=p, rollouts=n, regions=regions)
                 results.append(r)
                 star = n * cfg.patch / cfg.trainer_rate + rtt
@@ -1311,6 +1316,15 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
                       f"slower); trainer {r['trainer_upload_over_patch']:.2f}x the patch; cross-region "
                       f"{ratio_text(r['cross_region_over_r_minus_1'])} (R-1) x patch"
                       + (f"; {r['left']} left mid-version" if r["left"] else ""), flush=True)
+
+            def tick(version: int, simulated: float, holding: int, live: int, n=n, cfg=cfg) -> None:
+                print(f"   {n:>6} nodes, version {version}: {holding} of {live} hold it {simulated:.2f} s in (the "
+                      f"bound {cfg.bound:.2f} s; {time.monotonic() - t:.0f} s of simulating so far)", flush=True)
+
+            sim.run(progress=row, tick=tick)
+            wall = time.monotonic() - t
+            if sim.trace is not None:
+                traces += [{"patch_mib": p, "rollouts": n, **e} for e in sim.trace]
             print(f"          (simulated in {wall:.1f} s)", flush=True)
     if plot:
         series: dict[str, list[tuple[int, float]]] = {}
