@@ -23,6 +23,7 @@ import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from .handover import FileServer, Procs, address, download, start_wan, wait
 from .swarm import metric
 
 __all__ = ["ColdstartConfig", "run"]
+
+PROGRESS_EVERY = 15.0  # seconds between progress lines while boxes boot or download
 
 MB = 1 << 20
 FILES = {"config.json": '{"model_type": "llama", "hidden_size": 4096}\n',
@@ -117,6 +120,7 @@ def _swarm(cfg: ColdstartConfig, root: Path, state) -> dict:
         _folder_of({}, src)  # the files the anchors carry
         pub = Publisher(daemon=direct, token_file=token_file, anchor_every=cfg.anchor_every, model_files=src)
         t0 = time.perf_counter()
+        print(f"   swarm: publishing versions 0-{cfg.versions} from the trainer...", flush=True)
         pub.start(state, version=0)
         for v in range(1, cfg.versions + 1):
             _step(state, cfg.seed + v)
@@ -132,8 +136,14 @@ def _swarm(cfg: ColdstartConfig, root: Path, state) -> dict:
                          "--upload-rate", cfg.node_rate, "--engine-socket", "off", "--log-level", "warning",
                          name=f"box{i}")
         ready: dict[int, float] = {}
+        print(f"   swarm: {cfg.boxes} empty boxes joining, each booting version {cfg.versions} into DATA/current...",
+              flush=True)
+        told = [start]
 
         def all_ready() -> bool:
+            if time.perf_counter() - told[0] >= PROGRESS_EVERY:
+                told[0] = time.perf_counter()
+                print(f"   ... {len(ready)} of {cfg.boxes} boxes ready after {told[0] - start:.0f} s", flush=True)
             for i, *_ in boxes:
                 if i in ready:
                     continue
@@ -178,10 +188,17 @@ def _star(cfg: ColdstartConfig, root: Path, state) -> dict:
         _folder_of(state, served / "latest")
         names = sorted(p.name for p in (served / "latest").iterdir())
         FileServer(served, host, port, parse_size(cfg.trainer_rate)).start()
+        model = sum((served / "latest" / n).stat().st_size for n in names)
+        print(f"   star: {cfg.boxes} boxes each downloading the model from the trainer, about "
+              f"{cfg.boxes * model / parse_size(cfg.trainer_rate):.0f} s at its uplink (--no-star skips this)...",
+              flush=True)
         start = time.perf_counter()
         with ThreadPoolExecutor(cfg.boxes) as pool:
             futures = [pool.submit(download, proxy, port, address(1 + i % cfg.regions, 2, i), "latest", names,
                                    root / f"box{i}") for i in range(cfg.boxes)]
+            while futures_wait(futures, timeout=PROGRESS_EVERY).not_done:
+                print(f"   ... {sum(f.done() for f in futures)} of {cfg.boxes} boxes downloaded after "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
             sizes = [f.result() for f in futures]
         return {"seconds": time.perf_counter() - start, "trainer_upload": sum(sizes)}
     finally:
