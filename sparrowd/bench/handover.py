@@ -44,11 +44,20 @@ def address(region: int, kind: int, j: int) -> str:
 
 
 def save_bf16(model, folder: Path) -> None:
+    """``model`` in bf16 as a model folder, quietly: transformers' "Writing model shards" bar came
+    between a benchmark's own lines at every step."""
     import copy
 
     import torch
+    from transformers.utils import logging as hf_logging
 
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 class Procs:

@@ -99,8 +99,9 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
             row.update(stats.to_json())
             line = (f"   step {step}: publish {stats.total_seconds:.3f} s; first chunk at the daemon after "
                     f"{stats.first_chunk_seconds:.3f} s; {stats.patch_bytes / (1 << 20):.1f} MiB in {stats.chunks} "
-                    f"chunks; compare {stats.compare_seconds:.3f} s, to host {stats.to_host_seconds:.3f} s, "
-                    f"encode {stats.encode_seconds:.3f} s, hand-off {stats.handoff_seconds:.3f} s")
+                    f"chunks; compare {stats.compare_seconds:.3f} s (summed over its threads), to host "
+                    f"{stats.to_host_seconds:.3f} s, encode {stats.encode_seconds:.3f} s, hand-off "
+                    f"{stats.handoff_seconds:.3f} s")
             if fused:
                 row["publish_over_compare"] = stats.total_seconds / row["compare_only_seconds"]
                 line += (f"\n      vs compare-only {row['compare_only_seconds']:.3f} s with numpy "

@@ -294,6 +294,8 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         save_bf16(model, w.base)
         model_bytes = sum(t.numel() for t in model.state_dict().values()) * 2
         ncpu = os.cpu_count() or 1
+        print(f"sparrowd bench rl: starting {cfg.servers} vllm serve (CPU) on a tiny Qwen3 of {model_bytes / MB:.1f} "
+              f"MiB bf16 (about half a minute)...", flush=True)
         for i in range(cfg.servers):
             host = address(w.region_of(i), 0, 50 + i)
             server = VllmServer(sys.executable, w.base, free_port(host), host=host, log_path=root / f"server{i}.log",
@@ -302,7 +304,7 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         for s in w.servers:
             s.wait_ready(600)
         rate = parse_size(cfg.link_rate)
-        print(f"sparrowd bench rl: tiny Qwen3 of {model_bytes / MB:.1f} MiB bf16, {cfg.servers} vllm serve (CPU) in "
+        print(f"   tiny Qwen3 of {model_bytes / MB:.1f} MiB bf16, {cfg.servers} vllm serve (CPU) in "
               f"regions {sorted({w.region_of(i) for i in range(cfg.servers)})}, trainer in region 0; "
               f"{cfg.prompts} prompts x {cfg.samples} samples x {cfg.max_tokens} tokens per step, "
               f"{'on-policy' if cfg.on_policy else 'one-step off-policy'}, {cfg.steps} steps, {ncpu} CPUs", flush=True)
