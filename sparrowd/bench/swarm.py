@@ -6,13 +6,16 @@ in its own 127.(10+r).0.0/16 block. The WAN between regions is emulated by
 shape each ordered pair of regions to ``--link-rate`` (the kernel here has no
 netem; tbf and htb shape bandwidth, not delay). Uplinks are the daemons' own
 limits: the trainer's (``--trainer-rate``), every rollout node's
-(``--node-rate``) and its uploads to other regions (``--wan-rate``).
+(``--node-rate``) and its uploads to other regions (``--wan-rate``), each
+letting ``--rate-burst`` seconds of its rate go at once (the daemons' 0.1 by
+default; 0 holds them to their steady rates, as ``bench sim``'s links).
 
 For each version it reports the time from ``publish`` until every node holds
 the version, beside the lower bound (patch size over the trainer's uplink,
-plus one round trip);
-the bytes the trainer uploaded over the patch size; and the bytes that
-crossed regions over (R - 1) x patch size. In the same run, star distribution
+plus one round trip where there are regions to cross);
+the bytes the trainer uploaded over the patch size; the bytes that
+crossed regions over (R - 1) x patch size, R the regions that hold a
+rollout; and, in ``--json``, the requests each daemon served, by endpoint. In the same run, star distribution
 is measured: N clients, spread over the regions like the nodes, pull every
 chunk straight from the trainer's daemon through the same emulated WAN, as a
 broadcast without relaying would.
@@ -221,8 +224,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         settle: float = 0.0, rate_burst: float = 0.1, lease_ttl: float | None = None) -> int:
     """``rate_burst``: the daemons' ``--rate-burst`` (0: uplinks that never burst, as ``bench sim``'s
     fluid links); ``lease_ttl``: their lease TTL (default: theirs), for tests of a run that outlasts one."""
-    ttl = ["--lease-ttl", str(lease_ttl)] if lease_ttl else []
-    ttl += ["--rate-burst", str(rate_burst)]
+    limits = ["--rate-burst", str(rate_burst)] + (["--lease-ttl", str(lease_ttl)] if lease_ttl else [])
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
@@ -270,7 +272,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"{t_host}:{port}",
                     "--advertise", f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file",
                     str(token_file), "--node-id", "trainer", "--upload-rate", trainer_rate,
-                    "--wan-upload-rate", wan_rate, "--log-level", log_level, *ttl, name="trainer")
+                    "--wan-upload-rate", wan_rate, "--log-level", log_level, *limits, name="trainer")
         _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
         for i, (host, p) in enumerate(listen):
             r, j = i % regions, i // regions
@@ -279,7 +281,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
                         "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
                         "--cut-through", "on" if cut_through else "off", "--push", ",".join(map(str, push)),
-                        "--log-level", log_level, *ttl,
+                        "--log-level", log_level, *limits,
                         name=f"n{i}")
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
         time.sleep(settle)  # a swarm that has just formed is still opening its connections
