@@ -33,6 +33,16 @@ def ratio_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def needs_vllm(bench: str, missing: str | None, instead: str = "") -> int:
+    """Say, in one line on stderr, that ``bench`` needs vLLM and transformers and where they are
+    (the engine environment; ``instead``: what runs without them); the exit status, 2."""
+    import sys
+
+    print(f"sparrowd bench {bench} needs vLLM and transformers ({missing} is missing): run it with the engine "
+          f"environment, e.g. .venv-engine/bin/sparrowd bench {bench} from the repository{instead}", file=sys.stderr)
+    return 2
+
+
 def torch_device(torch, device: str):
     """``device`` as a torch device this torch can use; InputError (one line) otherwise."""
     from ..errors import InputError

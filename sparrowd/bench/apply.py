@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from . import sync_device, torch_device, write_json
+from . import needs_vllm, sync_device, torch_device, write_json
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -119,9 +119,7 @@ def run(*, size_mib: int = 512, steps: int = 3, density: float = 0.01, json_path
         from transformers import Qwen3ForCausalLM
         from vllm import LLM
     except ImportError as e:
-        print(f"sparrowd bench apply needs vLLM and transformers ({e.name} is missing): run it with the engine "
-              f"environment, e.g. .venv-engine/bin/sparrowd bench apply", file=sys.stderr)
-        return 2
+        return needs_vllm("apply", e.name, "; or --engine torch, which needs torch alone")
 
     from ..integrations.vllm import update
     from ..publisher import Publisher

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..units import format_bytes, parse_size
-from . import write_json
+from . import needs_vllm, write_json
 from .handover import STRATEGIES, Strategy, address, save_bf16, wait
 
 __all__ = ["RLConfig", "run"]
@@ -279,9 +279,7 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         import transformers  # noqa: F401
         import vllm  # noqa: F401
     except ImportError as e:
-        print(f"sparrowd bench rl needs vLLM and transformers ({e.name} is missing): run it with the engine "
-              f"environment, e.g. .venv-engine/bin/sparrowd bench rl", file=sys.stderr)
-        return 2
+        return needs_vllm("rl", e.name)
     from ..localswarm import free_port
     from .vllm_server import VllmServer
 

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import write_json
+from . import needs_vllm, write_json
 
 __all__ = ["run"]
 
@@ -57,9 +57,7 @@ def run(*, size_mib: int = 256, steps: int = 4, density: float = 0.01, clients: 
         import torch
         from transformers import Qwen3ForCausalLM
     except ImportError as e:
-        print(f"sparrowd bench serve needs vLLM and transformers ({e.name} is missing): run it with the engine "
-              f"environment, e.g. .venv-engine/bin/sparrowd bench serve", file=sys.stderr)
-        return 2
+        return needs_vllm("serve", e.name)
 
     from ..localswarm import LocalSwarm, free_port
     from ..publisher import Publisher
