@@ -54,15 +54,16 @@ def run(*, nodes: int = 32, regions: int = 3, versions: int = 50, patch_kib: int
     rows, samples, manifests = [], [], {}
     killed = restarted = 0
     t_all = time.monotonic()
+    print(f"sparrowd bench soak: {nodes} daemons in {regions} regions on loopback, {versions} versions of "
+          f"{patch_kib} KiB in {chunk_kib} KiB chunks, a node killed and restarted every {kill_every} versions; "
+          f"starting the daemons...", flush=True)
     with LocalSwarm(prefix="sparrowd-soak-") as swarm:
         trainer = swarm.trainer("--lease-ttl", TTL, "--retain", str(retain), region=names[0])
         rollouts = [swarm.rollout(f"n{i:02d}", names[i % regions], "--retain", str(retain))
                     for i in range(nodes - 1)]
         swarm.wait_joined(nodes, timeout=120)
         token = swarm.token_file.read_text().strip()
-        print(f"sparrowd bench soak: {nodes} daemons in {regions} regions on loopback, {versions} versions of "
-              f"{patch_kib} KiB in {chunk_kib} KiB chunks, a node killed and restarted every {kill_every} versions",
-              flush=True)
+        print(f"   all {nodes} joined after {time.monotonic() - t_all:.0f} s; publishing", flush=True)
 
         def sample(tag: str) -> None:
             figs = [f for d in [trainer, *rollouts] if d.proc.poll() is None and (f := _proc_figures(d.proc.pid))]
