@@ -81,10 +81,8 @@ _RATES = ("trainer_rate", "node_rate", "wan_rate", "link_rate")
 def _check_links(args, *, unlimited: tuple[str, ...] = ()) -> dict[str, int]:
     """The options ``bench swarm`` and ``bench sim`` share, checked (InputError, one line); returns
     the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
-    from sparrowd.errors import InputError
-
-    if args.regions < 1 or args.versions < 1:
-        raise InputError(f"--regions {args.regions}, --versions {args.versions}: each must be at least 1")
+    at_least("--regions", args.regions)
+    at_least("--versions", args.versions)
     return _check_wan(args, _RATES, unlimited=unlimited)
 
 
@@ -155,9 +153,12 @@ def register_swarm(bs) -> None:
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
                         "256K and 2M)")
     _link_options(s, link_help="; 0: none")
-    s.add_argument("--rate-burst", type=float, default=0.1, metavar="SECONDS",
-                   help="the daemons' --rate-burst: how much of a second's upload limit may go at once (default 0.1, "
-                        "theirs; 0: uplinks held to their rate from the first byte, as `bench sim`'s links)")
+    from sparrowd.swarm.bucket import DEFAULT_BURST
+
+    s.add_argument("--rate-burst", type=float, default=DEFAULT_BURST, metavar="SECONDS",
+                   help=f"the daemons' --rate-burst: how much of a second's upload limit may go at once (default "
+                        f"{DEFAULT_BURST:g}, theirs; 0: uplinks held to their rate from the first byte, as "
+                        "`bench sim`'s links)")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -171,9 +172,8 @@ def cmd_swarm(args) -> int:
     from sparrowd.errors import InputError
 
     _check_links(args, unlimited=("node_rate", "wan_rate", "link_rate"))
-    if args.nodes < 1 or not (math.isfinite(args.patch_mib) and args.patch_mib > 0):
-        raise InputError(f"--nodes {args.nodes}, --patch-mib {args.patch_mib:g}: give at least 1 node and a "
-                         "patch above 0")
+    at_least("--nodes", args.nodes)
+    positive("--patch-mib", args.patch_mib)
     if args.regions > args.nodes:
         raise InputError(f"--regions {args.regions} is more than --nodes {args.nodes}: every region needs a rollout")
     for name in ("interval", "settle", "rate_burst"):

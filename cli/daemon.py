@@ -13,6 +13,7 @@ from sparrowd.checkpoint import atomic_file
 from sparrowd.daemon.calls import check_start, check_url, http_call, publish_file, published_state, tracker_status
 from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
 from sparrowd.errors import InputError, SparrowError
+from sparrowd.swarm.bucket import DEFAULT_BURST
 from sparrowd.swarm.leases import ROLES, check_name
 
 from .checks import path_arg, path_args, seconds
@@ -73,8 +74,8 @@ def register(sub) -> None:
     r.add_argument("--wan-upload-rate", metavar="BYTES",
                    help="limit on uploads to other regions (cross-region egress costs money; default: none)")
     r.add_argument("--rate-burst", metavar="SECONDS",
-                   help="how much of a second's rate limit may go at once, at least 16 KiB (default 0.1; 0 holds "
-                        "each limit to its steady rate, as a link's bottleneck does)")
+                   help=f"how much of a second's rate limit may go at once, at least 16 KiB (default "
+                        f"{DEFAULT_BURST:g}; 0 holds each limit to its steady rate, as a link's bottleneck does)")
     r.add_argument("--engine-socket", metavar="PATH",
                    help="Unix socket the co-located engine reads patches from (default $RUNTIME_DIRECTORY/engine.sock "
                         "under systemd, else DATA/engine.sock; 'off' for none)")

@@ -148,7 +148,7 @@ from ..swarm.push import (
 from ..swarm.rate import Rate
 from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
 from ..swarm.versions import block_for
-from ..units import format_bytes
+from ..units import format_bytes, format_rate
 from . import cross_region_over, ratio_text
 
 MB = 1 << 20
@@ -1290,9 +1290,9 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
     from . import write_json, write_lines
 
     results, traces = [], []
-    print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_bytes(trainer_rate)}/s, nodes "
-          f"{format_bytes(node_rate)}/s ({format_bytes(wan_rate)}/s to other regions), links "
-          f"{format_bytes(link_rate)}/s, RTT {rtt * 1000:.0f} ms, relays "
+    print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_rate(trainer_rate)}, nodes "
+          f"{format_rate(node_rate)} ({format_rate(wan_rate)} to other regions), links "
+          f"{format_rate(link_rate)}, RTT {rtt * 1000:.0f} ms, relays "
           + ("cut-through" if cut_through else "store-and-forward")
           + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
           + (f", {churn:.0%} of the nodes leave mid-version" if churn else "")

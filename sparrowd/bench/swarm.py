@@ -47,6 +47,7 @@ from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
 from ..daemon.calls import publish_file
 from ..localswarm import free_port
+from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.push import DEFAULT_PUSH
 from ..units import format_bytes, format_rate, parse_size
 from . import cross_region_over, ratio_text, write_json
@@ -221,7 +222,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0,
-        settle: float = 0.0, rate_burst: float = 0.1, lease_ttl: float | None = None) -> int:
+        settle: float = 0.0, rate_burst: float = DEFAULT_BURST, lease_ttl: float | None = None) -> int:
     """``rate_burst``: the daemons' ``--rate-burst`` (0: uplinks that never burst, as ``bench sim``'s
     fluid links); ``lease_ttl``: their lease TTL (default: theirs), for tests of a run that outlasts one."""
     limits = ["--rate-burst", str(rate_burst)] + (["--lease-ttl", str(lease_ttl)] if lease_ttl else [])

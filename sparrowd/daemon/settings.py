@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import InputError
+from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
 from ..swarm.push import DEFAULT_PUSH, parse_push
 from ..units import parse_size
@@ -199,7 +200,7 @@ class Settings:
     upload_rate: int | None = None
     download_rate: int | None = None
     wan_upload_rate: int | None = None
-    rate_burst: float = 0.1  # seconds of a rate limit that may go at once (at least 16 KiB)
+    rate_burst: float = DEFAULT_BURST  # seconds of a rate limit that may go at once (at least 16 KiB)
     engine_socket: str = ""  # "": DATA/engine.sock; "off": no engine socket; else its path
     follow_vllm: str | None = None  # the co-located vLLM server this daemon moves to each new version
     follow_every: float = 0.0  # at most one update per this many seconds (0: every version)

@@ -75,7 +75,7 @@ from ..codec.chunk import check_chunk_frame
 from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
-from ..swarm.bucket import TokenBucket
+from ..swarm.bucket import DEFAULT_BURST, TokenBucket
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import PROOF_TTL, check_proof, make_proof
@@ -225,7 +225,7 @@ def _view(ps: PeerState) -> tuple:
 class Swarm:
     def __init__(self, daemon, store: ChunkStore, *, signer: Signer | None, retain: int,
                  upload_rate: int | None, download_rate: int | None, wan_upload_rate: int | None,
-                 rate_burst: float = 0.1):
+                 rate_burst: float = DEFAULT_BURST):
         self.daemon = daemon
         self.store = store
         self.signer = signer

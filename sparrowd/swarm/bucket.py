@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TokenBucket"]
+__all__ = ["DEFAULT_BURST", "TokenBucket"]
+
+DEFAULT_BURST = 0.1  # seconds of a limit's rate a bucket lets go at once (the daemons' --rate-burst)
 
 
 @dataclass
@@ -14,7 +16,7 @@ class TokenBucket:
 
     rate: float | None
     burst: float | None = None
-    burst_seconds: float = 0.1
+    burst_seconds: float = DEFAULT_BURST
     _tokens: float = 0.0
     _last: float | None = None
 
