@@ -391,6 +391,20 @@ def test_heads_cross_again_once_whole_where_that_beats_a_crossing_from_deeper_in
         (flat, timed)
 
 
+def test_two_near_peers_keep_a_quick_trainers_uplink_busy_in_a_swarm_that_chokes():
+    """16 nodes in 8 regions over links 25 times faster: 4 MiB leaves the trainer in 40 ms, less than
+    a round trip, so its first copies stay in its own region, whose two nodes are given two chunks
+    each at a time. With more peers than upload slots the trainer chokes, and it used to count the
+    near peers it may serve as none when a near peer asked: told that first copies did not stay
+    near, each was given one chunk at a time, and the uplink waited between each chunk and the next
+    request (the patch left in 77 ms)."""
+    cfg = Config(nodes=16, regions=8, patch=4 * MB, versions=3, seed=0, trainer_rate=100 * MB,
+                 node_rate=200 * MB, wan_rate=100 * MB, link_rate=800 * MB)
+    for r in simulate(cfg):
+        assert r["all_done"] and r["trainer_upload_over_patch"] <= 1.01, r
+        assert r["trainer_sent_one_copy_seconds"] < 1.5 * cfg.patch / cfg.trainer_rate, r
+
+
 @pytest.mark.parametrize("patch", [256 << 10, 2 * MB])
 def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patch):
     """8 nodes in 8 regions, a node a region: relayed whole, each chunk crosses from region to region

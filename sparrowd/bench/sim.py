@@ -423,12 +423,10 @@ class Sim:
         return x.superseed.given_to(y.id) - (k.have if k is not None else set())
 
     def near(self, x: Node, y: Node) -> tuple[int, int]:
-        """As the daemon's ``_near``: for a peer of another region, the trainer's own region's peers it
-        may serve now, and the free slots it keeps for those still short of the version."""
-        if y.region == x.region:
-            return 0, 0
+        """As the daemon's ``_near``: the trainer's own region's peers it may serve now, and, facing a
+        peer of another region, the free slots it keeps for those still short of the version."""
         unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
-        return x.choker.near_room(x.unchoked, unchoked, self.near_wanting)
+        return x.choker.near_room(x.unchoked, unchoked, self.near_wanting, far=y.region != x.region)
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""

@@ -843,14 +843,12 @@ class Swarm:
         return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near(remote)[1])
 
     def _near(self, remote: Remote) -> tuple[int, int]:
-        """For a peer of another region: the trainer's own region's peers it may serve now, and the
-        free slots it keeps for those of them that want a chunk (``Choker.near_room``), as first copies
-        start there; (0, 0) for a peer of its own region."""
+        """The trainer's own region's peers it may serve now, and, facing a peer of another region, the
+        free slots it keeps for those of them that want a chunk, as first copies start there
+        (``Choker.near_room``)."""
         here = self.daemon.settings.region
-        if remote.region == here:
-            return 0, 0
         unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
-        return self.choker.near_room(self.unchoked, unchoked, self._live()[3])
+        return self.choker.near_room(self.unchoked, unchoked, self._live()[3], far=remote.region != here)
 
     def _lane(self, remote: Remote) -> bool:
         """A relay's upload lane for this peer: True for another region. Uploads across regions are held

@@ -231,6 +231,9 @@ def test_a_seed_keeps_free_slots_for_its_own_regions_peers_that_want_a_chunk():
     assert c.near_room({"n1", "f1"}, 1, 3) == (3, 2)  # one near unchoked; two free slots, kept for the two
     assert c.near_room({"n1", "f1", "f2", "f3"}, 1, 3) == (1, 2)  # no slot free: only the unchoked one
     assert c.near_room({"f1"}, 0, 0) == (0, 0)  # the near region holds everything: nothing kept
+    # Facing a near peer: the same room (whether first copies stay near is one answer for every
+    # asker), and no slot kept from it.
+    assert c.near_room({"n1", "f1"}, 1, 3, far=False) == (3, 0)
     unchoked = {"n1", "f1"}
     assert not c.admit(unchoked, "f2", reserved=2) and c.admit(unchoked, "n2", reserved=0)
 
