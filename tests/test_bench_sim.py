@@ -231,11 +231,12 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
     # Pulling only: a push takes the place of a request with no byte back, which breaks such circles too.
-    # Seed 34 of 0-39 circles since small chunks are hashed in 4 KiB blocks (never completed, against
-    # 1.15x the bound); seed 5 did since a node's WAN limit is shared as its token bucket shares it,
-    # seed 37 before, seeds 13 and 23 before relays were held to their uplink, and seeds 1 and 10 of
-    # 1-12 before first copies started in the trainer's region.
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=34, push=(0, 0))
+    # Seed 43 of 0-79 circles since the trainer gives chunk 0 first (5.7x the bound, against 1.09x),
+    # seed 34 of 0-39 since small chunks are hashed in 4 KiB blocks (never completed); seed 5 did since
+    # a node's WAN limit is shared as its token bucket shares it, seed 37 before, seeds 13 and 23
+    # before relays were held to their uplink, and seeds 1 and 10 of 1-12 before first copies started
+    # in the trainer's region.
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=43, push=(0, 0))
     early = _Watched(Config(relay_after_block=False, **cfg))
     slow = early.run(horizon=8)[0]
     assert early.circles > 0
@@ -405,6 +406,19 @@ def test_two_near_peers_keep_a_quick_trainers_uplink_busy_in_a_swarm_that_chokes
         assert r["trainer_sent_one_copy_seconds"] < 1.5 * cfg.patch / cfg.trainer_rate, r
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunk_0s_tree_is_timed_for_heads_that_have_nothing_else_to_send(seed):
+    """Relays plan chunk 0's crossings as a version's first chunk's (``stripe_plan``: a region tree
+    timed for idle heads, where that beats stripes), and the trainer gives it first. Given in a
+    random turn, over links 25 times faster (16 nodes in 8 regions, 2 MiB, two nodes a region), it
+    crossed in a tree behind the stripes of the chunks before it: up to 1.46x the bound."""
+    cfg = Config(nodes=16, regions=8, patch=2 * MB, versions=3, seed=seed, trainer_rate=100 * MB,
+                 node_rate=200 * MB, wan_rate=100 * MB, link_rate=800 * MB)
+    for r in simulate(cfg):
+        assert r["all_done"] and r["cross_region_over_r_minus_1"] <= 1.01, r
+        assert r["time_over_bound"] < 1.2, r
+
+
 @pytest.mark.parametrize("patch", [256 << 10, 2 * MB])
 def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patch):
     """8 nodes in 8 regions, a node a region: relayed whole, each chunk crosses from region to region
@@ -414,7 +428,7 @@ def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patc
     trees, stripes = simulate(Config(stripes=False, **cfg)), simulate(Config(**cfg))
     for a, b in zip(trees, stripes):
         assert a["all_done"] and b["all_done"]
-        assert b["time_over_bound"] < 1.3 and a["time_over_bound"] > 1.35, (a, b)
+        assert b["time_over_bound"] < 1.3 and a["time_over_bound"] > b["time_over_bound"] + 0.15, (a, b)
         assert b["cross_region_over_r_minus_1"] <= 1.1 and b["trainer_upload_over_patch"] <= 1.01, b
 
 

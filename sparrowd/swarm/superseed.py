@@ -20,6 +20,18 @@ the first copies of a small patch then start in twice as many places
 1.56x the bound with two a peer, which put every first copy in two regions,
 and 1.38x with one; 64 MiB 1.06x and 1.04x).
 
+Chunk 0 is always the first given out, the rest in a random order. Relays
+plan chunk 0's crossings as the version's first (``push.stripe_plan``: its
+region tree, timed for heads with nothing else to send, where that beats
+stripes), and every node plans alike, so the premise must hold however the
+chunks arrive: published a chunk at a time, chunk 0 is announced first and
+mostly given first, but where every chunk was there at once (the simulator)
+it went in a random turn, and a tree timed for idle heads crossed behind the
+stripes of the chunks given before it (``sparrowd bench sim``, 16 nodes in 8
+regions over links 25 times faster, later versions: 2 MiB 1.04-1.46x the
+bound, 1.06-1.11x with chunk 0 first; at the default rates the same within
+a few hundredths).
+
 Assignments go only to peers the caller marks ``trusted`` (the driver: peers
 whose have-maps show chunks, once any peer's do; a swarm just formed trusts
 everyone). A peer that let an assignment lapse unclaimed gets none for
@@ -179,6 +191,7 @@ class SuperSeed:
                 want = 0
             new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
             self.rng.shuffle(new)
+            new.sort(key=lambda c: c != 0)  # chunk 0 first (module doc); the rest stay shuffled
             if far and far_most is not None and new:
                 room = far_most - len(self.far)
                 if room <= 0:  # capped: held back while the seed's region keeps taking the rest

@@ -421,6 +421,19 @@ def test_a_token_buckets_burst_is_its_seconds_of_rate_at_least_16_kib():
     assert TokenBucket(rate, burst_seconds=0.5).take(0.0, 2 << 20) == 0.0
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_super_seed_gives_chunk_0_first_and_the_rest_in_a_random_order(seed):
+    """Relays time chunk 0's region tree as the version's first chunk (``push.stripe_plan``): it is the
+    first given out, to whoever asks first, near or far, one at a time or two."""
+    assert SuperSeed(chunks=16, rng=random.Random(seed)).offer(0.0, "far", set(), {}, peers=8, far=True) == {0}
+    s = SuperSeed(chunks=16, rng=random.Random(seed))
+    first = s.offer(0.0, "n0", set(), {})
+    assert 0 in first and len(first) == 2  # two a peer (per_peer) in a small swarm
+    rest = [c for i in range(14) for c in s.offer(0.0, f"m{i}", set(), {}, peers=8)]  # one a peer in a large one
+    assert sorted(rest + sorted(first)) == list(range(16))  # every chunk once
+    assert rest != sorted(rest)  # in no fixed order
+
+
 def test_super_seed_gives_nothing_to_untrusted_peers_and_rests_a_peer_that_let_a_chunk_lapse():
     s = SuperSeed(2, per_peer=2, claim_within=3.0, regive_after=30.0, rng=random.Random(0))
     assert s.offer(0.0, "lurker", set(), {}, trusted=False) == set()  # a member that shows no chunks
