@@ -419,6 +419,29 @@ def test_chunk_0s_tree_is_timed_for_heads_that_have_nothing_else_to_send(seed):
         assert r["time_over_bound"] < 1.2, r
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_node_fetches_across_what_a_region_mate_already_holds(seed):
+    """A node that waits on a region-mate's claim (it fetches the chunk) sees the claim until it hears
+    that the region-mate holds it: a daemon's have and fetching maps come in one exchange reply. The
+    simulator showed a peer's fetching map at once and its have map half a local round trip later,
+    and in that window the waiting node took the chunk for nobody's and fetched it across (16 nodes
+    in 8 regions over links 25 times faster, 8 MiB: 2 to 4 such fetches a run, each a round trip)."""
+    cfg = Config(nodes=16, regions=8, patch=8 * MB, versions=3, seed=seed, trainer_rate=100 * MB,
+                 node_rate=200 * MB, wan_rate=100 * MB, link_rate=800 * MB, trace=True)
+    sim = Sim(cfg)
+    assert all(r["all_done"] for r in sim.run())
+    held: dict[tuple, float] = {}  # (version, region, chunk, node) -> when that rollout stored it
+    across = []
+    for e in sim.trace:
+        if e["event"] == "stored":
+            held.setdefault((e["version"], e["region"], e["chunk"], e["node"]), e["t"])
+        elif e["event"] == "asked" and e["peer"] != "trainer" and e["peer_region"] != e["region"]:
+            if any(k[:3] == (e["version"], e["region"], e["chunk"]) and k[3] != e["node"] and t <= e["t"]
+                   for k, t in held.items()):
+                across.append(e)
+    assert not across, across
+
+
 @pytest.mark.parametrize("patch", [256 << 10, 2 * MB])
 def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patch):
     """8 nodes in 8 regions, a node a region: relayed whole, each chunk crosses from region to region

@@ -1061,7 +1061,12 @@ class Sim:
             else:
                 have = k.have
             haves[pid] = have
-            views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=self.shows_fetching(x),
+            fetching = self.shows_fetching(x)
+            if not x.trainer and len(have) < len(x.have):
+                # What x stored that y has not heard of yet still shows as fetching, as x's last reply
+                # showed it: a daemon's have and fetching maps come in one reply, never neither.
+                fetching = fetching | (x.have - have)
+            views.append(PeerView(pid, x.rname, have, is_trainer=x.trainer, fetching=fetching,
                                   choking=self.choked_for(x, y) or now < k.cooldown_until, inflight=k.inflight,
                                   slots=slots_for_rate(rate := k.rate.rate(now), self.chunk_size),
                                   rate=rate, proven=pid in trusted, cut_through=self.cfg.cut_through and not x.trainer))
