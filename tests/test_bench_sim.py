@@ -231,12 +231,13 @@ def test_partials_served_from_their_start_feed_each_other_in_circles():
     """Why a partial is served (and shown) only once a block of it has checked out: otherwise a
     region's nodes stream a chunk from each other, in a circle, with nothing flowing in."""
     # Pulling only: a push takes the place of a request with no byte back, which breaks such circles too.
-    # Seed 43 of 0-79 circles since the trainer gives chunk 0 first (5.7x the bound, against 1.09x),
-    # seed 34 of 0-39 since small chunks are hashed in 4 KiB blocks (never completed); seed 5 did since
-    # a node's WAN limit is shared as its token bucket shares it, seed 37 before, seeds 13 and 23
-    # before relays were held to their uplink, and seeds 1 and 10 of 1-12 before first copies started
-    # in the trainer's region.
-    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=43, push=(0, 0))
+    # The seed is one of the few that circle, and moves as the swarm's decisions do: seed 15 of 0-119
+    # since a peer's chunk stored and not yet heard of shows as fetching (5.6x the bound, against
+    # 1.19x), seed 43 since the trainer gives chunk 0 first, seed 34 since small chunks are hashed in
+    # 4 KiB blocks, seed 5 since a node's WAN limit is shared as its token bucket shares it, seed 37
+    # before, seeds 13 and 23 before relays were held to their uplink, and seeds 1 and 10 of 1-12
+    # before first copies started in the trainer's region.
+    cfg = dict(nodes=16, regions=4, patch=6 * MB, versions=1, seed=15, push=(0, 0))
     early = _Watched(Config(relay_after_block=False, **cfg))
     slow = early.run(horizon=8)[0]
     assert early.circles > 0
