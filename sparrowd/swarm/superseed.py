@@ -18,7 +18,10 @@ more the others' requests fill that gap, and each is given one at a time:
 the first copies of a small patch then start in twice as many places
 (``sparrowd bench sim``, 8 regions: 2 MiB in 8 chunks to 16 nodes took
 1.56x the bound with two a peer, which put every first copy in two regions,
-and 1.38x with one; 64 MiB 1.06x and 1.04x).
+and 1.38x with one; 64 MiB 1.06x and 1.04x). Three are enough: 2 MiB to 12
+rollouts in 4 regions, whose three near peers take the first copies, took
+1.10x (1.06-1.18x) one a peer, and 1.17x (1.13-1.26x) two a peer; two near
+peers (8 rollouts in 4 regions) need two each (6 MiB in 1.01x against 1.06x).
 
 Chunk 0 is always the first given out, the rest in a random order. Relays
 plan chunk 0's crossings as the version's first (``push.stripe_plan``: its
@@ -96,7 +99,7 @@ def far_first_copies(chunks: int | None, regions: int, near: int) -> int | None:
 class SuperSeed:
     chunks: int
     per_peer: int = 2
-    single_from: int = 4  # with this many peers or more, each is given one chunk at a time
+    single_from: int = 3  # with this many peers or more, each is given one chunk at a time
     regive_after: float = 30.0
     claim_within: float = 3.0
     rng: random.Random = field(default_factory=random.Random)
