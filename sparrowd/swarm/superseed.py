@@ -33,7 +33,7 @@ it went in a random turn, and a tree timed for idle heads crossed behind the
 stripes of the chunks given before it (``sparrowd bench sim``, 16 nodes in 8
 regions over links 25 times faster, later versions: 2 MiB 1.04-1.46x the
 bound, 1.06-1.11x with chunk 0 first; at the default rates the same within
-a few hundredths).
+a few hundredths, small patches to 100 nodes or more a few hundredths over).
 
 Assignments go only to peers the caller marks ``trusted`` (the driver: peers
 whose have-maps show chunks, once any peer's do; a swarm just formed trusts
