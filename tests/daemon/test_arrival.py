@@ -68,10 +68,10 @@ def test_wait_returns_within_a_second_of_the_last_node_holding_the_version(clust
              "the tracker to see the engine")
     with pytest.raises(SparrowError, match="not applied on r0"):
         pub.wait(2, applied=True, timeout=1)
-    t0 = time.monotonic()
     sync(client, applier, wait=10)
+    applied = time.monotonic()  # (timed from the apply, not through it: under a loaded CI two applies took 2 s)
     assert pub.wait(2, applied=True, timeout=10)["reached"] == ["r0"]
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - applied < 1.0, "the tracker heard of the apply over a second late"
     with pytest.raises(SparrowError, match="r1"):
         pub.wait(2, applied=True, nodes=["r0", "r1"], timeout=1)  # r1 has no engine
     client.close()
