@@ -194,7 +194,9 @@ class SuperSeed:
                 want = 0
             new = [c for c in range(self.chunks) if c not in self.given_at and c not in holds] if fresh else []
             self.rng.shuffle(new)
-            new.sort(key=lambda c: c != 0)  # chunk 0 first (module doc); the rest stay shuffled
+            if 0 in new:  # chunk 0 first (module doc); the rest stay shuffled
+                new.remove(0)
+                new.insert(0, 0)
             if far and far_most is not None and new:
                 room = far_most - len(self.far)
                 if room <= 0:  # capped: held back while the seed's region keeps taking the rest
