@@ -151,7 +151,7 @@ def register_swarm(bs) -> None:
                         "once, a swarm's first version as it forms)")
     s.add_argument("--chunk", default="auto",
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
-                        "256K and 2M)")
+                        "256K and 2M; a thirty-second, from 128K, past 64 rollouts)")
     _link_options(s, link_help="; 0: none")
     from sparrowd.swarm.bucket import DEFAULT_BURST
 
@@ -201,7 +201,8 @@ def register_sim(bs) -> None:
     s.add_argument("--regions", type=int, default=8, help="regions (default 8)")
     s.add_argument("--patch-mib", default="6", help="patch sizes in MiB, comma-separated (default 6)")
     s.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
-    s.add_argument("--chunk", default="auto", help="chunk size, e.g. 512K (default auto, as the Publisher cuts)")
+    s.add_argument("--chunk", default="auto",
+                   help="chunk size, e.g. 512K (default auto, as the Publisher cuts for each swarm size)")
     _link_options(s)
     s.add_argument("--churn", type=float, default=0.0,
                    help="fraction of the nodes that leave halfway through the last version (default 0; try 0.1)")

@@ -248,6 +248,7 @@ class Publisher:
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
         self._last_patch_bytes: int | None = None  # the size of the last patch published (chunk sizing)
+        self._rollouts: int | None = None  # the swarm's size as the daemon last told it (chunk sizing)
         self.anchor_every = anchor_every
         self.model_files = Path(model_files) if model_files is not None else None
         if self.model_files is not None and not self.model_files.is_dir():
@@ -538,13 +539,13 @@ class Publisher:
     def _patch_chunk_size(self) -> int:
         """``chunk_size`` if given; else sized for the patch (``auto_chunk_size``), which is expected to
         be about as large as the last one, or, for the first, 1% of the elements at 11 bits each (an
-        RL step in ``ulp``)."""
+        RL step in ``ulp``), and for the swarm, as large as the daemon said before this version."""
         if self.chunk_size:
             return self.chunk_size
         expected = self._last_patch_bytes
         if expected is None:
             expected = sum(t.bits.numel() for t in self._last.values()) // 100 * 11 // 8
-        return auto_chunk_size(expected)
+        return auto_chunk_size(expected, self._rollouts)
 
     def close(self) -> None:
         """Wait for an anchor under way (its failure is raised), then stop the threads."""
@@ -599,6 +600,8 @@ class Publisher:
     def _sync(self) -> None:
         """Agree with the daemon on where the chain ends before building on it."""
         state = self._daemon_state()
+        rollouts = state.get("rollouts")
+        self._rollouts = rollouts if isinstance(rollouts, int) and not isinstance(rollouts, bool) else None
         latest = state["latest"]
         if latest == self.version or (latest is None and self._unrecorded):
             if self._pending is not None:  # the daemon never took it: the mirrors go back too

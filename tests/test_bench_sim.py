@@ -355,7 +355,7 @@ def test_relays_stream_a_chunk_still_arriving_to_no_more_peers_than_their_uplink
     on to whoever asked or was pushed to, a head that crossed and fed two neighbours sent each a
     third of its uplink, and the heads those fed crossed slower again; held to ``relay_fanout``,
     every hop runs at the rate the chunk leaves the trainer."""
-    cfg = dict(nodes=100, regions=8, patch=256 << 10, versions=1, seed=0)
+    cfg = dict(nodes=100, regions=8, patch=256 << 10, chunk=256 << 10, versions=1, seed=0)  # one chunk
     held = _FanWatched(Config(**cfg))
     free = _FanWatched(Config(fanout=False, **cfg))
     h, f = held.run()[0], free.run()[0]
@@ -471,3 +471,16 @@ def test_a_long_simulation_says_how_far_it_has_come(monkeypatch):
         assert mine and all(0 <= holding <= live == 8 for _, _, holding, live in mine)
         assert [t[1] for t in mine] == sorted(t[1] for t in mine)  # simulated time only goes on
         assert mine[0][2] < 8 and mine[-1][1] <= rows[version - 1]["seconds"] + 0.01
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_swarm_of_more_than_64_rollouts_is_at_the_bound_sooner_in_the_publishers_finer_chunks(seed):
+    """2 MiB to 100 nodes in 8 regions: the Publisher cuts 16 chunks of 128 KiB for a swarm this large
+    (``auto_chunk_size``), against 8 of 256 KiB for a small one. The last chunk off the trainer still
+    spreads through a region of a dozen nodes, each hop in time proportional to the chunk."""
+    cfg = dict(nodes=100, regions=8, patch=2 * MB, versions=1, seed=seed)
+    assert Config(**cfg).chunk_size == 128 << 10
+    fine, coarse = simulate(Config(**cfg))[0], simulate(Config(chunk=256 << 10, **cfg))[0]
+    assert fine["all_done"] and coarse["all_done"]
+    assert fine["time_over_bound"] < min(1.15, coarse["time_over_bound"] - 0.03), (fine, coarse)
+    assert fine["cross_region_over_r_minus_1"] <= 1.01 and fine["trainer_upload_over_patch"] <= 1.01, fine

@@ -163,7 +163,7 @@ class Config:
     nodes: int = 16
     regions: int = 4
     patch: int = 64 * MB
-    chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch
+    chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch for this many rollouts
     block: int | None = None  # the blocks chunks are hashed in; None: ``block_for``, as the trainer's daemon does
     versions: int = 2
     trainer_rate: float = 4 * MB
@@ -187,7 +187,7 @@ class Config:
 
     @property
     def chunk_size(self) -> int:
-        return self.chunk or auto_chunk_size(self.patch)
+        return self.chunk or auto_chunk_size(self.patch, self.nodes)
 
     @property
     def block_size(self) -> int:

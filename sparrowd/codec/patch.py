@@ -73,15 +73,26 @@ MIN_CHUNK_SIZE = 4 << 10
 DEFAULT_LEVEL = 3
 AUTO_CHUNKS = 16  # chunks a patch is cut into by default, between the two sizes below
 MIN_AUTO_CHUNK_SIZE = 256 << 10
+LARGE_SWARM = 64  # rollouts beyond which patches are cut twice as fine (auto_chunk_size)
 
 
-def auto_chunk_size(expected_bytes: int) -> int:
+def auto_chunk_size(expected_bytes: int, rollouts: int | None = None) -> int:
     """The chunk size for a patch of about ``expected_bytes``: a sixteenth of it, between 256 KiB and
     2 MiB (``DEFAULT_CHUNK_SIZE``), in whole 4 KiB. A swarm relays a chunk only once it holds all of
     it, so a patch of a few chunks moves hop by hop: on the WAN emulator a 6 MiB patch in 3 chunks
     reached 8 nodes in 2.7x the bound, in 11 chunks in 1.3x. Smaller chunks than that cost CPU per
-    request (a 64 MiB patch in 512 KiB chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md."""
-    size = min(DEFAULT_CHUNK_SIZE, max(MIN_AUTO_CHUNK_SIZE, int(expected_bytes) // AUTO_CHUNKS))
+    request (a 64 MiB patch in 512 KiB chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md.
+
+    A swarm of more than ``LARGE_SWARM`` rollouts (``rollouts``, as the trainer's daemon counts
+    them) gets a thirty-second, down to 128 KiB: the last chunk to leave the trainer still has a
+    region of many nodes to spread through, a few relays deep, and each hop costs time in
+    proportion to the chunk (``bench sim``, 2 MiB to 1,000 nodes: 1.31-1.35x the bound in 256 KiB
+    chunks, 1.18-1.19x in 128 KiB). There every rollout is a box of its own, so the cost per
+    request the bound above guards against is spread over as many CPUs."""
+    chunks, least = AUTO_CHUNKS, MIN_AUTO_CHUNK_SIZE
+    if rollouts is not None and rollouts > LARGE_SWARM:
+        chunks, least = 2 * AUTO_CHUNKS, MIN_AUTO_CHUNK_SIZE // 2
+    size = min(DEFAULT_CHUNK_SIZE, max(least, int(expected_bytes) // chunks))
     return size // (4 << 10) * (4 << 10)
 
 

@@ -551,7 +551,13 @@ class Swarm:
         anchors = [vs.version for vs in done if vs.anchor]
         return {"latest": latest.version if latest else None,
                 "manifest": blake3.blake3(latest.manifest.to_bytes()).hexdigest() if latest else None,
-                "anchor": max(anchors, default=None)}
+                "anchor": max(anchors, default=None), "rollouts": self.rollouts()}
+
+    def rollouts(self) -> int | None:
+        """The live rollouts the tracker holds leases for (None where this daemon hosts no tracker):
+        the Publisher cuts the next patch for a swarm of that size (``auto_chunk_size``)."""
+        t = self.daemon.tracker
+        return None if t is None else t.table.rollouts(t.clock())
 
     async def publish_manifest(self, data: bytes) -> dict:
         """A patch's manifest (it names its base) or an anchor's (it applies to nothing).

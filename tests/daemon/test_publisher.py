@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -12,9 +13,10 @@ import torch
 from sparrowd import Publisher
 from sparrowd.codec.bits import RawTensor
 from sparrowd.codec.manifest import Manifest
-from sparrowd.codec.patch import apply_patch, auto_chunk_size
+from sparrowd.codec.patch import LARGE_SWARM, apply_patch, auto_chunk_size
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.signing import Signed
+from tests import members
 from tests.daemon.harness import get, status, wait_for
 from tests.models import TinyLM, served_bits, train, trained_setup
 
@@ -62,8 +64,8 @@ def test_each_adamw_step_reaches_a_rollout_node_bit_for_bit(cluster, compare, th
         assert stats.version == step and stats.base_version == step - 1
         assert 0 < stats.elements_changed < stats.elements and stats.chunks >= 1
         assert stats.first_chunk_seconds is not None and stats.patch_bytes > 0
-        # The next patch is cut for the size of this one.
-        assert pub._patch_chunk_size() == auto_chunk_size(stats.patch_bytes)
+        # The next patch is cut for the size of this one, and for a swarm of one rollout.
+        assert pub._patch_chunk_size() == auto_chunk_size(stats.patch_bytes, 1) == auto_chunk_size(stats.patch_bytes)
     with pytest.raises(InputError, match="does not follow"):
         pub.publish(model, version=3)
 
@@ -242,6 +244,30 @@ def test_a_late_node_catches_up_from_the_newest_anchor(cluster, background):
     assert set(state) == set(want)
     for k, t in want.items():
         assert np.array_equal(state[k].bits, t.bits), k
+    pub.close()
+
+
+def test_a_swarm_of_more_than_64_rollouts_gets_its_patches_in_finer_chunks(cluster):
+    """The Publisher asks the daemon where the chain ends before every version; the reply also says
+    how many rollouts hold leases, and the patch is cut for a swarm of that size (``auto_chunk_size``)."""
+    trainer = cluster.trainer(ttl=60)
+    model, opt = trained_setup(0)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
+    pub.start(model, version=0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    small = stored_patch(trainer, 1)[0].chunk_size
+    assert small == auto_chunk_size(0) == 256 << 10  # no rollout yet: a tiny patch, in the usual floor's chunks
+    mp = {"Content-Type": "application/msgpack"}
+    for i in range(LARGE_SWARM + 1):
+        code, _ = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
+                      data=msgpack.packb(members.join(members.new_key(), f"r{i}", region=f"r{i % 8}")))
+        assert code == 200
+    code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
+    assert code == 200 and json.loads(body)["rollouts"] == LARGE_SWARM + 1
+    train(model, opt)
+    pub.publish(model, version=2)
+    assert stored_patch(trainer, 2)[0].chunk_size == auto_chunk_size(0, LARGE_SWARM + 1) == 128 << 10
     pub.close()
 
 

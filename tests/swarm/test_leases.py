@@ -31,6 +31,19 @@ def test_an_engine_that_detached_is_reported_as_none():
     assert t.renew("a", a.epoch, 1002.0).engine_version is None
 
 
+def test_the_swarm_size_counts_live_rollouts_only():
+    t = table()
+    assert t.rollouts(1000.0) == 0
+    t.join("trainer", "trainer", "eu", "h:0", now=1000.0)
+    a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
+    t.join("b", "rollout", "us", "h:2", now=1001.0)
+    assert t.rollouts(1002.0) == 2
+    t.renew("a", a.epoch, 1005.0)
+    assert t.rollouts(1016.0) == 1  # b's lease ended at 1016, before a sweep; the trainer is no rollout
+    t.leave("a", a.epoch, 1017.0)
+    assert t.rollouts(1017.0) == 0
+
+
 def test_renew_extends_and_records_what_the_node_reports():
     t = table()
     a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
