@@ -19,7 +19,8 @@ def test_a_swarm_of_more_than_64_rollouts_gets_chunks_half_as_large_from_128_kib
         assert auto_chunk_size(2 << 20, n) == auto_chunk_size(2 << 20) == 256 << 10  # as before
     assert auto_chunk_size(2 << 20, LARGE_SWARM + 1) == auto_chunk_size(2 << 20, 10_000) == 128 << 10
     assert auto_chunk_size(6 << 20, 1000) == 192 << 10  # 32 chunks
-    assert auto_chunk_size(0, 1000) == 128 << 10  # the floor
+    assert auto_chunk_size(0, 1000) == auto_chunk_size(256 << 10, 1000) == 256 << 10  # one chunk stays one
+    assert auto_chunk_size((256 << 10) + 1, 1000) == 128 << 10  # the floor
     assert auto_chunk_size(64 << 20, 1000) == DEFAULT_CHUNK_SIZE  # the ceiling stays
-    sizes = [auto_chunk_size(n, 1000) for n in range(0, 64 << 20, 777_777)]
+    sizes = [auto_chunk_size(n, 1000) for n in range((256 << 10) + 1, 64 << 20, 777_777)]
     assert sizes == sorted(sizes) and all(s % 4096 == 0 for s in sizes)

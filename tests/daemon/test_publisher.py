@@ -251,13 +251,14 @@ def test_a_swarm_of_more_than_64_rollouts_gets_its_patches_in_finer_chunks(clust
     """The Publisher asks the daemon where the chain ends before every version; the reply also says
     how many rollouts hold leases, and the patch is cut for a swarm of that size (``auto_chunk_size``)."""
     trainer = cluster.trainer(ttl=60)
-    model, opt = trained_setup(0)
+    gen = torch.Generator().manual_seed(0)
+    sd = {"w": torch.zeros(400_000, dtype=torch.bfloat16)}
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
-    pub.start(model, version=0)
-    train(model, opt)
-    pub.publish(model, version=1)
-    small = stored_patch(trainer, 1)[0].chunk_size
-    assert small == auto_chunk_size(0) == 256 << 10  # no rollout yet: a tiny patch, in the usual floor's chunks
+    pub.start(sd, version=0)
+    sd["w"] = torch.randn(400_000, generator=gen).to(torch.bfloat16)
+    first = pub.publish(sd, version=1)
+    assert stored_patch(trainer, 1)[0].chunk_size == 256 << 10  # no rollout yet
+    assert first.patch_bytes > 256 << 10  # the next patch, expected as large, takes more than a chunk
     mp = {"Content-Type": "application/msgpack"}
     for i in range(LARGE_SWARM + 1):
         code, _ = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
@@ -265,9 +266,11 @@ def test_a_swarm_of_more_than_64_rollouts_gets_its_patches_in_finer_chunks(clust
         assert code == 200
     code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
     assert code == 200 and json.loads(body)["rollouts"] == LARGE_SWARM + 1
-    train(model, opt)
-    pub.publish(model, version=2)
-    assert stored_patch(trainer, 2)[0].chunk_size == auto_chunk_size(0, LARGE_SWARM + 1) == 128 << 10
+    sd["w"] = torch.randn(400_000, generator=gen).to(torch.bfloat16)
+    pub.publish(sd, version=2)
+    manifest, chunks = stored_patch(trainer, 2)
+    assert manifest.chunk_size == auto_chunk_size(first.patch_bytes, LARGE_SWARM + 1) == 128 << 10
+    assert len(chunks) > 2
     pub.close()
 
 
