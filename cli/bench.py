@@ -196,8 +196,8 @@ def register_sim(bs) -> None:
                                   "star distribution's time is the baseline. Same defaults as `bench swarm`, whose "
                                   "figures it reproduces at 16 nodes.")
     s.add_argument("--nodes", default="16,100,1000",
-                   help="rollout node counts, comma-separated (default 16,100,1000: about 3 minutes on 2 cores; "
-                        "10000 takes about 17 minutes a version)")
+                   help="rollout node counts, comma-separated (default 16,100,1000: about 5 minutes on 2 cores; "
+                        "10000 takes 20-40 minutes a version)")
     s.add_argument("--regions", type=int, default=8, help="regions (default 8)")
     s.add_argument("--patch-mib", default="6", help="patch sizes in MiB, comma-separated (default 6)")
     s.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
