@@ -554,8 +554,8 @@ class Swarm:
                 "anchor": max(anchors, default=None), "rollouts": self.rollouts()}
 
     def rollouts(self) -> int | None:
-        """The live rollouts the tracker holds leases for (None where this daemon hosts no tracker):
-        the Publisher cuts the next patch for a swarm of that size (``auto_chunk_size``)."""
+        """The live rollouts (and relays) the tracker holds leases for, None where this daemon hosts no
+        tracker: the Publisher cuts the next patch for a swarm of that size (``auto_chunk_size``)."""
         t = self.daemon.tracker
         return None if t is None else t.table.rollouts(t.clock())
 

@@ -231,8 +231,9 @@ class LeaseTable:
         return n if n is not None and n.expires_at > now else None
 
     def rollouts(self, now: float) -> int:
-        """Live rollout leases: the swarm's size, as the Publisher sizes chunks by it (``auto_chunk_size``)."""
-        return sum(1 for n in self._nodes.values() if n.expires_at > now and n.role == "rollout")
+        """Live leases other than the trainer's (rollouts, and relays, which a patch spreads through
+        alike): the swarm's size, as the Publisher sizes chunks by it (``auto_chunk_size``)."""
+        return sum(1 for n in self._nodes.values() if n.expires_at > now and n.role != "trainer")
 
     def live(self, now: float) -> list[Node]:
         return sorted((n for n in self._nodes.values() if n.expires_at > now), key=lambda n: (n.region, n.node_id))

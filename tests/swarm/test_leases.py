@@ -37,9 +37,10 @@ def test_the_swarm_size_counts_live_rollouts_only():
     t.join("trainer", "trainer", "eu", "h:0", now=1000.0)
     a = t.join("a", "rollout", "eu", "h:1", now=1000.0)
     t.join("b", "rollout", "us", "h:2", now=1001.0)
-    assert t.rollouts(1002.0) == 2
+    t.join("c", "relay", "us", "h:3", now=1001.0)  # a patch spreads through relays alike
+    assert t.rollouts(1002.0) == 3
     t.renew("a", a.epoch, 1005.0)
-    assert t.rollouts(1016.0) == 1  # b's lease ended at 1016, before a sweep; the trainer is no rollout
+    assert t.rollouts(1016.0) == 1  # b's and c's leases ended at 1016, before a sweep; the trainer counts not
     t.leave("a", a.epoch, 1017.0)
     assert t.rollouts(1017.0) == 0
 
