@@ -201,10 +201,13 @@ class Picker:
 
     def _order(self, chunks: list[int], peers: list[PeerView]) -> list[int]:
         count = {c: 0 for c in chunks}
-        for p in peers:
-            for c in chunks:
-                if c in p.have or (p.cut_through and c in p.fetching):
-                    count[c] += 1
+        wanted = set(chunks)
+        for p in peers:  # (set operations: every scheduling pass orders every missing chunk)
+            offers = wanted.intersection(p.have)
+            if p.cut_through:
+                offers.update(wanted.intersection(p.fetching))
+            for c in offers:
+                count[c] += 1
         by_rarity = sorted(chunks, key=lambda c: count[c])
         out = []
         w = max(1, self.rarest_window)
@@ -279,6 +282,11 @@ class Picker:
         usable = [p for p in peers if not p.choking]
         serving_here = [p for p in usable if p.region == self.region]
         proven_here = [p for p in peers if p.region == self.region and p.proven]
+        # Per chunk below: does a neighbour that serves this node hold it, does a proven one claim it
+        # (``_claims``); gathered once a pass rather than asked of every neighbour for every chunk.
+        held_here = set().union(*(p.have for p in serving_here))
+        claimed_here = set().union(*(p.fetching for p in proven_here if not p.is_trainer),
+                                   *(p.have for p in proven_here if not p.is_trainer and p.choking))
         out: list[Request] = []
 
         def sources(c: int, exclude: set[str]) -> list[PeerView]:
@@ -288,10 +296,9 @@ class Picker:
             local = [p for p in holders if p.region == self.region]
             if local:
                 return sorted(local, key=rank)
-            if any(c in p.have for p in serving_here):
+            if c in held_here:
                 return []  # a neighbour that serves this node has it: wait for a slot rather than cross
-            if any(_claims(p, c) for p in proven_here) and \
-                    not self._overdue(now, c, available_since, self.claim_wait):
+            if c in claimed_here and not self._overdue(now, c, available_since, self.claim_wait):
                 return []  # a neighbour is about to have it: wait for it rather than cross (for a while)
             overdue = self._overdue(now, c, available_since)
             if designated(version, c, nodes) == self.me or overdue:
