@@ -151,7 +151,7 @@ def register_swarm(bs) -> None:
                         "once, a swarm's first version as it forms)")
     s.add_argument("--chunk", default="auto",
                    help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
-                        "256K and 2M; a thirty-second, from 128K, past 64 rollouts)")
+                        "256K and 2M; a thirty-second, from 128K, past 16 rollouts)")
     _link_options(s, link_help="; 0: none")
     from sparrowd.swarm.bucket import DEFAULT_BURST
 

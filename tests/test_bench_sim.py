@@ -474,7 +474,7 @@ def test_a_long_simulation_says_how_far_it_has_come(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", [0, 2])
-def test_a_swarm_of_more_than_64_rollouts_is_at_the_bound_sooner_in_the_publishers_finer_chunks(seed):
+def test_a_swarm_of_more_than_16_rollouts_is_at_the_bound_sooner_in_the_publishers_finer_chunks(seed):
     """2 MiB to 100 nodes in 8 regions: the Publisher cuts 16 chunks of 128 KiB for a swarm this large
     (``auto_chunk_size``), against 8 of 256 KiB for a small one. The last chunk off the trainer still
     spreads through a region of a dozen nodes, each hop in time proportional to the chunk."""

@@ -73,7 +73,7 @@ MIN_CHUNK_SIZE = 4 << 10
 DEFAULT_LEVEL = 3
 AUTO_CHUNKS = 16  # chunks a patch is cut into by default, between the two sizes below
 MIN_AUTO_CHUNK_SIZE = 256 << 10
-LARGE_SWARM = 64  # rollouts beyond which patches are cut twice as fine (auto_chunk_size)
+LARGE_SWARM = 16  # rollouts beyond which patches are cut twice as fine (auto_chunk_size)
 
 
 def auto_chunk_size(expected_bytes: int, rollouts: int | None = None) -> int:
@@ -87,8 +87,10 @@ def auto_chunk_size(expected_bytes: int, rollouts: int | None = None) -> int:
     them) gets a thirty-second, down to 128 KiB: the last chunk to leave the trainer still has a
     region of many nodes to spread through, a few relays deep, and each hop costs time in
     proportion to the chunk (``bench sim``, 2 MiB to 1,000 nodes: 1.31-1.35x the bound in 256 KiB
-    chunks, 1.18-1.19x in 128 KiB). There every rollout is a box of its own, so the cost per
-    request the bound above guards against is spread over as many CPUs. A patch that fits one
+    chunks, 1.18-1.19x in 128 KiB; 1 MiB to 32 nodes 1.24-1.31x and 1.14-1.24x). There every
+    rollout is a box of its own, so the cost per request the bound above guards against is spread
+    over as many CPUs. Up to 16 rollouts a sixteenth stays: there 0.5 MiB in four chunks took
+    1.31-1.33x, in two 1.05-1.06x. A patch that fits one
     256 KiB chunk stays one chunk, which crosses in a tree of its own from its first block
     (0.25 MiB to 100 nodes: 0.83x the bound in one chunk, 1.21x in two)."""
     chunks, least = AUTO_CHUNKS, MIN_AUTO_CHUNK_SIZE

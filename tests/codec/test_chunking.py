@@ -11,7 +11,7 @@ def test_a_patch_is_cut_into_about_sixteen_chunks_between_256_kib_and_2_mib():
     assert sizes == sorted(sizes) and all(s % 4096 == 0 for s in sizes)
 
 
-def test_a_swarm_of_more_than_64_rollouts_gets_chunks_half_as_large_from_128_kib():
+def test_a_swarm_of_more_than_16_rollouts_gets_chunks_half_as_large_from_128_kib():
     """The last chunk to leave the trainer must still spread through regions of many nodes, a few
     relays deep, each hop in time proportional to the chunk (``bench sim``: 2 MiB to 1,000 nodes
     1.31-1.35x the bound in 256 KiB chunks, 1.18-1.19x in 128 KiB)."""

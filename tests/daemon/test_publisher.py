@@ -247,7 +247,7 @@ def test_a_late_node_catches_up_from_the_newest_anchor(cluster, background):
     pub.close()
 
 
-def test_a_swarm_of_more_than_64_rollouts_gets_its_patches_in_finer_chunks(cluster):
+def test_a_swarm_of_more_than_16_rollouts_gets_its_patches_in_finer_chunks(cluster):
     """The Publisher asks the daemon where the chain ends before every version; the reply also says
     how many rollouts hold leases, and the patch is cut for a swarm of that size (``auto_chunk_size``)."""
     trainer = cluster.trainer(ttl=60)
