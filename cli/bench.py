@@ -150,8 +150,9 @@ def register_swarm(bs) -> None:
                    help="seconds between the tracker listing every node and the first publish (default 0: at "
                         "once, a swarm's first version as it forms)")
     s.add_argument("--chunk", default="auto",
-                   help="chunk size, e.g. 512K (default auto: as Publisher cuts a patch, a sixteenth of it between "
-                        "256K and 2M; a thirty-second, from 128K, past 16 rollouts)")
+                   help="chunk size, e.g. 512K (default auto: as the Publisher cuts a patch: whole where the "
+                        "trainer sends it in 4 round trips, else a sixteenth of it between 256K and 2M, a "
+                        "thirty-second from 128K past 16 rollouts)")
     _link_options(s, link_help="; 0: none")
     from sparrowd.swarm.bucket import DEFAULT_BURST
 
@@ -202,7 +203,8 @@ def register_sim(bs) -> None:
     s.add_argument("--patch-mib", default="6", help="patch sizes in MiB, comma-separated (default 6)")
     s.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
     s.add_argument("--chunk", default="auto",
-                   help="chunk size, e.g. 512K (default auto, as the Publisher cuts for each swarm size)")
+                   help="chunk size, e.g. 512K (default auto, as the Publisher cuts for each swarm size and trainer "
+                        "uplink)")
     _link_options(s)
     s.add_argument("--churn", type=float, default=0.0,
                    help="fraction of the nodes that leave halfway through the last version (default 0; try 0.1)")

@@ -215,6 +215,12 @@ def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist
     return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov, classes.hist_cls)
 
 
+def _number(value, kinds):
+    """A number from the daemon's JSON, positive and of ``kinds``; None for anything else (an older
+    daemon, a null, a bool)."""
+    return value if isinstance(value, kinds) and not isinstance(value, bool) and value > 0 else None
+
+
 @dataclass
 class _Pending:
     """A version whose manifest was sent but whose reply never came: the daemon may hold it."""
@@ -248,7 +254,9 @@ class Publisher:
         self._token, _ = read_token(Path(token_file))
         self.values, self.chunk_size, self.timeout = values, chunk_size, timeout
         self._last_patch_bytes: int | None = None  # the size of the last patch published (chunk sizing)
-        self._rollouts: int | None = None  # the swarm's size as the daemon last told it (chunk sizing)
+        self._rollouts: int | None = None  # the swarm's size as the daemon last told it (chunk sizing),
+        self._uplink: float | None = None  # its upload limit (None: unlimited or unknown),
+        self._round_trip: float | None = None  # and the round trip between regions its rollouts measured
         self.anchor_every = anchor_every
         self.model_files = Path(model_files) if model_files is not None else None
         if self.model_files is not None and not self.model_files.is_dir():
@@ -539,13 +547,14 @@ class Publisher:
     def _patch_chunk_size(self) -> int:
         """``chunk_size`` if given; else sized for the patch (``auto_chunk_size``), which is expected to
         be about as large as the last one, or, for the first, 1% of the elements at 11 bits each (an
-        RL step in ``ulp``), and for the swarm, as large as the daemon said before this version."""
+        RL step in ``ulp``), and for the swarm, the trainer's uplink and the round trip between regions
+        as the daemon said before this version."""
         if self.chunk_size:
             return self.chunk_size
         expected = self._last_patch_bytes
         if expected is None:
             expected = sum(t.bits.numel() for t in self._last.values()) // 100 * 11 // 8
-        return auto_chunk_size(expected, self._rollouts)
+        return auto_chunk_size(expected, self._rollouts, send_rate=self._uplink, round_trip=self._round_trip)
 
     def close(self) -> None:
         """Wait for an anchor under way (its failure is raised), then stop the threads."""
@@ -600,8 +609,9 @@ class Publisher:
     def _sync(self) -> None:
         """Agree with the daemon on where the chain ends before building on it."""
         state = self._daemon_state()
-        rollouts = state.get("rollouts")
-        self._rollouts = rollouts if isinstance(rollouts, int) and not isinstance(rollouts, bool) else None
+        self._rollouts = _number(state.get("rollouts"), int)
+        self._uplink = _number(state.get("uplink"), (int, float))
+        self._round_trip = _number(state.get("round_trip"), (int, float))
         latest = state["latest"]
         if latest == self.version or (latest is None and self._unrecorded):
             if self._pending is not None:  # the daemon never took it: the mirrors go back too

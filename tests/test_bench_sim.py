@@ -484,3 +484,17 @@ def test_a_swarm_of_more_than_16_rollouts_is_at_the_bound_sooner_in_the_publishe
     assert fine["all_done"] and coarse["all_done"]
     assert fine["time_over_bound"] < min(1.15, coarse["time_over_bound"] - 0.03), (fine, coarse)
     assert fine["cross_region_over_r_minus_1"] <= 1.01 and fine["trainer_upload_over_patch"] <= 1.01, fine
+
+
+@pytest.mark.parametrize("nodes", [8, 100])
+def test_a_patch_of_a_few_round_trips_is_at_the_bound_sooner_as_one_chunk(nodes):
+    """0.5 MiB, which the trainer sends in 1.6 round trips: whole (``auto_chunk_size``) it crosses in
+    stripes from its first block; in 256 or 128 KiB chunks they leave the trainer side by side, each
+    at a fraction of its rate, and the later ones wait for relays busy with the first."""
+    cfg = dict(nodes=nodes, regions=8, patch=MB // 2, versions=2, seed=0)
+    assert Config(**cfg).chunk_size >= MB // 2
+    cut = 256 << 10 if nodes <= 16 else 128 << 10  # as the Publisher cut it before
+    whole, parts = simulate(Config(**cfg))[1], simulate(Config(chunk=cut, **cfg))[1]
+    assert whole["all_done"] and parts["all_done"]
+    assert whole["time_over_bound"] < min(1.2, parts["time_over_bound"] - 0.05), (whole, parts)
+    assert whole["cross_region_over_r_minus_1"] <= 1.01 and whole["trainer_upload_over_patch"] <= 1.01, whole

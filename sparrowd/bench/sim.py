@@ -163,7 +163,7 @@ class Config:
     nodes: int = 16
     regions: int = 4
     patch: int = 64 * MB
-    chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch for this many rollouts
+    chunk: int | None = None  # None: auto_chunk_size, as the Publisher cuts a patch for this swarm and trainer
     block: int | None = None  # the blocks chunks are hashed in; None: ``block_for``, as the trainer's daemon does
     versions: int = 2
     trainer_rate: float = 4 * MB
@@ -187,7 +187,8 @@ class Config:
 
     @property
     def chunk_size(self) -> int:
-        return self.chunk or auto_chunk_size(self.patch, self.nodes)
+        return self.chunk or auto_chunk_size(self.patch, self.nodes, send_rate=self.trainer_rate,
+                                             round_trip=self.wan_rtt)
 
     @property
     def block_size(self) -> int:

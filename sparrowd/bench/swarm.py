@@ -252,7 +252,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
         size = int(patch_mib * MB)
-        _write_patch(p, v, size, auto_chunk_size(size, nodes) if chunk == "auto" else parse_size(chunk), rng)
+        auto = auto_chunk_size(size, nodes, send_rate=rates["trainer"], round_trip=rtt if regions > 1 else None)
+        _write_patch(p, v, size, auto if chunk == "auto" else parse_size(chunk), rng)
         patches.append(p)
     results = []
     try:

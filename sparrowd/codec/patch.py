@@ -58,6 +58,7 @@ __all__ = [
     "PatchEncoder",
     "DEFAULT_CHUNK_SIZE",
     "auto_chunk_size",
+    "one_chunk_size",
     "encode_patch",
     "check_base",
     "check_segments",
@@ -74,25 +75,48 @@ DEFAULT_LEVEL = 3
 AUTO_CHUNKS = 16  # chunks a patch is cut into by default, between the two sizes below
 MIN_AUTO_CHUNK_SIZE = 256 << 10
 LARGE_SWARM = 16  # rollouts beyond which patches are cut twice as fine (auto_chunk_size)
+ONE_CHUNK_ROUND_TRIPS = 4  # a patch the trainer sends in this many round trips goes as one chunk...
+ONE_CHUNK_BYTES = 1 << 20  # ...or, where its uplink or the round trip is unknown, one of this size
+MAX_ONE_CHUNK = 16 << 20  # ...and never as one chunk larger than this (memory a stream holds)
 
 
-def auto_chunk_size(expected_bytes: int, rollouts: int | None = None) -> int:
-    """The chunk size for a patch of about ``expected_bytes``: a sixteenth of it, between 256 KiB and
-    2 MiB (``DEFAULT_CHUNK_SIZE``), in whole 4 KiB. A swarm relays a chunk only once it holds all of
-    it, so a patch of a few chunks moves hop by hop: on the WAN emulator a 6 MiB patch in 3 chunks
-    reached 8 nodes in 2.7x the bound, in 11 chunks in 1.3x. Smaller chunks than that cost CPU per
-    request (a 64 MiB patch in 512 KiB chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md.
+def one_chunk_size(send_rate: float | None = None, round_trip: float | None = None) -> int:
+    """The largest patch sent as one chunk: what the trainer's uplink (``send_rate``, bytes a second)
+    sends in ``ONE_CHUNK_ROUND_TRIPS`` round trips between regions (``round_trip``, seconds), at most
+    ``MAX_ONE_CHUNK``; ``ONE_CHUNK_BYTES`` where either is unknown or zero. In whole 4 KiB."""
+    if send_rate and round_trip and send_rate > 0 and round_trip > 0:
+        size = min(MAX_ONE_CHUNK, int(send_rate * round_trip * ONE_CHUNK_ROUND_TRIPS))
+    else:
+        size = ONE_CHUNK_BYTES
+    return size // (4 << 10) * (4 << 10)
 
-    A swarm of more than ``LARGE_SWARM`` rollouts (``rollouts``, as the trainer's daemon counts
-    them) gets a thirty-second, down to 128 KiB: the last chunk to leave the trainer still has a
-    region of many nodes to spread through, a few relays deep, and each hop costs time in
-    proportion to the chunk (``bench sim``, 2 MiB to 1,000 nodes: 1.31-1.35x the bound in 256 KiB
-    chunks, 1.18-1.19x in 128 KiB; 1 MiB to 32 nodes 1.24-1.31x and 1.14-1.24x). There every
-    rollout is a box of its own, so the cost per request the bound above guards against is spread
-    over as many CPUs. Up to 16 rollouts a sixteenth stays: there 0.5 MiB in four chunks took
-    1.31-1.33x, in two 1.05-1.06x. A patch that fits one
-    256 KiB chunk stays one chunk, which crosses in a tree of its own from its first block
-    (0.25 MiB to 100 nodes: 0.83x the bound in one chunk, 1.21x in two)."""
+
+def auto_chunk_size(expected_bytes: int, rollouts: int | None = None, *, send_rate: float | None = None,
+                    round_trip: float | None = None) -> int:
+    """The chunk size for a patch of about ``expected_bytes``, in whole 4 KiB.
+
+    A patch the trainer sends in a few round trips (``one_chunk_size``: 4 of them at its uplink
+    ``send_rate``, 1 MiB where that or ``round_trip`` is unknown) goes as one chunk, the chunk size
+    being that limit, so that a patch a little larger than the last stays whole. One chunk crosses
+    to every region in stripes from its first block and is relayed block by block, so it reaches
+    every node a few blocks after its last byte leaves the trainer; cut in two to eight, the chunks
+    leave the trainer side by side, each at a fraction of its rate, and the later ones wait for
+    relays still busy with the first (``bench sim``, 8 regions: 0.5 MiB to 8, 32, 100 and 1,000
+    nodes 1.10x, 1.12x, 0.92x and 0.96x the bound as one chunk, against 1.19-1.44x cut; 8 MiB to 16
+    nodes over links 25 times faster, one round trip's sending, 1.06x against 1.27x).
+
+    A larger patch is cut into a sixteenth of it, between 256 KiB and 2 MiB (``DEFAULT_CHUNK_SIZE``):
+    enough chunks that relays pipeline them (a 6 MiB patch to 8 nodes in 3 chunks took 2.7x the
+    bound, in 11 chunks 1.3x), few enough that requests cost little CPU (a 64 MiB patch in 512 KiB
+    chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md. A swarm of more than
+    ``LARGE_SWARM`` rollouts (``rollouts``, as the trainer's daemon counts them) gets a thirty-second,
+    down to 128 KiB: the last chunk to leave the trainer still has a region of many nodes to spread
+    through, a few relays deep, and each hop costs time in proportion to the chunk (2 MiB to 1,000
+    nodes: 1.31-1.35x the bound in 256 KiB chunks, 1.18-1.19x in 128 KiB). There every rollout is a
+    box of its own, so the cost per request is spread over as many CPUs."""
+    one = one_chunk_size(send_rate, round_trip)
+    if expected_bytes <= one:
+        return max(one, MIN_AUTO_CHUNK_SIZE)
     chunks, least = AUTO_CHUNKS, MIN_AUTO_CHUNK_SIZE
     if rollouts is not None and rollouts > LARGE_SWARM and expected_bytes > MIN_AUTO_CHUNK_SIZE:
         chunks, least = 2 * AUTO_CHUNKS, MIN_AUTO_CHUNK_SIZE // 2

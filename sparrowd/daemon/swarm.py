@@ -545,13 +545,22 @@ class Swarm:
         return self.wan_delay()
 
     def published(self) -> dict:
-        """The chain as published: the newest version, its manifest's BLAKE3, the newest anchor."""
+        """The chain as published: the newest version, its manifest's BLAKE3, the newest anchor; and
+        what the Publisher cuts the next patch by (``auto_chunk_size``): the swarm's size, this
+        daemon's upload limit (None: unlimited) and the round trip between regions."""
         done = [vs for vs in self.versions.values() if vs.complete]
         latest = max(done, key=lambda vs: (vs.version, not vs.anchor), default=None)
         anchors = [vs.version for vs in done if vs.anchor]
         return {"latest": latest.version if latest else None,
                 "manifest": blake3.blake3(latest.manifest.to_bytes()).hexdigest() if latest else None,
-                "anchor": max(anchors, default=None), "rollouts": self.rollouts()}
+                "anchor": max(anchors, default=None), "rollouts": self.rollouts(),
+                "uplink": self.up.rate or None, "round_trip": self._round_trip()}
+
+    def _round_trip(self) -> float | None:
+        """The round trip between regions as the rollouts measured it (twice ``delay``), None before
+        any did: with the uplink, the Publisher sends a patch of a few round trips' sending whole."""
+        d = self.delay()
+        return None if d is None else 2 * d
 
     def rollouts(self) -> int | None:
         """The live rollouts (and relays) the tracker holds leases for, None where this daemon hosts no

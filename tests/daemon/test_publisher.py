@@ -252,13 +252,14 @@ def test_a_swarm_of_more_than_16_rollouts_gets_its_patches_in_finer_chunks(clust
     how many rollouts hold leases, and the patch is cut for a swarm of that size (``auto_chunk_size``)."""
     trainer = cluster.trainer(ttl=60)
     gen = torch.Generator().manual_seed(0)
-    sd = {"w": torch.zeros(400_000, dtype=torch.bfloat16)}
+    n = 1_000_000
+    sd = {"w": torch.zeros(n, dtype=torch.bfloat16)}
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
     pub.start(sd, version=0)
-    sd["w"] = torch.randn(400_000, generator=gen).to(torch.bfloat16)
+    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
     first = pub.publish(sd, version=1)
-    assert stored_patch(trainer, 1)[0].chunk_size == 256 << 10  # no rollout yet
-    assert first.patch_bytes > 256 << 10  # the next patch, expected as large, takes more than a chunk
+    assert stored_patch(trainer, 1)[0].chunk_size == 1 << 20  # a small patch expected: one chunk
+    assert first.patch_bytes > 1 << 20  # the next patch, expected as large, takes more than a chunk
     mp = {"Content-Type": "application/msgpack"}
     for i in range(LARGE_SWARM + 1):
         code, _ = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=mp,
@@ -266,11 +267,41 @@ def test_a_swarm_of_more_than_16_rollouts_gets_its_patches_in_finer_chunks(clust
         assert code == 200
     code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
     assert code == 200 and json.loads(body)["rollouts"] == LARGE_SWARM + 1
-    sd["w"] = torch.randn(400_000, generator=gen).to(torch.bfloat16)
+    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
     pub.publish(sd, version=2)
     manifest, chunks = stored_patch(trainer, 2)
     assert manifest.chunk_size == auto_chunk_size(first.patch_bytes, LARGE_SWARM + 1) == 128 << 10
-    assert len(chunks) > 2
+    assert len(chunks) > 8
+    pub.close()
+
+
+def test_a_patch_the_trainers_uplink_sends_in_four_round_trips_goes_as_one_chunk(cluster):
+    """The daemon's reply also gives its upload limit and the round trip its rollouts measured: a
+    patch the uplink sends in 4 round trips goes whole; on loopback a round trip is well under a
+    millisecond, so the same patch that went whole before any rollout measured one is cut."""
+    trainer = cluster.trainer(extra=("--upload-rate", "4M"))
+    code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
+    state = json.loads(body)
+    assert code == 200 and state["uplink"] == 4 << 20 and state["round_trip"] is None  # no rollout yet
+    gen = torch.Generator().manual_seed(1)
+    n = 300_000
+    sd = {"w": torch.zeros(n, dtype=torch.bfloat16)}
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
+    pub.start(sd, version=0)
+    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    first = pub.publish(sd, version=1)
+    assert 256 << 10 < first.patch_bytes < 1 << 20
+    assert stored_patch(trainer, 1)[0].chunk_size == 1 << 20 and first.chunks == 1  # the round trip unknown
+    for name, region in (("r1", "us"), ("r2", "ap")):
+        cluster.rollout(name, region)
+    wait_for(lambda: json.loads(get(f"{cluster.tracker}/v1/publish/state", cluster.token)[1])["round_trip"],
+             20, "the rollouts to measure a round trip")
+    rtt = json.loads(get(f"{cluster.tracker}/v1/publish/state", cluster.token)[1])["round_trip"]
+    assert 0 < rtt < 0.016  # loopback: 4 round trips at 4 MiB/s are less than a 256 KiB chunk
+    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    second = pub.publish(sd, version=2)
+    manifest, chunks = stored_patch(trainer, 2)
+    assert manifest.chunk_size == 256 << 10 and second.chunks == len(chunks) >= 2
     pub.close()
 
 
