@@ -188,11 +188,18 @@ class Config:
     @property
     def chunk_size(self) -> int:
         return self.chunk or auto_chunk_size(self.patch, self.nodes, send_rate=self.trainer_rate,
-                                             round_trip=self.wan_rtt)
+                                             round_trip=self.rtt if self.regions > 1 else None)
+
+    @property
+    def largest_chunk(self) -> int:
+        """The largest chunk's size: the patch's, where it goes as one chunk smaller than the chunk
+        size (the daemons pace their requests, and the trainer's daemon picks the block size, by the
+        chunks as they are)."""
+        return max(1, min(self.chunk_size, self.patch))
 
     @property
     def block_size(self) -> int:
-        return self.block or block_for(self.chunk_size)
+        return self.block or block_for(self.largest_chunk)
 
     @property
     def step(self) -> float:
@@ -213,7 +220,7 @@ class Config:
         costs it less at 1,000 nodes and holds no request back for long against a chunk's time. (A
         fixed 10 ms, over links 25 times faster, where a chunk leaves the trainer in 2.5 ms, kept the
         trainer's two near peers asking 10 ms apart: 4 MiB left it in 52 ms, not 40.)"""
-        return min(0.01, max(0.001, self.chunk_size / self.trainer_rate / 5))
+        return min(0.01, max(0.001, self.largest_chunk / self.trainer_rate / 5))
 
     @property
     def wan_rtt(self) -> float:
@@ -318,8 +325,8 @@ class Sim:
         self.events: list = []
         self.seq = itertools.count()
         self.dirty: set[Node] = set()
-        self.chunk_size = cfg.chunk_size
-        self.chunks = max(1, math.ceil(cfg.patch / self.chunk_size))
+        self.chunk_size = cfg.largest_chunk
+        self.chunks = max(1, math.ceil(cfg.patch / cfg.chunk_size))
         self.block = cfg.block_size  # as the trainer's daemon hashes the version's chunks
         self.sizes = [min(self.chunk_size, cfg.patch - i * self.chunk_size) for i in range(self.chunks)]
         self.version = 0

@@ -83,8 +83,9 @@ MAX_ONE_CHUNK = 16 << 20  # ...and never as one chunk larger than this (memory a
 def one_chunk_size(send_rate: float | None = None, round_trip: float | None = None) -> int:
     """The largest patch sent as one chunk: what the trainer's uplink (``send_rate``, bytes a second)
     sends in ``ONE_CHUNK_ROUND_TRIPS`` round trips between regions (``round_trip``, seconds), at most
-    ``MAX_ONE_CHUNK``; ``ONE_CHUNK_BYTES`` where either is unknown or zero. In whole 4 KiB."""
-    if send_rate and round_trip and send_rate > 0 and round_trip > 0:
+    ``MAX_ONE_CHUNK``; ``ONE_CHUNK_BYTES`` where either is unknown (None; an unlimited uplink is 0 or
+    None). In whole 4 KiB."""
+    if send_rate and send_rate > 0 and round_trip is not None and round_trip >= 0:
         size = min(MAX_ONE_CHUNK, int(send_rate * round_trip * ONE_CHUNK_ROUND_TRIPS))
     else:
         size = ONE_CHUNK_BYTES

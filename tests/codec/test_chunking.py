@@ -44,8 +44,10 @@ def test_a_patch_the_trainer_sends_in_four_round_trips_goes_as_one_chunk():
     fast = dict(send_rate=100 * MB, round_trip=0.08)
     assert auto_chunk_size(8 * MB, 16, **fast) == MAX_ONE_CHUNK == 16 * MB
     assert auto_chunk_size(16 * MB + 1, 16, **fast) == DEFAULT_CHUNK_SIZE // 2
-    # Where the uplink (unlimited) or the round trip (no rollout measured one yet) is unknown: 1 MiB.
-    for rate, rtt in ((None, 0.08), (4 * MB, None), (0, 0.08), (None, None)):
+    # A round trip of none (loopback) leaves the cut as it was; where the uplink (unlimited) or the
+    # round trip (one region, or no rollout measured one yet) is unknown, 1 MiB goes whole.
+    assert auto_chunk_size(MB, send_rate=4 * MB, round_trip=0.0) == 256 << 10
+    for rate, rtt in ((None, 0.08), (4 * MB, None), (0, 0.08), (None, None), (0, 0.0)):
         assert one_chunk_size(rate, rtt) == ONE_CHUNK_BYTES == MB
         assert auto_chunk_size(MB, send_rate=rate, round_trip=rtt) == MB
         assert auto_chunk_size(MB + 1, send_rate=rate, round_trip=rtt) == 256 << 10
