@@ -103,7 +103,7 @@ def auto_chunk_size(expected_bytes: int, rollouts: int | None = None, *, send_ra
     every node a few blocks after its last byte leaves the trainer; cut in two to eight, the chunks
     leave the trainer side by side, each at a fraction of its rate, and the later ones wait for
     relays still busy with the first (``bench sim``, 8 regions: 0.5 MiB to 8, 32, 100 and 1,000
-    nodes 1.10x, 1.12x, 0.92x and 0.96x the bound as one chunk, against 1.19-1.44x cut; 8 MiB to 16
+    nodes 1.10x, 1.12x, 0.92x and 0.96x the bound as one chunk, against 1.18-1.44x cut; 8 MiB to 16
     nodes over links 25 times faster, one round trip's sending, 1.06x against 1.27x).
 
     A larger patch is cut into a sixteenth of it, between 256 KiB and 2 MiB (``DEFAULT_CHUNK_SIZE``):
