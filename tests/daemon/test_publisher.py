@@ -247,17 +247,26 @@ def test_a_late_node_catches_up_from_the_newest_anchor(cluster, background):
     pub.close()
 
 
+def _random_publisher(cluster, n: int, seed: int):
+    """A Publisher started on ``n`` zero bf16 elements, and a step that publishes them all redrawn."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {"w": torch.zeros(n, dtype=torch.bfloat16)}
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
+    pub.start(sd, version=0)
+
+    def step(version: int):
+        sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+        return pub.publish(sd, version=version)
+
+    return pub, step
+
+
 def test_a_swarm_of_more_than_16_rollouts_gets_its_patches_in_finer_chunks(cluster):
     """The Publisher asks the daemon where the chain ends before every version; the reply also says
     how many rollouts hold leases, and the patch is cut for a swarm of that size (``auto_chunk_size``)."""
     trainer = cluster.trainer(ttl=60)
-    gen = torch.Generator().manual_seed(0)
-    n = 1_000_000
-    sd = {"w": torch.zeros(n, dtype=torch.bfloat16)}
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
-    pub.start(sd, version=0)
-    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    first = pub.publish(sd, version=1)
+    pub, step = _random_publisher(cluster, 1_000_000, 0)
+    first = step(1)
     assert stored_patch(trainer, 1)[0].chunk_size == 1 << 20  # a small patch expected: one chunk
     assert first.patch_bytes > 1 << 20  # the next patch, expected as large, takes more than a chunk
     mp = {"Content-Type": "application/msgpack"}
@@ -267,8 +276,7 @@ def test_a_swarm_of_more_than_16_rollouts_gets_its_patches_in_finer_chunks(clust
         assert code == 200
     code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
     assert code == 200 and json.loads(body)["rollouts"] == LARGE_SWARM + 1
-    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    pub.publish(sd, version=2)
+    step(2)
     manifest, chunks = stored_patch(trainer, 2)
     assert manifest.chunk_size == auto_chunk_size(first.patch_bytes, LARGE_SWARM + 1) == 128 << 10
     assert len(chunks) > 8
@@ -283,13 +291,8 @@ def test_a_patch_the_trainers_uplink_sends_in_four_round_trips_goes_as_one_chunk
     code, body = get(f"{cluster.tracker}/v1/publish/state", cluster.token)
     state = json.loads(body)
     assert code == 200 and state["uplink"] == 4 << 20 and state["round_trip"] is None  # no rollout yet
-    gen = torch.Generator().manual_seed(1)
-    n = 300_000
-    sd = {"w": torch.zeros(n, dtype=torch.bfloat16)}
-    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, anchor_every=0)
-    pub.start(sd, version=0)
-    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    first = pub.publish(sd, version=1)
+    pub, step = _random_publisher(cluster, 300_000, 1)
+    first = step(1)
     assert 256 << 10 < first.patch_bytes < 1 << 20
     assert stored_patch(trainer, 1)[0].chunk_size == 1 << 20 and first.chunks == 1  # the round trip unknown
     for name, region in (("r1", "us"), ("r2", "ap")):
@@ -298,8 +301,7 @@ def test_a_patch_the_trainers_uplink_sends_in_four_round_trips_goes_as_one_chunk
              20, "the rollouts to measure a round trip")
     rtt = json.loads(get(f"{cluster.tracker}/v1/publish/state", cluster.token)[1])["round_trip"]
     assert 0 < rtt < 0.016  # loopback: 4 round trips at 4 MiB/s are less than a 256 KiB chunk
-    sd["w"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    second = pub.publish(sd, version=2)
+    second = step(2)
     manifest, chunks = stored_patch(trainer, 2)
     assert manifest.chunk_size == 256 << 10 and second.chunks == len(chunks) >= 2
     pub.close()
