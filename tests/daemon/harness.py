@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -112,6 +113,45 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def _wan_address(region: int, kind: int, j: int) -> str:
+    """The WAN emulator's loopback block: region ``region``'s node ``j``, itself (kind 0) or its
+    proxy (kind 1) (``sparrowd.bench.wan``)."""
+    return f"127.{10 + region}.{kind}.{j + 1}"
+
+
+@contextlib.contextmanager
+def behind_wan(cluster, tmp_path: Path, layout: dict[str, tuple[int, int]], *, rtt: float = 0.0,
+               cut_file: Path | None = None):
+    """A trainer and rollouts, each behind the WAN emulator's proxy (``sparrowd.bench.wan``, as
+    ``bench swarm`` runs it): ``layout`` maps each name ("trainer" among them) to (region, index);
+    regions are named ``region<r>``. Yields the rollout daemons by name; the emulator is killed
+    after. ``cut_file`` lists the regions whose traffic it drops."""
+    port = free_port()
+    ports = {name: port if name == "trainer" else free_port() for name in layout}
+    proxies = [{"listen": [_wan_address(r, 1, j), ports[n]], "target": [_wan_address(r, 0, j), ports[n]], "region": r}
+               for n, (r, j) in layout.items()]
+    config = {"proxies": proxies, "rtt": rtt, "link_rate": 0}
+    if cut_file is not None:
+        config["cut_file"] = str(cut_file)
+    (tmp_path / "wan.json").write_text(json.dumps(config))
+    wan = subprocess.Popen([sys.executable, "-m", "sparrowd.bench.wan", str(tmp_path / "wan.json")],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert wan.stdout.readline().strip() == b"ready"
+        r0, j0 = layout["trainer"]
+        here, there = _wan_address(r0, 0, j0), _wan_address(r0, 1, j0)
+        cluster.trainer(region=f"region{r0}", extra=("--listen", f"{here}:{port}", "--advertise", f"{there}:{port}"))
+        cluster.tracker = f"http://{there}:{port}"  # the nodes reach the tracker through its proxy
+        nodes = {n: cluster.rollout(n, f"region{r}", extra=("--listen", f"{_wan_address(r, 0, j)}:{ports[n]}",
+                                                             "--advertise", f"{_wan_address(r, 1, j)}:{ports[n]}"))
+                 for n, (r, j) in layout.items() if n != "trainer"}
+        cluster.tracker = f"http://{here}:{port}"  # the test's own calls go direct
+        yield nodes
+    finally:
+        wan.kill()
+        wan.wait()
 
 
 def status(tracker_url: str, token: str) -> dict:
