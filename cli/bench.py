@@ -206,6 +206,10 @@ def register_sim(bs) -> None:
                    help="chunk size, e.g. 512K (default auto, as the Publisher cuts for each swarm size and trainer "
                         "uplink)")
     _link_options(s)
+    s.add_argument("--rate-burst", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds of each upload limit's rate a node sends at once after a quiet spell, as the "
+                        "daemons' token buckets do (default 0: links at their steady rate from the first byte; "
+                        "0.1, the daemons' default, to compare with `bench swarm`)")
     s.add_argument("--churn", type=float, default=0.0,
                    help="fraction of the nodes that leave halfway through the last version (default 0; try 0.1)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -233,6 +237,7 @@ def cmd_sim(args) -> int:
     rates = _check_links(args)
     if not 0 <= args.churn < 1:
         raise InputError(f"--churn {args.churn}: give a fraction in [0, 1)")
+    seconds("--rate-burst", args.rate_burst)
     if args.plot is not None:
         folder = out_file("--plot", args.plot).parent
         if not os.access(folder, os.W_OK | os.X_OK):
@@ -240,7 +245,7 @@ def cmd_sim(args) -> int:
     return run(nodes=nodes, regions=args.regions, patch_mib=patches, versions=args.versions,
                chunk=None if args.chunk == "auto" else _chunk(args.chunk), rtt=args.rtt, churn=args.churn,
                seed=args.seed, json_path=args.json, plot=args.plot, cut_through=not args.no_cut_through,
-               trace_path=args.trace, push=push, **rates)
+               trace_path=args.trace, push=push, burst=args.rate_burst, **rates)
 
 
 def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):

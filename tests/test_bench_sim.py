@@ -62,7 +62,8 @@ def _cli(*args, tmp_path):
 @pytest.mark.parametrize("bad", [["--nodes", "x"], ["--nodes", "0"], ["--churn", "1.5"], ["--trainer-rate", "0"],
                                  ["--push", "2"], ["--push", "a,b"], ["--push", "2,-1"], ["--rtt", "nan"],
                                  ["--rtt", "-1"], ["--patch-mib", "nan"], ["--patch-mib", "1,inf"],
-                                 ["--plot", "."], ["--plot", ""], ["--plot", "nowhere/sim.svg"]])
+                                 ["--plot", "."], ["--plot", ""], ["--plot", "nowhere/sim.svg"],
+                                 ["--rate-burst", "-0.1"], ["--rate-burst", "inf"]])
 def test_cli_refuses_bad_input_in_one_line(tmp_path, bad):
     p = _cli(*bad, tmp_path=tmp_path)
     assert p.returncode != 0
@@ -498,3 +499,19 @@ def test_a_patch_of_a_few_round_trips_is_at_the_bound_sooner_as_one_chunk(nodes)
     assert whole["all_done"] and parts["all_done"]
     assert whole["time_over_bound"] < min(1.2, parts["time_over_bound"] - 0.05), (whole, parts)
     assert whole["cross_region_over_r_minus_1"] <= 1.01 and whole["trainer_upload_over_patch"] <= 1.01, whole
+
+
+def test_uplinks_that_burst_send_a_small_patch_sooner_than_the_fluid_bound():
+    """``burst``: each limit's token bucket, as the daemons' (``--rate-burst``), lets a tenth of a
+    second's worth go at once after a quiet spell: a patch of about that size leaves the trainer
+    at once, so the swarm beats the fluid bound (the daemons read 0.63-0.73x for 0.5 MiB to 8
+    rollouts in 8 regions); a large patch is sent at the steady rate but for its first tenth of a
+    second. No burst is the fluid model, figure for figure."""
+    small = dict(nodes=8, regions=8, patch=MB // 2, versions=2, seed=0)
+    fluid, none, burst = (simulate(Config(**small, **kw))[1] for kw in ({}, {"burst": 0.0}, {"burst": 0.1}))
+    assert fluid == none
+    assert burst["all_done"] and burst["time_over_bound"] < min(0.8, fluid["time_over_bound"] - 0.3), (burst, fluid)
+    assert burst["trainer_upload_over_patch"] <= 1.01 and burst["cross_region_over_r_minus_1"] <= 1.01, burst
+    large = dict(nodes=8, regions=4, patch=6 * MB, versions=1, seed=0)
+    fluid, burst = (simulate(Config(**large, **kw))[0] for kw in ({}, {"burst": 0.1}))
+    assert 0.85 < burst["time_over_bound"] < fluid["time_over_bound"], (burst, fluid)

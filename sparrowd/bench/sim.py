@@ -184,6 +184,8 @@ class Config:
     trace: bool = False  # keep every chunk request's events (``Sim.trace``; ``bench sim --trace``)
     push: tuple[int, int] = DEFAULT_PUSH  # relays push what they can serve to (local, cross) peers (daemons' --push)
     stripes: bool = True  # chunks cross in stripes where their region tree is deeper than one crossing (stripe_plan)
+    burst: float = 0.0  # seconds of each uplink's and WAN limit's rate sent at once after a quiet spell, as the
+    #                     daemons' token buckets let go (--rate-burst; 0: a link's steady rate from the first byte)
 
     @property
     def chunk_size(self) -> int:
@@ -373,6 +375,11 @@ class Sim:
         self.cancel_pending = False
         self.up = np.array([n.up for n in self.nodes], np.float64)
         self.wan = np.array([n.wan for n in self.nodes], np.float64)
+        # Each limit's token bucket, as the daemons' (``TokenBucket``: a burst of ``burst`` seconds' rate, at
+        # least 16 KiB), full when a version starts: what a step may send beyond the steady rate.
+        self.burst_up, self.burst_wan = (np.where(np.isfinite(r), np.maximum(16 << 10, r * cfg.burst), 0.0)
+                                         if cfg.burst > 0 else np.zeros(len(self.nodes)) for r in (self.up, self.wan))
+        self.tok_up, self.tok_wan = self.burst_up.copy(), self.burst_wan.copy()
         self.sent = np.zeros(len(self.nodes), np.float64)  # bytes each node uploaded
         self.pending: set[Node] = set()  # live rollout nodes without the current version
 
@@ -594,8 +601,10 @@ class Sim:
         """Share the links for ``dt`` seconds; finished (or cancelled) flows end."""
         nf = len(self.flows)
         if not nf:
+            self._refill(dt, 0.0, 0.0)
             return
         n = len(self.nodes)
+        up, wan = self.up + self.tok_up / dt, self.wan + self.tok_wan / dt  # this step's, with the buckets
         src, cross, left, size = self.f_src[:nf], self.f_cross[:nf], self.f_left[:nf], self.f_size[:nf]
         # A stream served from a partial sends no further than the whole blocks its feed has delivered,
         # and its last block only once the chunk arrived whole there; as a rate for this step.
@@ -617,7 +626,7 @@ class Sim:
             cap = np.full(nf, np.inf)
             cap[fed] = np.maximum(ready - (size[fed] - left[fed]), 0) / dt
         n_src = np.bincount(src, minlength=n)
-        rate = self.up[src] / n_src[src]
+        rate = up[src] / n_src[src]
         used = None
         if cross.any():
             xs = src[cross]
@@ -630,7 +639,7 @@ class Sim:
             # (or its link) leaves going to the others, as the daemon's token bucket does (water-filling).
             slow = np.zeros(len(xs), bool)
             for i in range(4):
-                share = np.maximum(self.wan - np.bincount(xs[slow], weights=lim[slow], minlength=n), 0) / \
+                share = np.maximum(wan - np.bincount(xs[slow], weights=lim[slow], minlength=n), 0) / \
                     np.maximum(np.bincount(xs[~slow], minlength=n), 1)
                 more = ~slow & (lim < share[xs])
                 if i == 3 or not more.any():
@@ -644,7 +653,7 @@ class Sim:
             # shared evenly but for streams held back by their feeds (water-filling, a few rounds).
             local = ~cross
             ls = src[local]
-            room = self.up - used if used is not None else self.up
+            room = up - used if used is not None else up
             lim = cap[local] if cap is not None else np.full(len(ls), np.inf)
             slow = np.zeros(len(ls), bool)
             for i in range(4):
@@ -672,8 +681,10 @@ class Sim:
             self.s_got[a.serial] = self.assembled(a)
         if cap is not None:
             self.relayed += float(sent[fed].sum())
-        self.sent += np.bincount(src, weights=sent, minlength=n)
+        by_node = np.bincount(src, weights=sent, minlength=n)
+        self.sent += by_node
         self.cross_bytes += float(sent[cross].sum())
+        self._refill(dt, by_node, np.bincount(src[cross], weights=sent[cross], minlength=n))
         done = left <= 1e-6
         if self.cancel_pending:
             self.cancel_pending = False
@@ -699,6 +710,15 @@ class Sim:
                     x.known[r.dst.id].rate_to.add(self.now, r.size)
                 self.at(self.now + self.owd(x, r.dst), self.arrives, r)
             self.start_uploads(x)
+
+    def _refill(self, dt: float, sent, sent_across) -> None:
+        """The token buckets after ``dt`` seconds in which each node sent ``sent`` bytes, ``sent_across``
+        of them to other regions (``Config.burst``)."""
+        if self.cfg.burst > 0:
+            self.tok_up = np.clip(self.tok_up + np.where(np.isfinite(self.up), self.up * dt, 0.0) - sent, 0,
+                                  self.burst_up)
+            self.tok_wan = np.clip(self.tok_wan + np.where(np.isfinite(self.wan), self.wan * dt, 0.0) - sent_across,
+                                   0, self.burst_wan)
 
     # ------------------------------------------------------------ the fetching side (_fetch, _ingest, _schedule)
 
@@ -1252,6 +1272,7 @@ class Sim:
             self.flows, self.events, self.dirty = [], [], set()
             self.assemblies = set()
             self.now += 0.5
+            self.tok_up, self.tok_wan = self.burst_up.copy(), self.burst_wan.copy()  # full after the quiet spell
         return rows
 
 
@@ -1307,7 +1328,7 @@ def _svg(points: dict[str, list[tuple[int, float]]], path: str) -> None:
 def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int, chunk: int | None,
         trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
         seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True,
-        trace_path: str | None = None, push: tuple[int, int] = DEFAULT_PUSH) -> int:
+        trace_path: str | None = None, push: tuple[int, int] = DEFAULT_PUSH, burst: float = 0.0) -> int:
     from . import write_json, write_lines
 
     results, traces = [], []
@@ -1317,13 +1338,14 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
           + ("cut-through" if cut_through else "store-and-forward")
           + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
           + (f", {churn:.0%} of the nodes leave mid-version" if churn else "")
+          + (f"; limits burst {burst:g} s" if burst else "")
           )
     for p in patch_mib:
         for n in nodes:
             cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,
                          trainer_rate=trainer_rate, node_rate=node_rate, wan_rate=wan_rate, link_rate=link_rate,
                          rtt=rtt, churn=churn, seed=seed, cut_through=cut_through, trace=trace_path is not None,
-                         push=push)
+                         push=push, burst=burst)
             t = time.monotonic()
             sim = Sim(cfg)
 
