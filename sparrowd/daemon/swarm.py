@@ -200,7 +200,8 @@ class PeerState:
     pushing_at: float = 0.0  # ...in the reply taken then (a claim kept for PUSH_CLAIM seconds at most)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
     proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
-    rtt: float | None = None  # the shortest exchange with it, seconds: the round trip (one answered at once)
+    rtt: float | None = None  # the shortest exchange with it, seconds: the round trip (one answered at once;
+    #                           one that opened its connection counts half, TCP's handshake being a round trip)
 
 
 @dataclass
@@ -1794,7 +1795,8 @@ class Swarm:
     def wan_delay(self) -> float | None:
         """The one-way delay between regions as this node measured it, seconds: half the median, over
         the other regions it peers with, of the shortest round trip to any of their nodes (its
-        exchanges, ``PeerState.rtt``); None before any. It times the chunks' region trees."""
+        exchanges, ``PeerState.rtt``, an exchange that opened its connection counted half); None before
+        any. It times the chunks' region trees."""
         me = self.daemon.settings.region
         best: dict[str, float] = {}
         for p in self.peers.values():
