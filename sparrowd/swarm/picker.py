@@ -76,10 +76,17 @@ def stripes_stopped(now: float, fed_at: float, round_trip: float, *, failed: boo
     return failed or near_whole or now - fed_at >= STRIPE_WAIT + max(0.0, round_trip)
 
 
+def _claimed(p: PeerView) -> tuple:
+    """The sets of chunks a neighbour says it will have for this node: those it is fetching, and
+    those it holds while it chokes this node for now (none for the trainer)."""
+    if p.is_trainer:
+        return ()
+    return (p.fetching, p.have) if p.choking else (p.fetching,)
+
+
 def _claims(p: PeerView, c: int) -> bool:
-    """Whether a neighbour says it will have chunk ``c`` for this node: it is fetching it, or holds
-    it and chokes this node for now."""
-    return not p.is_trainer and (c in p.fetching or (p.choking and c in p.have))
+    """Whether a neighbour says it will have chunk ``c`` for this node (``_claimed``)."""
+    return any(c in s for s in _claimed(p))
 
 
 @dataclass
@@ -283,10 +290,9 @@ class Picker:
         serving_here = [p for p in usable if p.region == self.region]
         proven_here = [p for p in peers if p.region == self.region and p.proven]
         # Per chunk below: does a neighbour that serves this node hold it, does a proven one claim it
-        # (``_claims``); gathered once a pass rather than asked of every neighbour for every chunk.
+        # (``_claimed``); gathered once a pass rather than asked of every neighbour for every chunk.
         held_here = set().union(*(p.have for p in serving_here))
-        claimed_here = set().union(*(p.fetching for p in proven_here if not p.is_trainer),
-                                   *(p.have for p in proven_here if not p.is_trainer and p.choking))
+        claimed_here = set().union(*(s for p in proven_here for s in _claimed(p)))
         out: list[Request] = []
 
         def sources(c: int, exclude: set[str]) -> list[PeerView]:
