@@ -160,6 +160,10 @@ def register_swarm(bs) -> None:
                    help=f"the daemons' --rate-burst: how much of a second's upload limit may go at once (default "
                         f"{DEFAULT_BURST:g}, theirs; 0: uplinks held to their rate from the first byte, as "
                         "`bench sim`'s links)")
+    s.add_argument("--time-scale", type=float, default=1.0, metavar="FACTOR",
+                   help="run the same swarm FACTOR times slower: every rate divided by it, the RTT, bursts, "
+                        "--settle and --interval multiplied, so the bound grows by FACTOR while the daemons' CPU "
+                        "cost per hop does not (default 1; try 5 to tell a small box's CPUs from the design)")
     s.add_argument("--no-star", action="store_true", help="skip the star baseline")
     s.add_argument("--keep", action="store_true", help="keep the daemons' folders and logs")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -179,13 +183,15 @@ def cmd_swarm(args) -> int:
         raise InputError(f"--regions {args.regions} is more than --nodes {args.nodes}: every region needs a rollout")
     for name in ("interval", "settle", "rate_burst"):
         seconds(f"--{name.replace('_', '-')}", getattr(args, name))
+    if not (math.isfinite(args.time_scale) and 1 <= args.time_scale <= 100):
+        raise InputError(f"--time-scale {args.time_scale:g}: give a factor from 1 to 100")
     if args.chunk != "auto":
         _chunk(args.chunk)
     return run(nodes=args.nodes, regions=args.regions, patch_mib=args.patch_mib, versions=args.versions,
                chunk=args.chunk, trainer_rate=args.trainer_rate, node_rate=args.node_rate, wan_rate=args.wan_rate,
                rtt=args.rtt, link_rate=args.link_rate, cut_through=not args.no_cut_through, push=_push(args),
                star=not args.no_star, json_path=args.json, keep=args.keep, log_level=args.log_level,
-               interval=args.interval, settle=args.settle, rate_burst=args.rate_burst)
+               interval=args.interval, settle=args.settle, rate_burst=args.rate_burst, time_scale=args.time_scale)
 
 
 def register_sim(bs) -> None:

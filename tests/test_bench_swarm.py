@@ -32,6 +32,8 @@ def _cli(*args, tmp_path, timeout=60):
     (["--node-rate", "4X"], "--node-rate: not a size"),
     (["--chunk", "1K"], "--chunk 1K"),
     (["--push", "2"], "--push"),
+    (["--time-scale", "0.5"], "--time-scale 0.5"),
+    (["--time-scale", "nan"], "--time-scale nan"),
 ])
 def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path, bad, says):
     p = _cli(*bad, tmp_path=tmp_path)
@@ -78,6 +80,25 @@ def test_two_regions_report_the_crossing_against_the_regions_that_hold_rollouts(
         assert 0.99 <= v["cross_region_over_r_minus_1"] <= 1.1, v
         assert 0.99 <= v["trainer_upload_over_patch"] <= 1.1, v
     assert "no limit per direction" in p.stdout and "cross-region bytes" in p.stdout
+
+
+def test_a_time_scaled_run_is_the_same_swarm_slower(tmp_path):
+    """``--time-scale 4``: the daemons get a quarter of every rate (the trainer's 1 MiB/s sends the
+    patch in a quarter second, four times the default's time), the round trip is four times longer,
+    and the bound with them; the figures say so."""
+    out = tmp_path / "r.json"
+    p = _cli("--nodes", "2", "--regions", "2", "--patch-mib", "0.25", "--versions", "1", "--no-star",
+             "--rtt", "0.02", "--rate-burst", "0", "--time-scale", "4", "--json", str(out), tmp_path=tmp_path,
+             timeout=180)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["time_scale"] == 4 and doc["rtt"] == pytest.approx(0.08)
+    assert doc["rates"] == {"trainer": 1 << 20, "node": 2 << 20, "wan": 1 << 20, "link": 8 << 20}
+    (v,) = doc["versions"]
+    assert v["lower_bound_seconds"] == pytest.approx(v["patch_bytes"] / (1 << 20) + 0.08)
+    # held to 1 MiB/s from the first byte, the trainer's daemon takes a quarter second to send it
+    assert v["seconds"] >= 0.9 * v["patch_bytes"] / (1 << 20), v
+    assert "time scaled 4x" in p.stdout and "80 ms RTT" in p.stdout
 
 
 def test_the_star_baseline_ends_though_it_outlasts_the_leases(tmp_path):

@@ -218,16 +218,31 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
         await tracker.close()
 
 
+def scaled(factor: float, rates: dict[str, int], seconds: tuple[float, ...]) -> tuple[dict[str, int], tuple]:
+    """The same swarm ``factor`` times slower: every rate divided by it (0, no limit, stays 0), every
+    time (round trip, bursts, waits) multiplied. Each version's bound grows by ``factor`` while the
+    daemons' own cost per hop (their CPU time, on a box they share) does not, so comparing a run
+    with its scaled twin tells what the box costs from what the design does; the patch's cut is
+    the same (the trainer's uplink times the round trip is unchanged)."""
+    if factor == 1:
+        return rates, seconds
+    return ({k: max(1, round(v / factor)) if v else 0 for k, v in rates.items()},
+            tuple(t * factor for t in seconds))
+
+
 def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: int = 2, chunk: str = "auto",
         trainer_rate: str = "4M", node_rate: str = "8M", wan_rate: str = "4M", rtt: float = 0.08,
         link_rate: str = "32M", star: bool = True, cut_through: bool = True, push: tuple[int, int] = DEFAULT_PUSH,
         json_path: str | None = None, keep: bool = False, log_level: str = "warning", interval: float = 0.0,
-        settle: float = 0.0, rate_burst: float = DEFAULT_BURST, lease_ttl: float | None = None) -> int:
+        settle: float = 0.0, rate_burst: float = DEFAULT_BURST, lease_ttl: float | None = None,
+        time_scale: float = 1.0) -> int:
     """``rate_burst``: the daemons' ``--rate-burst`` (0: uplinks that never burst, as ``bench sim``'s
-    fluid links); ``lease_ttl``: their lease TTL (default: theirs), for tests of a run that outlasts one."""
-    limits = ["--rate-burst", str(rate_burst)] + (["--lease-ttl", str(lease_ttl)] if lease_ttl else [])
+    fluid links); ``lease_ttl``: their lease TTL (default: theirs), for tests of a run that outlasts one.
+    ``time_scale``: the same swarm that many times slower (``scaled``)."""
     rates = {k: parse_size(v) for k, v in (("trainer", trainer_rate), ("node", node_rate), ("wan", wan_rate),
                                            ("link", link_rate))}
+    rates, (rtt, rate_burst, settle, interval) = scaled(time_scale, rates, (rtt, rate_burst, settle, interval))
+    limits = ["--rate-burst", str(rate_burst)] + (["--lease-ttl", str(lease_ttl)] if lease_ttl else [])
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
     procs = _Procs(root)
     token_file = root / "swarm.token"
@@ -247,7 +262,9 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
           f"between regions {rtt * 1000:.0f} ms RTT and {format_rate(rates['link'])} per direction; relays "
           + ("cut-through" if cut_through else "store-and-forward")
           + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
-          + (f"; limits burst {rate_burst:g} s" if rate_burst else "; limits never burst"))
+          + (f"; limits burst {rate_burst:g} s" if rate_burst else "; limits never burst")
+          + (f"; time scaled {time_scale:g}x (rates / {time_scale:g}, times x {time_scale:g})"
+             if time_scale != 1 else ""))
     patches = []
     for v in range(1, versions + 1):
         p = root / f"v{v}.sprw"
@@ -273,15 +290,16 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
             raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
         procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"{t_host}:{port}",
                     "--advertise", f"{t_proxy}:{port}", "--data-dir", str(root / "trainer"), "--token-file",
-                    str(token_file), "--node-id", "trainer", "--upload-rate", trainer_rate,
-                    "--wan-upload-rate", wan_rate, "--log-level", log_level, *limits, name="trainer")
+                    str(token_file), "--node-id", "trainer", "--upload-rate", str(rates["trainer"]),
+                    "--wan-upload-rate", str(rates["wan"]), "--log-level", log_level, *limits, name="trainer")
         _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
         for i, (host, p) in enumerate(listen):
             r, j = i % regions, i // regions
             procs.start("run", "--role", "rollout", "--region", region_names[r], "--listen", f"{host}:{p}",
                         "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
-                        "--upload-rate", node_rate, "--wan-upload-rate", wan_rate, "--current", "off",
+                        "--upload-rate", str(rates["node"]), "--wan-upload-rate", str(rates["wan"]),
+                        "--current", "off",
                         "--cut-through", "on" if cut_through else "off", "--push", ",".join(map(str, push)),
                         "--log-level", log_level, *limits,
                         name=f"n{i}")
@@ -379,5 +397,6 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
     if json_path:
         write_json(json_path, {"versions": results, "star": star_row, "nodes": nodes,
                                "regions": regions, "rates": rates, "rtt": rtt, "push": list(push),
-                               "interval": interval, "settle": settle, "rate_burst": rate_burst})
+                               "interval": interval, "settle": settle, "rate_burst": rate_burst,
+                               "time_scale": time_scale})
     return 0
