@@ -136,7 +136,7 @@ QUICK_REPLIES, QUICK_PACE = 5, 0.25  # early exchange replies in a row with noth
 # at most every QUICK_PACE seconds
 EXCHANGE_WAIT = 5.0
 PIECE = 256 << 10
-MIN_RATE = 128 << 10  # a chunk request times out after 5 s plus its size at this rate
+MIN_RATE = 128 << 10  # a chunk's stream times out after 5 s plus its size at this rate (``stream_timeout``)
 UPLOADS_PER_PEER = 8
 UPLOAD_SLOTS = 8  # peers the trainer unchokes at once (one of them the optimistic unchoke)
 QUEUE_ADMIT = 1  # a relay refuses requests (503, "choked") while this many wait in their lane
@@ -1352,7 +1352,7 @@ class Swarm:
             chunk_size = max((c.size for c in vs.chunks.values()), default=1)
             # Give the region's designated crosser time to move a chunk before anyone else crosses for it,
             # and a request time to come back before the endgame duplicates it: both wait a round trip more.
-            self.picker.pace(chunk_size, round_trip)
+            self.picker.pace(chunk_size, round_trip, _send_time(vs))
             views = [PeerView(p.node_id, p.region, p.have.get(k, set()), is_trainer=p.role == "trainer",
                               choking=p.choking or now < p.cooldown_until, inflight=p.inflight,
                               fetching=p.fetching.get(k, set()),
@@ -1451,9 +1451,9 @@ class Swarm:
         whole = index in ps.have.get(vs.key, ())  # else the peer is fetching it too: served cut-through
 
         async def pieces():
-            size = vs.chunks[index].size
+            timeout = aiohttp.ClientTimeout(total=stream_timeout(vs.chunks[index].size, _send_time(vs, index)))
             async with self._session.get(f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
-                                         timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE),
+                                         timeout=timeout,
                                          headers=self._proof_for(ps)) as r:
                 if r.status != 200:
                     event(log, logging.DEBUG, "chunk request not served", peer=ps.node_id, object=str(vs.key),
@@ -1746,7 +1746,7 @@ class Swarm:
                                      **({STRIPE_HEADER: f"{stripe[0]}/{stripe[1]}"} if stripe else {}),
                                      **_statement_header(vs, index), **self._rate_header(wan, source),
                                      **self._also_header(vs.key, index, ps.node_id)},
-                            timeout=aiohttp.ClientTimeout(total=5.0 + size / MIN_RATE)) as r:
+                            timeout=aiohttp.ClientTimeout(total=stream_timeout(size, _send_time(vs, index)))) as r:
                         body = await r.read()
                         outcome = "taken" if r.status == 200 else "refused"
                         if r.status == 409:
@@ -2004,7 +2004,7 @@ class Swarm:
         if into is not None:
             self._taking_stripes.add(task)
         try:  # as long as a fetch of it may take; a stalled push makes way for a request
-            await asyncio.wait({task}, timeout=5.0 + vs.chunks[i].size / MIN_RATE)
+            await asyncio.wait({task}, timeout=stream_timeout(vs.chunks[i].size, _send_time(vs, i)))
         finally:
             self._taking.discard(task)
             self._taking_stripes.discard(task)
@@ -2030,6 +2030,24 @@ class _Served:
     declared (None: not said)."""
 
     rate: float | None
+
+
+def stream_timeout(size: int, send: float | None) -> float:
+    """Seconds a chunk's stream of ``size`` bytes (asked for or pushed) may take before it is given up:
+    5 s plus its size at ``MIN_RATE``, or, where that is longer, ``UPLOAD_SLOTS`` times ``send``, the
+    chunk's time at the trainer's uplink (its signed tree timing): the trainer's slots share that
+    uplink, so over slow links its streams to first holders run at an eighth of it (the trainer at
+    200 KiB/s, chunks of 340 KiB: requests to it timed out at 7.7 s and were asked again from the
+    start, its uplink idle meanwhile)."""
+    slow = UPLOAD_SLOTS * send if send is not None and send > 0 else 0.0
+    return 5.0 + max(size / MIN_RATE, slow)
+
+
+def _send_time(vs: VersionState, index: int | None = None) -> float | None:
+    """The trainer's signed time to send chunk ``index`` (``tree_timing``'s ``send``), or the longest of
+    the version's chunks; None where no announcement timed one."""
+    trees = vs.trees.values() if index is None else [vs.trees.get(index)]
+    return max((t[0] for t in trees if t is not None), default=None)
 
 
 def _declared_rate(headers) -> float | None:

@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount", "slots_for_rate", "ENDGAME_AFTER",
-           "CROSS_GRACE", "CROSS_RATE"]
+           "SLOW_CHUNKS", "CROSS_GRACE", "CROSS_RATE"]
 
 # Seconds a chunk's request is out before the endgame asks a second peer too (``sparrowd bench sim``,
 # 8 regions, six seeds: asked at once, a 0.25 MiB patch crossed into each region twice and took 2.87x
@@ -60,6 +60,7 @@ __all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount",
 ENDGAME_AFTER = 2.0
 CROSS_GRACE = 3.0  # seconds a region's designated crosser has to start a chunk's crossing...
 CROSS_RATE = 256 << 10  # ...and then to move it at this rate, the slowest cross-region rate it is waited for
+SLOW_CHUNKS = 2  # the waits cover this many times a chunk's sending at the trainer's uplink, where that is longer
 STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole,
 # beyond the round trip between regions (its stripes come from all of them)
 
@@ -193,18 +194,26 @@ class Picker:
     endgame_after: float = ENDGAME_AFTER
     rng: random.Random = field(default_factory=random.Random)
 
-    def pace(self, chunk_size: int, round_trip: float | None = None) -> None:
+    def pace(self, chunk_size: int, round_trip: float | None = None, send: float | None = None) -> None:
         """Time this pass's waits for a version of chunks up to ``chunk_size`` bytes, between regions
-        ``round_trip`` seconds apart (None: not measured yet, taken as none). A region's designated
-        crosser has ``CROSS_GRACE``, its chunk's time at ``CROSS_RATE`` and the round trip its request
-        and the chunk's first byte take before anyone else crosses for the chunk (``cross_wait``); a
-        request is out ``ENDGAME_AFTER`` plus that round trip before the endgame asks a second peer
-        (``endgame_after``). Without the round trip, at 2 s round trips chunks still crossing were asked
-        for again, across (``bench swarm``, 8 MiB to 16 nodes in 8 regions: 1.49-1.72x (R-1) x patch
-        crossed in later versions, 1.05-1.14x with it)."""
+        ``round_trip`` seconds apart (None: not measured yet, taken as none), whose largest chunk the
+        trainer's uplink sends in ``send`` seconds (its signed tree timing; None: unknown). A region's
+        designated crosser has ``CROSS_GRACE``, its chunk's time at ``CROSS_RATE`` and the round trip
+        its request and the chunk's first byte take before anyone else crosses for the chunk
+        (``cross_wait``); a request is out ``ENDGAME_AFTER`` plus that round trip before the endgame
+        asks a second peer (``endgame_after``). Without the round trip, at 2 s round trips chunks
+        still crossing were asked for again, across (``bench swarm``, 8 MiB to 16 nodes in 8 regions:
+        1.49-1.72x (R-1) x patch crossed in later versions, 1.05-1.14x with it).
+
+        Where ``SLOW_CHUNKS`` times ``send`` is longer than the chunk's time at ``CROSS_RATE`` or than
+        ``ENDGAME_AFTER``, that is the wait: over slow links a chunk moving at its rate is not late
+        (``bench swarm --time-scale 5``, the trainer at 200 KiB/s: 2 MiB to 16 rollouts in 8 regions
+        took 1.85-2.03x, designated crossers passed over and requests asked again at 2 s while their
+        chunks of 1.7 s at the trainer still came)."""
         rt = max(0.0, round_trip or 0.0)
-        self.cross_wait = CROSS_GRACE + chunk_size / CROSS_RATE + rt
-        self.endgame_after = ENDGAME_AFTER + rt
+        slow = SLOW_CHUNKS * send if send is not None and send > 0 else 0.0
+        self.cross_wait = CROSS_GRACE + max(chunk_size / CROSS_RATE, slow) + rt
+        self.endgame_after = max(ENDGAME_AFTER, slow) + rt
 
     def _order(self, chunks: list[int], peers: list[PeerView]) -> list[int]:
         count = {c: 0 for c in chunks}

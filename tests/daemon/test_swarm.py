@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
+from sparrowd.daemon.swarm import MIN_RATE, UPLOAD_SLOTS, stream_timeout
 from sparrowd.swarm.identity import make_proof
 from tests import members
 from tests.daemon.harness import free_port, get, status, wait_for
@@ -380,3 +381,15 @@ def test_chunks_move_before_the_manifest_exists(cluster, tmp_path):
     assert code == 200, body
     wait_for(lambda: held(cluster).get("early") == [1], 20, "the node to complete version 1")
     check_store(node, view.manifest)
+
+
+def test_a_streams_timeout_covers_the_trainers_share_of_a_slow_uplink():
+    """A chunk's stream may take 5 s plus its size at ``MIN_RATE``; where the trainer's uplink is so
+    slow that its upload slots' share of it takes longer (``UPLOAD_SLOTS`` times the chunk's signed
+    send time), that long, so requests to a slow trainer are not given up while they come."""
+    size = 340 << 10
+    assert stream_timeout(size, None) == 5.0 + size / MIN_RATE
+    assert stream_timeout(size, 0.1) == 5.0 + size / MIN_RATE  # a fast uplink: as before
+    slow = size / (200 << 10)  # the chunk's time at 200 KiB/s
+    assert stream_timeout(size, slow) == pytest.approx(5.0 + UPLOAD_SLOTS * slow)
+    assert stream_timeout(size, slow) > 2 * (5.0 + size / MIN_RATE) - 5.0

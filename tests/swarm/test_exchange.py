@@ -12,6 +12,7 @@ from sparrowd.swarm.picker import (
     CROSS_GRACE,
     CROSS_RATE,
     ENDGAME_AFTER,
+    SLOW_CHUNKS,
     STRIPE_WAIT,
     PeerView,
     Picker,
@@ -178,6 +179,30 @@ def test_the_waits_stretch_by_the_round_trip_between_regions():
     assert p.stalled(late, version=7, missing=[c], peers=views, region_nodes=region, available_since={c: 0.0}) == set()
     assert p.stalled(late + 1.0, version=7, missing=[c], peers=views, region_nodes=region,
                      available_since={c: 0.0}) == {"idle"}
+
+
+def test_the_waits_cover_a_slow_trainers_chunk_time():
+    """Over links slow enough that the trainer's uplink takes longer than the waits to send a chunk
+    (its signed tree timing, ``send``), a request is not duplicated, nor a designated crosser passed
+    over, while a chunk moving at that rate still comes; where the uplink is fast (or unknown), the
+    waits are as before."""
+    chunk = 340 << 10
+    p = Picker("n1", "eu")
+    for send in (None, 0.0, 0.05):  # unknown, or fast: the waits of ``pace`` without it
+        p.pace(chunk, 0.4, send)
+        assert p.endgame_after == ENDGAME_AFTER + 0.4
+        assert p.cross_wait == CROSS_GRACE + chunk / CROSS_RATE + 0.4
+    p.pace(chunk, 0.4, 1.7)  # 340 KiB at 200 KiB/s
+    assert p.endgame_after == pytest.approx(SLOW_CHUNKS * 1.7 + 0.4) and p.endgame_after > ENDGAME_AFTER + 0.4
+    assert p.cross_wait == pytest.approx(CROSS_GRACE + SLOW_CHUNKS * 1.7 + 0.4)
+    # A request out 3 s: past the fixed endgame wait, within a slow chunk's.
+    peers = [PeerView(x, "us", {0, 1}, slots=4) for x in ("a", "b")]
+    args = dict(version=1, missing=[0, 1], inflight={0: {"a"}, 1: {"b"}}, peers=peers, region_nodes=["n1"],
+                available_since={0: 0.0, 1: 0.0}, asked_at={0: 7.0, 1: 7.0})
+    assert p.pick(10.0, **args) == []
+    assert {(r.index, r.duplicate) for r in p.pick(7.0 + p.endgame_after + 0.01, **args)} == {(0, True), (1, True)}
+    p.pace(chunk, 0.4)
+    assert {(r.index, r.duplicate) for r in p.pick(10.0, **args)} == {(0, True), (1, True)}
 
 
 def test_a_chunk_in_stripes_is_waited_for_until_they_stop_or_a_region_mate_holds_it_whole():
