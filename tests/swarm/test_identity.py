@@ -182,7 +182,11 @@ def test_credentials_admit_one_key_in_their_role_region_and_node(tmp_path):
     head, claims, sig = text.split(".")
     other = Credential.issue(new_key().sign, role="rollout", region=None, node=None, now=time.time(),
                              lifetime=None)[1]
-    for bad in (f"{head}.{claims[:-2]}AA.{sig}", other):
+    # (One character in the middle changed: the claims' last two were sometimes "AA" already, a time
+    # whose last bytes are zero, and the "tampered" credential was the real one.)
+    mid = len(claims) // 2
+    tampered = claims[:mid] + ("B" if claims[mid] == "A" else "A") + claims[mid + 1:]
+    for bad in (f"{head}.{tampered}.{sig}", other):
         refused("bad-credential", Credential.parse, bad, svc.trainer_key)
     with pytest.raises(FormatError):
         Credential.parse("spw1.not-a-credential", svc.trainer_key)
