@@ -1077,8 +1077,9 @@ class Sim:
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
         gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]
         region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
-        # (the chunk's signed send time, as the trainer's daemon times it: ``Swarm._send_time``)
-        y.picker.pace(self.chunk_size, self.cfg.wan_rtt, self.chunk_size / self.cfg.trainer_rate)
+        # (the chunk's signed send time, as the trainer's daemon times it, where it signs one: ``Swarm._send_time``)
+        y.picker.pace(self.chunk_size, self.cfg.wan_rtt,
+                      self.chunk_size / self.cfg.trainer_rate if self.cfg.timed_tree else None)
         views = []
         haves = {}
         for pid, k in y.known.items():
