@@ -22,7 +22,7 @@ from .status import render_status
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
                   "wan_upload_rate", "rate_burst", "engine_socket", "follow_vllm", "follow_every",
-                  "follow_vllm_remote", "super_seed", "current", "cut_through", "push")
+                  "follow_vllm_remote", "super_seed", "current", "cut_through", "push", "metrics_listen")
 
 
 def add_follow_flags(p) -> None:
@@ -65,6 +65,9 @@ def register(sub) -> None:
                         "to the tracker when listening on all interfaces)")
     r.add_argument("--lease-ttl", metavar="SECONDS", help="lease time-to-live the tracker grants (trainer; default 15)")
     r.add_argument("--node-id", metavar="ID", help="node id (default: generated once, kept in the data dir)")
+    r.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve /metrics alone on this address, without the swarm token, for Prometheus (e.g. "
+                        "127.0.0.1:9464; default: only on the main port, with the token)")
     r.add_argument("--peer-limit", metavar="N", help="most peers handed out per list (trainer; default 32)")
     r.add_argument("--log-format", choices=("text", "json"), help="log format (default text)")
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")

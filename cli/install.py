@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -82,13 +81,12 @@ def unit_text(exe: str, group: str | None = None) -> str:
 
 
 def _write(path: Path, text: str, mode: int) -> bool:
-    """Write atomically with ``mode``; False when the file already held exactly this."""
+    """Write atomically, the file ``mode`` from its creation on; False when it already held exactly this."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and path.read_text() == text and (path.stat().st_mode & 0o777) == mode:
         return False
-    with atomic_file(path) as tmp:
-        Path(tmp).write_text(text)
-        os.chmod(tmp, mode)
+    with atomic_file(path, mode=mode) as tmp:
+        tmp.write_text(text)
     return True
 
 

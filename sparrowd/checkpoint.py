@@ -15,9 +15,11 @@ output file, so applying a patch needs no copy of the model in memory.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import secrets
 import shutil
 import struct
 import tempfile
@@ -214,27 +216,44 @@ def check_output(path: str | os.PathLike, *, folder: bool = False) -> None:
 
 
 @contextmanager
-def atomic_file(path: Path, *, private: bool = False) -> Iterator[Path]:
+def atomic_file(path: Path, *, private: bool = False, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it over ``path`` on success.
 
-    Each call gets a fresh name (so two writers of one path never share a temporary) made with
-    ``O_EXCL``. ``private`` keeps the file 0600 from its creation on, for secrets."""
+    Each call gets a fresh name (so two writers of one path never share a temporary), created with
+    ``O_EXCL``. The temporary has its final mode from its creation on, before any byte is written:
+    ``mode`` exactly, 0600 when ``private`` (for secrets), else 0666 less the umask. A mode is never
+    changed after the file is written."""
     path = Path(path)
     check_output(path)
+    if private:
+        mode = 0o600
+    fd, tmp_path = _create_temporary(path, 0o666 if mode is None else mode)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:  # name the file asked for, not the temporary
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    os.close(fd)
-    tmp_path = Path(tmp)
-    if not private:
-        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a written file should look like any other
-    try:
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)  # the umask may have narrowed it; the file is still empty
+        finally:
+            os.close(fd)
         yield tmp_path
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
+    """A new empty file ``.<name>.<random>.tmp`` beside ``path``, created ``O_EXCL`` with ``mode``
+    (less the umask): its descriptor and path."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, mode), tmp
+        except FileExistsError:
+            continue
+        except OSError as e:  # name the file asked for, not the temporary
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 
 @contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import secrets
 import shutil
@@ -23,6 +22,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .checkpoint import atomic_file
 
 __all__ = ["LocalSwarm", "LocalDaemon", "free_port", "wait_for"]
 
@@ -99,8 +100,8 @@ class LocalSwarm:
     def __enter__(self) -> "LocalSwarm":
         self.root = Path(tempfile.mkdtemp(prefix=self.prefix))
         self.token_file = self.root / "swarm.token"
-        self.token_file.write_text(secrets.token_hex(24) + "\n")
-        os.chmod(self.token_file, 0o600)
+        with atomic_file(self.token_file, private=True) as tmp:
+            tmp.write_text(secrets.token_hex(24) + "\n")
         self.url = f"http://127.0.0.1:{free_port()}"
         return self
 

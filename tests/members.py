@@ -8,7 +8,7 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from sparrowd.swarm.identity import NodeKey, seal
+from sparrowd.swarm.identity import NodeKey, peer_headers, seal
 
 _last = 0.0
 
@@ -35,3 +35,9 @@ def renew(key: NodeKey, node_id: str, epoch: int, *, ts: float | None = None, **
 
 def leave(key: NodeKey, node_id: str, epoch: int, *, ts: float | None = None) -> dict:
     return seal(key, "leave", {"node_id": node_id, "epoch": epoch, "ts": clock() if ts is None else ts})
+
+
+def peer(key: NodeKey, node_id: str, to: str, lease: dict) -> dict[str, str]:
+    """The headers a member's request to peer ``to`` carries: its id, the ticket of ``lease`` (a join or
+    renewal reply) and a proof for ``to``."""
+    return peer_headers(key, node_id, to, lease["ticket"], lease["epoch"], time.time())

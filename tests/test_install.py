@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import stat
 import subprocess
 import tomllib
 
@@ -109,3 +112,41 @@ def test_install_sets_up_follow_mode_and_refuses_an_address_off_loopback(tmp_pat
     assert r.returncode == 0, r.stderr
     s = load_settings({}, env={"SPARROWD_CONFIG": str(root / "etc/sparrowd/sparrowd.toml")})
     assert s.follow_vllm_remote and s.follow_vllm == "http://10.2.3.4:8000"
+
+
+def test_the_token_is_never_readable_by_others_not_even_while_it_is_written(tmp_path, token, monkeypatch):
+    """Each file install writes has its mode from its temporary's creation on: the token's is 0600
+    when created, when written and when renamed into place, whatever the umask (here 022)."""
+    import sparrowd_cli.install as install
+    from sparrowd_cli.main import main
+
+    seen: list[tuple[str, str, int]] = []  # (file, when, mode of its temporary)
+    real_open, real_atomic = os.open, install.atomic_file
+
+    def spy_open(path, flags, mode=0o777, *args, **kw):
+        fd = real_open(path, flags, mode, *args, **kw)
+        if flags & os.O_CREAT and os.path.basename(path).startswith(".swarm.token."):
+            seen.append(("swarm.token", "created", stat.S_IMODE(os.fstat(fd).st_mode)))
+        return fd
+
+    @contextlib.contextmanager
+    def watched(path, **kw):
+        with real_atomic(path, **kw) as tmp:
+            seen.append((path.name, "written", stat.S_IMODE(os.stat(tmp).st_mode)))
+            yield tmp
+            seen.append((path.name, "renamed", stat.S_IMODE(os.stat(tmp).st_mode)))
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(install, "atomic_file", watched)
+    root = tmp_path / "root"
+    old = os.umask(0o022)
+    try:
+        assert main(["install", "--tracker", "http://10.0.0.1:7070", "--token-file", str(token),
+                     "--region", "eu", "--prefix", str(root)]) == 0
+    finally:
+        os.umask(old)
+    token_modes = {(when, mode) for name, when, mode in seen if name == "swarm.token"}
+    assert token_modes == {("created", 0o600), ("written", 0o600), ("renamed", 0o600)}, seen
+    for name in ("sparrowd.toml", "sparrowd.service"):
+        assert {(when, mode) for n, when, mode in seen if n == name} == {("written", 0o644), ("renamed", 0o644)}
+    assert stat.S_IMODE((root / "etc/sparrowd/swarm.token").stat().st_mode) == 0o600

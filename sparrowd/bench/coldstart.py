@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import atomic_file
 from ..daemon.calls import http_call
 from ..errors import SparrowError
 from ..units import format_bytes, parse_size
@@ -96,8 +97,8 @@ def _swarm(cfg: ColdstartConfig, root: Path, state) -> dict:
     procs = Procs(root)
     try:
         token_file = root / "swarm.token"
-        token_file.write_text(f"bench-{time.time_ns()}-coldstart-token\n")
-        token_file.chmod(0o600)
+        with atomic_file(token_file, private=True) as tmp:
+            tmp.write_text(f"bench-{time.time_ns()}-coldstart-token\n")
         token = token_file.read_text().strip()
         t_host, t_proxy = address(0, 0, 100), address(0, 1, 100)
         port = free_port(t_host)

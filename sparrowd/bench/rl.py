@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..checkpoint import atomic_file
 from ..units import format_bytes, parse_size
 from . import needs_vllm, write_json
 from .handover import STRATEGIES, Strategy, address, save_bf16, wait
@@ -169,8 +170,8 @@ class _World:
     def __init__(self, cfg: RLConfig, root: Path):
         self.cfg, self.root = cfg, root
         self.token_file = root / "swarm.token"
-        self.token_file.write_text(secrets.token_hex(24) + "\n")
-        os.chmod(self.token_file, 0o600)
+        with atomic_file(self.token_file, private=True) as tmp:
+            tmp.write_text(secrets.token_hex(24) + "\n")
         self.token = self.token_file.read_text().strip()
         self.servers = []
 

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import atomic_file
 from ..codec.bits import RawTensor
 from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
@@ -150,27 +151,29 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from ..daemon.membership import HttpTrackerClient
-    from ..daemon.swarm import NODE_HEADER, PROOF_HEADER, REGION_HEADER
+    from ..daemon.swarm import REGION_HEADER
     from ..schema import pack
-    from ..swarm.identity import NodeKey, make_proof, seal
+    from ..swarm.identity import NodeKey, peer_headers, seal
     from ..swarm.versions import to_bitmap
 
     n = len(manifest.chunks)
     tracker = HttpTrackerClient(trainer, token)
     keys = [NodeKey(Ed25519PrivateKey.generate()) for _ in range(clients)]
-    trainer_id, epochs, every = None, [], 1.0
+    trainer_id, epochs, tickets, every = None, [], [], 1.0
 
     async def renew() -> None:
         while True:
             await asyncio.sleep(every)
             for k, key in enumerate(keys):
-                await tracker.renew(seal(key, "renew", {"node_id": f"star-{k}", "epoch": epochs[k], "ts": time.time()}))
+                reply = await tracker.renew(seal(key, "renew", {"node_id": f"star-{k}", "epoch": epochs[k],
+                                                                "ts": time.time()}))
+                tickets[k] = reply["ticket"]
 
     async def client(k: int, session) -> None:
-        hdr = {"Authorization": f"Bearer {token}", NODE_HEADER: f"star-{k}", REGION_HEADER: "star"}
+        hdr = {REGION_HEADER: "star"}
         have: set[int] = set()
         while len(have) < n:
-            hdr[PROOF_HEADER] = make_proof(keys[k], f"star-{k}", trainer_id, time.time())
+            hdr.update(peer_headers(keys[k], f"star-{k}", trainer_id, tickets[k], epochs[k], time.time()))
             msg = {"node_id": f"star-{k}", "region": "star", "after": -1, "wait": 0,
                    "versions": [{"version": version, "statements": 0, "have": to_bitmap(have, n),
                                  "fetching": b""}]}
@@ -198,6 +201,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
                 "key": key.public, "ts": time.time()}))
             trainer_id = next(p["node_id"] for p in reply["peers"] if p["role"] == "trainer")
             epochs.append(int(reply["epoch"]))
+            tickets.append(reply["ticket"])
             every = float(reply["renew_interval"])
         renewing = asyncio.create_task(renew())
         sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(_addr(k % regions, 2, k), 0)))
@@ -246,8 +250,8 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
     root = Path(tempfile.mkdtemp(prefix="sparrowd-bench-swarm-"))
     procs = _Procs(root)
     token_file = root / "swarm.token"
-    token_file.write_text(secrets.token_hex(24) + "\n")
-    os.chmod(token_file, 0o600)
+    with atomic_file(token_file, private=True) as tmp:
+        tmp.write_text(secrets.token_hex(24) + "\n")
     token = token_file.read_text().strip()
     t_host, t_proxy = _addr(0, 0, 100), _addr(0, 1, 100)
     port = free_port(t_host)

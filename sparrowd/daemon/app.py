@@ -8,9 +8,12 @@ database, remove ``daemon.json`` and exit 0.
 
 Every HTTP route needs the swarm token (``Authorization: Bearer TOKEN``,
 compared in constant time) or a join credential the trainer signed and did not
-revoke (``swarm.identity``); anything else gets 401 and a log line, and learns
-nothing about the swarm, not even which paths exist. SIGHUP re-reads the token
-file (rotation without a restart).
+revoke (``swarm.identity``); swarm routes need a member's ticket and proof
+instead (``Swarm.admit``), checked from the headers before a byte of the body
+is read. Anything else gets 401 and a log line, and learns nothing about the
+swarm, not even which paths exist. Connections that do not authenticate are
+shed (``connections``). SIGHUP re-reads the token file (rotation without a
+restart).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -56,6 +60,7 @@ from ..swarm.signing import Verifier, load_or_create_key, pin_public_key
 from ..swarm.waits import arrival
 from . import sdnotify
 from .bodies import read_limited
+from .connections import GuardedRunner
 from .engine import EngineServer
 from .folder import FolderKeeper
 from .follow import VllmFollower
@@ -68,13 +73,14 @@ from .membership import (
     HttpTrackerClient,
     LocalTrackerClient,
     Membership,
+    Unauthorized,
     bearer,
     outgoing,
 )
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .settings import Settings, read_tokens
 from .store import ChunkStore
-from .swarm import MAX_CHUNK, NODE_HEADER, PROOF_HEADER, Swarm
+from .swarm import MAX_CHUNK, NODE_HEADER, Swarm
 from .tracker import TrackerService
 
 __all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
@@ -82,6 +88,7 @@ __all__ = ["Daemon", "run_daemon", "RUNTIME_FILE", "read_runtime"]
 log = logging.getLogger("sparrowd.daemon")
 
 RUNTIME_FILE = "daemon.json"
+EXIT_REFUSED = 78  # the tracker refused this node for good (revoked, expired, a wrong token): systemd does not restart
 MAX_BODY = 1 << 20
 SHUTDOWN_GRACE = 3.0  # seconds in-flight requests get to finish when the daemon stops
 MAX_WAIT = 60.0  # the longest one /v1/tracker/wait long poll holds; clients poll again
@@ -154,7 +161,8 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._store: SqliteLeaseStore | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: GuardedRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._client = None
         self._tasks: list[asyncio.Task] = []
         self._lock_fd: int | None = None
@@ -294,7 +302,7 @@ class Daemon:
             ])
         # Long polls are answered at once when stopping; what still runs after SHUTDOWN_GRACE
         # (a chunk upload to a slow peer) is cut, so a stop never waits on the network for long.
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE,
+        self._runner = GuardedRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE,
                                      keepalive_timeout=SERVER_KEEPALIVE)
         await self._runner.setup()
         host, port = s.listen
@@ -304,6 +312,7 @@ class Daemon:
         except OSError as e:
             raise InputError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
         bound_port = self._runner.addresses[0][1]
+        metrics_url = await self._start_metrics_listener() if s.metrics_listen else None
 
         if s.advertise:
             adv_host, adv_port = s.advertise
@@ -350,11 +359,28 @@ class Daemon:
                 "pid": os.getpid(), "node_id": self.node_id, "role": s.role, "region": s.region,
                 "url": self.url, "address": self.address, "tracker": s.tracker or self.url,
                 "token_file": str(s.token_file), "version": __version__, "started_at": time.time(),
+                "metrics_url": metrics_url,
             }, indent=1) + "\n")
         self._wrote_runtime = True
         sdnotify.notify(f"READY=1\nSTATUS=listening on {host}:{bound_port} as {self.node_id}", self.env)
         event(log, logging.INFO, "daemon started", node_id=self.node_id, role=s.role, region=s.region,
               listen=f"{host}:{bound_port}", advertise=self.address, tracker=s.tracker or "self")
+
+    async def _start_metrics_listener(self) -> str:
+        """``/metrics`` alone on its own address, with no token: a scraper holds no join secret. Its
+        address is the operator's choice (loopback, or a monitoring network); nothing else is served there."""
+        app = web.Application(client_max_size=1024)
+        app.add_routes([web.get("/metrics", self._metrics)])
+        self._metrics_runner = GuardedRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await self._metrics_runner.setup()
+        host, port = self.settings.metrics_listen
+        try:
+            await web.TCPSite(self._metrics_runner, host, port, reuse_address=True).start()
+        except OSError as e:
+            raise InputError(f"cannot listen for metrics on {host}:{port}: "
+                             f"{os.strerror(e.errno) if e.errno else e}") from None
+        bound = self._metrics_runner.addresses[0][1]
+        return f"http://[{host}]:{bound}/metrics" if ":" in host else f"http://{host}:{bound}/metrics"
 
     def load_tokens(self) -> None:
         """(Re-)read the token file: the first line is presented, every line accepted."""
@@ -368,8 +394,6 @@ class Daemon:
         self.token = tokens[0]
         if isinstance(self._client, HttpTrackerClient):
             self._client.set_token(self.token)
-        if self.swarm is not None:
-            self.swarm.set_token(self.token)
 
     def reload(self) -> None:
         """SIGHUP: re-read the token file; a bad file keeps the tokens in use (and says so)."""
@@ -440,7 +464,7 @@ class Daemon:
 
     def _fatal(self, e: Exception) -> None:
         event(log, logging.ERROR, "stopping", reason=str(e))
-        self.exit_code = 1
+        self.exit_code = EXIT_REFUSED if isinstance(e, Unauthorized) else 1
         self.stopping.set()
 
     def outgoing(self) -> aiohttp.TCPConnector:
@@ -466,6 +490,8 @@ class Daemon:
             await self.connector.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self._store is not None:
             self._store.close()
         if self._wrote_runtime:
@@ -494,23 +520,28 @@ class Daemon:
     async def _auth_middleware(self, request: web.Request, handler):
         header = request.headers.get("Authorization", "")
         request["credential"] = None
-        if self.token_ok(header) or self._own_token(request, header):
-            ok = True  # an operator (or a member, with the shared token)
-        elif header.startswith("Bearer " + CREDENTIAL_PREFIX):
-            request["credential"] = self.credential(header)  # None: not this swarm's, revoked or expired
-            ok = request["credential"] is not None
+        if request.path.startswith("/v1/swarm/"):
+            # Between peers, a member proves who it is with its lease's ticket and its key, never with
+            # a join secret; checked from the headers, before any of the body is read.
+            admitted = self.swarm.admit(request)
+            if isinstance(admitted, web.Response):
+                if admitted.status == 401:
+                    self.metrics.unauthorized += 1
+                return admitted
+            request["peer"] = admitted
+        elif self.token_ok(header) or self._own_token(request, header):
+            pass  # an operator (or a member, with the shared token)
+        elif header.startswith("Bearer " + CREDENTIAL_PREFIX) and \
+                (credential := self.credential(header)) is not None:  # not this swarm's, revoked or expired
+            request["credential"] = credential
         else:
-            # Between peers, a member proves who it is with its key (Swarm._admit checks the proof
-            # against the tracker's entry): a node that joined with a credential knows no shared
-            # token, and a rotation does not break relaying while boxes hold different ones.
-            ok = request.path.startswith("/v1/swarm/") and PROOF_HEADER in request.headers
-        if not ok:
             self.metrics.unauthorized += 1
             peer = request.remote or "?"
             if self._unauthorized_log.due(peer, time.monotonic()):
                 event(log, logging.WARNING, "refused a request without the swarm token", remote=peer,
                       method=request.method, path=request.path[:100])
             return web.json_response({"error": "unauthorized"}, status=401)
+        self._runner.authorise(request)
         # Requests in flight per peer (its address and node id) and per address: a flood from one
         # peer gets 429s and leaves the others their share of the event loop.
         addr = request.remote or "?"
@@ -528,6 +559,8 @@ class Daemon:
         except web.HTTPException as e:
             self.metrics.requests[(_route(request), e.status)] += 1
             raise
+        except RecursionError:  # a body nested deeper than any message of the protocol
+            response = web.json_response({"error": "message nested too deeply"}, status=400)
         finally:
             for k in (peer, addr):
                 self._inflight[k] -= 1
@@ -555,7 +588,7 @@ class Daemon:
             except LeaseGone as e:
                 return web.json_response({"error": str(e)}, status=410)
             except SessionUnknown as e:
-                return web.json_response({"error": str(e)}, status=409)
+                return web.json_response({"error": str(e), "boot": e.boot.hex() if e.boot else None}, status=409)
             except (FormatError, InputError) as e:
                 return web.json_response({"error": str(e)}, status=400)
             return web.Response(body=pack(reply), content_type=MSGPACK)
@@ -622,6 +655,8 @@ class Daemon:
             version = int(q["version"])
             timeout = min(float(q.get("timeout", "30")), MAX_WAIT)
             fraction = float(q["fraction"]) if "fraction" in q else None
+            if not math.isfinite(timeout) or (fraction is not None and not math.isfinite(fraction)):
+                raise ValueError
             names = [n for n in q["nodes"].split(",") if n] if q.get("nodes") else None
             flags = {k: q.get(k, "0") in ("1", "true") for k in ("applied", "engines")}
             if version < 0 or timeout < 0 or (fraction is not None and not 0 < fraction <= 1) or (
@@ -650,14 +685,14 @@ class Daemon:
         if (refused := self._local_only(request)) is not None:
             return refused
         try:
-            body = await request.json()
+            body = json.loads(await read_limited(request.content, MAX_BODY) or b"null")
             if not isinstance(body, dict):
                 raise ValueError
             expires = body.get("expires")
             lifetime = None if expires in (None, "never") else parse_duration(str(expires))
             record, text = self.tracker.issue(role=str(body.get("role") or "rollout"), region=body.get("region"),
                                               node=body.get("node"), lifetime=lifetime)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             return web.json_response({"error": "give a JSON map: role, region, node, expires (30d, 12h, never)"},
                                      status=400)
         except InputError as e:

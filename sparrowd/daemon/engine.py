@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from ..codec.chunk import ULP2
 from ..codec.workers import cpu_threads
 from ..decoded import decode_patch, read_decoded, write_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
-from ..errors import FormatError, SparrowError
+from ..errors import FormatError, InputError, SparrowError
 from ..swarm.chain import Key, Obj, engine_plan
 from .folder import decoded_path
 from .logs import event
@@ -41,7 +42,9 @@ __all__ = ["EngineServer"]
 log = logging.getLogger("sparrowd.engine")
 
 AHEAD = 2  # objects decoded ahead per engine
-MAX_CONNECTIONS = 16  # engines (ranks) on one box; more is a misbehaving client
+MAX_CONNECTIONS = 16  # engines (ranks) attached on one box; more is a misbehaving client
+HELLO_TIMEOUT = 5.0  # seconds a new connection has to say hello; then it is closed
+MAX_UNGREETED = 64  # connections yet to say hello; one more closes the oldest of them
 MAX_WAIT = 30.0
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
@@ -66,6 +69,8 @@ class EngineServer:
         self._pool = ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparrowd-decode")
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._ungreeted: dict[socket.socket, asyncio.Task] = {}  # oldest first
+        self._attached = 0  # connections past their hello
 
     @property
     def swarm(self):
@@ -92,9 +97,15 @@ class EngineServer:
         event(log, logging.INFO, "engine socket listening", path=str(self.path))
 
     def _remove_stale(self) -> None:
-        """A socket file left by a daemon that died is removed; a live one is an error."""
-        if not self.path.exists() and not self.path.is_symlink():
+        """A socket file left by a daemon that died is removed; a live one, or anything at the path
+        that is not a socket, is an error."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise InputError(f"engine socket {self.path} exists and is not a socket; remove it or choose "
+                             "another path")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(self.path))
@@ -123,29 +134,18 @@ class EngineServer:
         return t
 
     async def _accept_loop(self) -> None:
+        """Serve each connection. Until its hello it counts only among the ``MAX_UNGREETED`` newest,
+        for ``HELLO_TIMEOUT`` at most: silent connections cannot keep an engine out."""
         loop = asyncio.get_running_loop()
-        open_conns = 0
-
-        def closed(_):
-            nonlocal open_conns
-            open_conns -= 1
-
         while True:
             conn, _ = await loop.sock_accept(self._sock)
             conn.setblocking(False)
-            if open_conns >= MAX_CONNECTIONS:
-                self._spawn(self._refuse(conn), "engine-refuse")
-                continue
-            open_conns += 1
-            self._spawn(self._serve(conn), "engine-conn").add_done_callback(closed)
-
-    async def _refuse(self, conn: socket.socket) -> None:
-        try:
-            await self._send(conn, {"op": "error", "error": f"more than {MAX_CONNECTIONS} engine connections"})
-        except OSError:
-            pass
-        finally:
-            conn.close()
+            if len(self._ungreeted) >= MAX_UNGREETED:
+                self._ungreeted.pop(next(iter(self._ungreeted))).cancel()
+            t = self._spawn(self._serve(conn), "engine-conn")
+            t.add_done_callback(lambda _, c=conn: c.close())  # closed even if cancelled before it ran
+            self._ungreeted[conn] = t
+            await asyncio.sleep(0)  # it reads a hello already sent before the next accept may close it
 
     async def _watch(self) -> None:
         """Decode ahead as versions complete."""
@@ -203,16 +203,23 @@ class EngineServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         me: Engine | None = None
+        counted = False  # among the MAX_CONNECTIONS
         try:
             while True:
                 try:
-                    msg = await self._recv(conn)
+                    msg = await (self._recv(conn) if me is not None else self._first(conn))
                 except (FormatError, SparrowError) as e:
                     await self._send(conn, {"op": "error", "error": str(e)})
                     return
                 if msg is None:
                     return
                 if me is None:
+                    if self._attached >= MAX_CONNECTIONS:
+                        await self._send(conn, {"op": "error",
+                                                "error": f"more than {MAX_CONNECTIONS} engine connections"})
+                        return
+                    self._attached += 1
+                    counted = True
                     me = await self._hello(conn, msg)
                     if me is None:
                         return
@@ -231,10 +238,22 @@ class EngineServer:
             event(log, logging.DEBUG, "engine connection ended", reason=str(e))
         finally:
             conn.close()
+            if counted:
+                self._attached -= 1
             if me is not None and self.engines.get((me.engine, me.rank)) is me:
                 del self.engines[(me.engine, me.rank)]
                 event(log, logging.INFO, "engine detached", engine=me.engine, rank=me.rank, version=me.version)
                 self._changed_engines()
+
+    async def _first(self, conn: socket.socket) -> dict | None:
+        """A new connection's first message, which must come within ``HELLO_TIMEOUT``."""
+        try:
+            return await asyncio.wait_for(self._recv(conn), HELLO_TIMEOUT)
+        except TimeoutError:
+            event(log, logging.DEBUG, "engine connection closed: no hello", seconds=HELLO_TIMEOUT)
+            raise SparrowError(f"no hello within {HELLO_TIMEOUT:g} s") from None
+        finally:
+            self._ungreeted.pop(conn, None)
 
     async def _hello(self, conn: socket.socket, msg: dict) -> Engine | None:
         if msg["op"] != "hello":

@@ -62,7 +62,16 @@ class TrackerUnavailable(SparrowError):
 
 
 class Unauthorized(SparrowError):
-    """The tracker refused the swarm token or credential, or refused this node's key (403)."""
+    """The tracker refused the swarm token or credential, or refused this node's key (403).
+    ``reason``: the tracker's reason (``revoked``, ``expired``, ...), where it gave one."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+
+
+# A join refused for these reasons will not succeed by trying again: the daemon stops.
+FINAL_REFUSALS = ("revoked", "expired", "bad-credential", "role", "region", "credential", "impostor")
 
 
 # How long an idle connection to a peer (or the tracker) is kept for the next request. A new one
@@ -140,13 +149,15 @@ class HttpTrackerClient:
                     return reply
                 reason = _error_text(body)
                 if r.status == 401:
-                    raise Unauthorized(f"tracker {self.url} refused the swarm token ({reason})")
+                    raise Unauthorized(f"tracker {self.url} refused the swarm token ({reason})", "token")
                 if r.status == 403:
-                    raise Unauthorized(f"tracker {self.url} refused {path.rsplit('/', 1)[-1]}: {reason}")
+                    raise Unauthorized(f"tracker {self.url} refused {path.rsplit('/', 1)[-1]}: {reason}",
+                                       _error_field(body, "reason"))
                 if r.status == 410:
                     raise LeaseGone(reason)
                 if r.status == 409:
-                    raise SessionUnknown(reason)
+                    boot = _error_field(body, "boot")
+                    raise SessionUnknown(reason, boot=bytes.fromhex(boot) if _is_hex(boot, 16) else None)
                 if r.status == 400:
                     raise FormatError(f"tracker refused {path}: {reason}")
                 raise TrackerUnavailable(f"tracker {self.url}{path}: HTTP {r.status} {reason}")
@@ -166,6 +177,18 @@ class HttpTrackerClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _error_field(body: bytes, name: str) -> str | None:
+    try:
+        value = json.loads(body[:4096])[name]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value[:64] if isinstance(value, str) else None
+
+
+def _is_hex(text: str | None, length: int) -> bool:
+    return text is not None and len(text) == length and all(c in "0123456789abcdef" for c in text)
 
 
 def _error_text(body: bytes) -> str:
@@ -195,7 +218,7 @@ class LocalTrackerClient:
         try:
             return method(dict(msg))
         except Refused as e:
-            raise Unauthorized(str(e)) from None
+            raise Unauthorized(str(e), e.reason) from None
 
     async def close(self) -> None:
         pass
@@ -212,6 +235,8 @@ class LeaseState:
     heads: dict[str, list[dict]] = field(default_factory=dict)  # each region's heads' entries (LeaseTable.heads)
     heads_tag: bytes | None = None  # their digest, echoed in renewals (the tracker resends them on a change)
     revoked: frozenset[str] = frozenset()  # credential ids the trainer revoked: refused at this node's door
+    ticket: str | None = None  # the lease's ticket (identity.Ticket): every peer request carries it
+    boot: bytes | None = None  # the tracker process's id: signed renewals and leaves name it
     tracker_reachable: bool = False
     joins: int = 0
 
@@ -353,6 +378,10 @@ class Membership:
                 self.peers_changed.set()
         if isinstance(reply.get("revoked"), list):
             s.revoked = frozenset(i for i in reply["revoked"] if isinstance(i, str))
+        if isinstance(reply.get("ticket"), str):
+            s.ticket = reply["ticket"]
+        if isinstance(reply.get("boot"), bytes):
+            s.boot = reply["boot"]
         s.tracker_reachable = True
         if self._in_outage:
             event(log, logging.INFO, "tracker reachable again", epoch=s.epoch)
@@ -406,10 +435,19 @@ class Membership:
             except SessionUnknown as e:  # the tracker restarted: this renewal again, signed, with a new kx
                 event(log, logging.INFO, "tracker session unknown; renewing signed", reason=str(e))
                 self._secret = None
+                self.state.boot = e.boot or self.state.boot
                 msg["ts"] = self._ts()
         if self._secret is None:
             kx = SessionKey()
-            reply = await self.client.renew(seal(self.key, "renew", {**msg, "kx": kx.public}))
+            try:
+                reply = await self.client.renew(seal(self.key, "renew",
+                                                     {**msg, "kx": kx.public, "boot": self.state.boot}))
+            except SessionUnknown as e:  # the tracker restarted: sign again, naming its new boot
+                if e.boot is None or e.boot == self.state.boot:
+                    raise TrackerUnavailable(str(e)) from None
+                self.state.boot = e.boot
+                msg["ts"] = self._ts()
+                reply = await self.client.renew(seal(self.key, "renew", {**msg, "kx": kx.public, "boot": e.boot}))
             self._take(reply, sent)
             self._start_session(kx, reply)
         if want:
@@ -428,7 +466,9 @@ class Membership:
                     backoff = min(backoff * 2, self.MAX_BACKOFF)
                     continue
                 except (Unauthorized, IntegrityError) as e:
-                    if self.state.joins == 0 and self.on_fatal:  # a wrong token or trainer key at start: stop
+                    final = isinstance(e, Unauthorized) and e.reason in FINAL_REFUSALS
+                    if (self.state.joins == 0 or final) and self.on_fatal:
+                        # a wrong token or trainer key at start, or a credential revoked or expired: stop
                         self.on_fatal(e)
                         return
                     self._unreachable(e)
@@ -462,7 +502,8 @@ class Membership:
             return False
         try:
             async with asyncio.timeout(timeout):
-                msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, "ts": self._ts()}
+                msg = {"node_id": self.me["node_id"], "epoch": self.state.epoch, "ts": self._ts(),
+                       "boot": self.state.boot}
                 await self.client.leave(seal(self.key, "leave", msg))
         except (TimeoutError, SparrowError) as e:
             event(log, logging.WARNING, "could not leave cleanly; the lease will expire", reason=str(e))

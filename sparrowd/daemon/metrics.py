@@ -62,10 +62,13 @@ class DaemonMetrics:
         yield b
 
         if d.swarm is not None:
-            refused = CounterMetricFamily("sparrowd_peer_refused", "Peer requests refused at this node's door: "
-                                          "unknown (not a member it knows yet), impostor (no valid proof of "
-                                          "the node id it names) or revoked (its credential was)", labels=["reason"])
-            for reason in ("unknown", "impostor", "revoked"):
+            refused = CounterMetricFamily(
+                "sparrowd_peer_refused", "Peer requests refused at this node's door, before any body was read: "
+                "no-ticket (no member's ticket), bad-ticket (not this swarm's, or another node's), expired (a "
+                "ticket past its lease or credential), revoked (its credential was), lease-ended (at the "
+                "trainer: no lease at that epoch), impostor (no valid proof with the ticket's key), unknown "
+                "(this node holds no lease yet)", labels=["reason"])
+            for reason in ("no-ticket", "bad-ticket", "expired", "revoked", "lease-ended", "impostor", "unknown"):
                 refused.add_metric([reason], d.swarm.refused[reason])
             yield refused
             lies = CounterMetricFamily("sparrowd_peer_false_haves", "Chunks peers advertised and then did not serve")

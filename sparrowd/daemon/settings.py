@@ -209,6 +209,7 @@ class Settings:
     cut_through: bool = True  # relays serve chunks they are fetching, block by block as the blocks check out
     push: tuple[int, int] = DEFAULT_PUSH  # a relay sends what it can serve, unasked, to (local, cross) peers a chunk
     current: bool | None = None  # keep DATA/current, the newest version as a model folder (default: rollouts do)
+    metrics_listen: tuple[str, int] | None = None  # a second listener serving /metrics alone, no token asked
 
     @property
     def is_tracker(self) -> bool:
@@ -246,6 +247,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cut_through": _bool,
     "push": _push,
     "current": _bool,
+    "metrics_listen": parse_hostport,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

@@ -44,12 +44,13 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
 * The trainer publishes through ``/v1/publish/...``: each chunk is signed
   into an announcement as it arrives, so chunks move before the manifest.
 * Peers are members the tracker vouches for: a request names its node
-  (``X-Sparrowd-Node``) and carries a proof made with that node's key for this
-  receiver (``X-Sparrowd-Proof``, ``swarm.identity``). A node serves only
-  members whose tracker entry it holds (it asks the tracker about a stranger
-  and answers 503 meanwhile) and whose proof matches the key in that entry; the
-  region a peer is treated as in is the tracker's, not what it says. A peer
-  that advertises a chunk it then does not serve is banned for the session.
+  (``X-Sparrowd-Node``), carries its lease's ticket (``X-Sparrowd-Ticket``,
+  signed by the trainer) and a proof made with the ticket's key for this
+  receiver and that lease (``X-Sparrowd-Proof``, ``swarm.identity``). ``admit``
+  checks them from the headers alone, before any body is read; the region a
+  peer is treated as in is the ticket's, not what it says. No join secret is
+  ever sent to a peer. A peer that advertises a chunk it then does not serve is
+  banned for the session.
 """
 
 from __future__ import annotations
@@ -78,7 +79,16 @@ from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, 
 from ..swarm.bucket import DEFAULT_BURST, TokenBucket
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
-from ..swarm.identity import PROOF_TTL, check_proof, make_proof
+from ..swarm.identity import (
+    NODE_HEADER,
+    PROOF_HEADER,
+    PROOF_TTL,
+    TICKET_HEADER,
+    Refused,
+    Ticket,
+    check_proof,
+    make_proof,
+)
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate, stripes_stopped
 from ..swarm.push import (
     RATE_HEADER,
@@ -123,8 +133,11 @@ log = logging.getLogger("sparrowd.swarm")
 
 MSGPACK = "application/msgpack"
 MAX_CHUNK = 64 << 20
-MAX_EXCHANGE = 16 << 20
-NODE_HEADER, REGION_HEADER, PROOF_HEADER = "X-Sparrowd-Node", "X-Sparrowd-Region", "X-Sparrowd-Proof"
+MAX_EXCHANGE = 16 << 20  # an exchange reply (its statements); a request carries have-maps only:
+MAX_EXCHANGE_REQUEST = 1 << 20
+MAX_VERSIONS_SHOWN = 256  # versions one exchange request may describe (a node retains a few)
+UNKNOWN_HAVE_BYTES = 1024  # of a have-map for a version this node does not know yet
+REGION_HEADER = "X-Sparrowd-Region"
 ROOT_HEADER = "X-Sparrowd-Root"  # on a chunk's stream: the region it entered the swarm in (swarm.push.region_tree)
 # On a push: the trainer's signed statement announcing the chunk (base64), so that a node that has not
 # heard of the version yet can check its blocks at once; left off above STATEMENT_HEADER_MAX characters.
@@ -199,7 +212,7 @@ class PeerState:
     pushing: dict[Key, set[int]] = field(default_factory=dict)  # chunks it said it is pushing to this node...
     pushing_at: float = 0.0  # ...in the reply taken then (a claim kept for PUSH_CLAIM seconds at most)
     cut_through: bool = False  # it serves the chunks it is fetching too (its exchange replies say so)
-    proof: tuple[float, str] = (0.0, "")  # (made at, proof) for this peer: remade every PROOF_TTL / 2
+    proof: tuple[float, int, str] = (0.0, -1, "")  # (made at, epoch, proof) for this peer: remade every PROOF_TTL / 2
     rtt: float | None = None  # the shortest exchange with it, seconds: the round trip (one answered at once;
     #                           one that opened its connection counts half, TCP's handshake being a round trip)
 
@@ -272,7 +285,8 @@ class Swarm:
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
         self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
         self.lies = 0  # chunks peers advertised and did not serve
-        self._proofs_ok: dict[tuple[str, str], float] = {}  # (node, proof) -> checked at
+        self._proofs_ok: dict[tuple[str, int, str], float] = {}  # (node, epoch, proof) -> checked at
+        self._tickets: dict[str, Ticket | None] = {}  # ticket text -> its claims (None: not this swarm's)
         self._refusal_log = Throttle(10.0)  # a warning per refusal reason every 10 s
         self.gen = 0
         self._changed = asyncio.Event()
@@ -342,28 +356,29 @@ class Swarm:
             self.load()
 
     def start(self) -> None:
+        # No Authorization header: a join secret goes to the tracker only, never to a peer.
         self._session = aiohttp.ClientSession(connector=self.daemon.outgoing(), connector_owner=False, headers={
-            "Authorization": f"Bearer {self.daemon.token}", NODE_HEADER: self.daemon.node_id,
-            REGION_HEADER: self.daemon.settings.region}, trace_configs=[_new_connections()])
+            NODE_HEADER: self.daemon.node_id, REGION_HEADER: self.daemon.settings.region},
+            trace_configs=[_new_connections()])
         if self.signer is not None:
             self._tasks.append(asyncio.create_task(self._choke_loop(), name="choker"))
         else:  # relays admit by queue depth (_may_download)
             self._tasks.append(asyncio.create_task(self._peer_manager(), name="peers"))
             self._tasks.append(asyncio.create_task(self._scheduler(), name="scheduler"))
 
-    def set_token(self, token: str) -> None:
-        """A reloaded token file: requests from now on present its first line."""
-        if self._session is not None:
-            self._session.headers["Authorization"] = f"Bearer {token}"
-
     def _proof_for(self, ps: PeerState) -> dict:
-        """The header that proves to ``ps`` that this request comes from this node."""
+        """The headers that prove to ``ps`` that this request comes from this node, a member: the
+        lease's ticket and a proof for ``ps`` and that lease."""
+        m = self.daemon.membership
+        ticket, epoch = (m.state.ticket, m.state.epoch) if m is not None else (None, None)
+        if ticket is None or epoch is None:
+            return {}
         now = time.time()
-        made, proof = ps.proof
-        if now - made > PROOF_TTL / 2:
-            proof = make_proof(self.daemon.key, self.daemon.node_id, ps.node_id, now)
-            ps.proof = (now, proof)
-        return {PROOF_HEADER: proof}
+        made, made_for, proof = ps.proof
+        if now - made > PROOF_TTL / 2 or made_for != epoch:
+            proof = make_proof(self.daemon.key, self.daemon.node_id, ps.node_id, now, epoch)
+            ps.proof = (now, epoch, proof)
+        return {TICKET_HEADER: ticket, PROOF_HEADER: proof}
 
     async def stop(self) -> None:
         # Peers' long polls end now, answered, instead of holding the shutdown for their wait.
@@ -625,45 +640,74 @@ class Swarm:
         if (r := self.remotes.pop(node_id, None)) is not None:
             self._set_have(r, {})
 
-    def _admit(self, request: web.Request) -> Remote | web.Response:
-        """The peer a request comes from, if the tracker vouches for it and its proof holds;
-        otherwise the refusal to send (counted, and logged at most every few seconds per reason)."""
+    def admit(self, request: web.Request) -> Remote | web.Response:
+        """The peer a request comes from, from its headers alone: a ticket this swarm's trainer signed,
+        neither expired nor revoked, naming the node the request names, and a proof made with the
+        ticket's key for this node and that lease. Otherwise the refusal to send (401: no member;
+        403: a member's ticket without its key; 503: this node cannot check yet), counted and logged
+        at most every few seconds per reason. Nothing of the body has been read."""
         node = request.headers.get(NODE_HEADER, "")[:64]
-        if not node:
-            return web.json_response({"error": f"name the asking node in {NODE_HEADER}"}, status=400)
-        entry = self.daemon.member(node)
-        if entry is None:
-            self._discover(node)
-            return self._refuse(request, node, "unknown", 503,
-                                "not a member this node knows yet; it asked the tracker (try again)")
-        m = self.daemon.membership
-        if entry.get("credential") and m is not None and entry["credential"] in m.state.revoked:
-            return self._refuse(request, node, "revoked", 401, f"node {node!r} joined with a revoked credential")
-        key = entry.get("key")
-        if isinstance(key, bytes) and key and not self._proof_ok(node, key, request.headers.get(PROOF_HEADER, "")):
+        text = request.headers.get(TICKET_HEADER, "")
+        if not node or not text:
+            return self._refuse(request, node, "no-ticket", 401,
+                                f"a peer request carries {NODE_HEADER}, {TICKET_HEADER} and {PROOF_HEADER}")
+        trainer = self.signer.public if self.signer is not None else \
+            self.verifier.public if self.verifier is not None else None
+        if trainer is None:
+            return self._refuse(request, node, "unknown", 503, "this node has no lease yet (try again)")
+        ticket = self._ticket(text, trainer)
+        if ticket is None or ticket.node_id != node:
+            return self._refuse(request, node, "bad-ticket", 401, "not a ticket of this swarm for that node")
+        now = time.time()
+        m, t = self.daemon.membership, self.daemon.tracker
+        try:
+            ticket.check(now, t.credentials if t is not None else m.state.revoked if m is not None else ())
+        except Refused as e:
+            return self._refuse(request, node, e.reason, 401, str(e))
+        if t is not None:  # the tracker's own table: a lease that ended is refused at once
+            lease = t.table.get(node, now)
+            if lease is None or lease.epoch != ticket.epoch:
+                return self._refuse(request, node, "lease-ended", 401, f"node {node!r} holds no lease at "
+                                                                       f"epoch {ticket.epoch}")
+        if not self._proof_ok(node, ticket.key, ticket.epoch, request.headers.get(PROOF_HEADER, "")):
             return self._refuse(request, node, "impostor", 403, f"no valid proof of being node {node!r}")
+        if self.daemon.member(node) is None:
+            self._discover(node)  # a member this node has no entry of: the tracker lists it soon
+        return self._remote(node, ticket.region)
+
+    def _remote(self, node: str, region: str) -> Remote:
+        """The admitted peer's state here, heard from now."""
         r = self.remotes.get(node)
         if r is None:
-            r = self.remotes[node] = Remote(node, str(entry.get("region", "?")))
+            r = self.remotes[node] = Remote(node, region)
         r.last_seen = time.monotonic()
         if r.region not in self._live_regions:
-            # Counted again at once: a count taken before any peer of that region was heard kept the
-            # trainer's first copies from staying near (``first_copies_near``, one region only) for up
-            # to a second; in a version published as a swarm formed, 6 MiB to 8 daemons crossed 1.20x
-            # (R-1) x patch so. (Only for a region not counted: not O(peers) at every join.)
+            # A region not counted yet is counted again at once, so that the trainer's first copies
+            # stay near from the first exchange of that region (``first_copies_near``).
             self._live_at = float("-inf")
         return r
 
-    def _proof_ok(self, node: str, key: bytes, proof: str) -> bool:
+    def _ticket(self, text: str, trainer: bytes) -> Ticket | None:
+        """A ticket's claims, its signature checked once per text (None: not signed by this trainer)."""
+        if text not in self._tickets:
+            if len(self._tickets) > 8192:
+                self._tickets.clear()
+            try:
+                self._tickets[text] = Ticket.parse(text, trainer)
+            except (FormatError, Refused):
+                self._tickets[text] = None
+        return self._tickets[text]
+
+    def _proof_ok(self, node: str, key: bytes, epoch: int, proof: str) -> bool:
         now = time.time()
-        checked = self._proofs_ok.get((node, proof))
+        checked = self._proofs_ok.get((node, epoch, proof))
         if checked is not None and now - checked < PROOF_TTL:
             return True
-        if not check_proof(proof[:200], key, node, self.daemon.node_id, now):
+        if not check_proof(proof[:200], key, node, self.daemon.node_id, now, epoch):
             return False
         if len(self._proofs_ok) > 8192:
             self._proofs_ok.clear()
-        self._proofs_ok[(node, proof)] = now
+        self._proofs_ok[(node, epoch, proof)] = now
         return True
 
     def _refuse(self, request: web.Request, node: str, reason: str, status: int, text: str) -> web.Response:
@@ -772,20 +816,21 @@ class Swarm:
         remote.have = have
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
-        body = await read_limited(request.content, MAX_EXCHANGE)
+        remote = request["peer"]  # admitted from its headers (``admit``) before a byte of the body is read
+        if (request.content_length or 0) > MAX_EXCHANGE_REQUEST:
+            return web.json_response({"error": "exchange message too large"}, status=413)
+        body = await read_limited(request.content, MAX_EXCHANGE_REQUEST)
         if body is None:
             return web.json_response({"error": "exchange message too large"}, status=413)
         try:
-            m = fields(unpack(body, what="exchange", max_len=MAX_EXCHANGE), _EXCHANGE_REQ, what="exchange")
+            m = fields(unpack(body, what="exchange", max_len=MAX_EXCHANGE_REQUEST), _EXCHANGE_REQ, what="exchange")
             theirs = {}
-            for e in m["versions"][:4096]:
+            for e in m["versions"][:MAX_VERSIONS_SHOWN]:
                 e = fields(e, _VERSION_REQ, what="exchange version")
-                theirs[Key(e["version"], bool(e.get("anchor")))] = (e["statements"], from_bitmap(e["have"]))
+                k = Key(e["version"], bool(e.get("anchor")))
+                theirs[k] = (e["statements"], from_bitmap(_bounded(e["have"], self.versions.get(k))))
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
-        remote = self._admit(request)
-        if isinstance(remote, web.Response):
-            return remote
         if m.get("delay_us") is not None:
             if remote.delay is None:
                 self._live_at = float("-inf")  # a first figure: the median is taken again at once
@@ -895,8 +940,7 @@ class Swarm:
         except ValueError:
             return web.json_response({"error": "key must be a version (12) or an anchor (a12), index an integer"},
                                      status=400)
-        remote = self._admit(request)
-        return remote if isinstance(remote, web.Response) else (key, i, remote)
+        return key, i, request["peer"]
 
     async def handle_chunk(self, request: web.Request) -> web.StreamResponse:
         asked = self._chunk_request(request)
@@ -1273,12 +1317,13 @@ class Swarm:
             if not vs.statements:
                 continue  # nothing signed yet: not an object this node knows
             self.versions.setdefault(k, vs)
-            have = {i for i in from_bitmap(e["have"]) if i in vs.chunks}
+            have = {i for i in from_bitmap(_bounded(e["have"], vs)) if i in vs.chunks}
             if len(have) < len(vs.chunks):  # seen partly held: fetched, not claimed whole at once (a liar's map)
                 ps.held += len(have - ps.have.get(k, set()))
             ps.have[k] = have
-            ps.fetching[k] = {i for i in from_bitmap(e["fetching"]) if i in vs.chunks}
-            ps.pushing[k] = {i for i in from_bitmap(e["pushing"]) if i in vs.chunks} if e.get("pushing") else set()
+            ps.fetching[k] = {i for i in from_bitmap(_bounded(e["fetching"], vs)) if i in vs.chunks}
+            ps.pushing[k] = {i for i in from_bitmap(_bounded(e["pushing"], vs)) if i in vs.chunks} \
+                if e.get("pushing") else set()
             ps.pushing_at = now
             for i in have:
                 self.available_since.setdefault((k, i), now)
@@ -2057,6 +2102,16 @@ def _declared_rate(headers) -> float | None:
     except ValueError:
         return None
     return rate if math.isfinite(rate) and rate > 0 else None
+
+
+def _bounded(bitmap: bytes, vs: VersionState | None) -> bytes:
+    """A peer's have-map cut to the chunks this node knows of that version (its chunk count, once the
+    manifest gives it; else the chunks announced, with room for a few more): a have-map never costs
+    more than the version it describes, whatever its sender claims."""
+    if vs is None:
+        return bitmap[:UNKNOWN_HAVE_BYTES]
+    n = vs.total if vs.total is not None else len(vs.chunks) + 64
+    return bitmap[:(n + 7) // 8]
 
 
 def _statement_header(vs: VersionState, index: int) -> dict[str, str]:

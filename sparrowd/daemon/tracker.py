@@ -12,15 +12,26 @@ the same checks guard both paths.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 
 from ..errors import FormatError, InputError
 from ..schema import Bool, Bytes, Int, List, Map, NonNegInt, Num, Opt, Str, fields
-from ..swarm.identity import Credential, CredentialBook, Identities, Refused, open_sealed, open_session_sealed
+from ..swarm.identity import (
+    Credential,
+    CredentialBook,
+    Identities,
+    Refused,
+    SessionUnknown,
+    Ticket,
+    open_sealed,
+    open_session_sealed,
+)
 from ..swarm.leases import (
     MAX_VERSIONS_REPORTED,
     LeaseGone,
@@ -59,9 +70,10 @@ RENEW = {
     "want_peers": Opt(Bool),  # false: leave the peer list out of the reply (absent: put it in)
     "ask": Opt(List),  # node ids the reply should say are members or not (``members``)
     "heads_seen": Opt(Bytes),  # the tag of the heads the node holds: the reply leaves them out while it holds
+    "boot": Opt(Bytes),  # a signed renewal names the tracker process it is for (``TrackerService.boot``)
 }
 FOLDER_STATES = ("empty", "building", "updating", "ready", "error")
-LEAVE = {"node_id": Str, "epoch": NonNegInt, "ts": Num}
+LEAVE = {"node_id": Str, "epoch": NonNegInt, "ts": Num, "boot": Opt(Bytes)}
 
 
 class TrackerService:
@@ -90,6 +102,13 @@ class TrackerService:
         self._joins: deque[Node] = deque(maxlen=JOIN_NEWS)  # the latest joins, oldest first
         self._wires: dict[tuple[str, int], dict] = {}
         self.refused: Counter = Counter()  # (operation, reason): messages refused, for metrics
+        # This tracker process: signed renewals and leaves name it, so one captured before a restart
+        # is refused after it (the last time accepted per node is kept in memory only).
+        self.boot = secrets.token_bytes(8)
+        self.started = clock()
+        self._credential_ends: list[tuple[float, str, int]] = []  # (expiry, node id, epoch): a heap
+        for n in table.live(clock()):  # leases restored from disk keep their credential's end
+            self._watch_credential(n)
 
     def _refuse(self, op: str, e: Refused, node_id: str, **fields_) -> None:
         self.refused[(op, e.reason)] += 1
@@ -124,7 +143,10 @@ class TrackerService:
             "trainer_key": self.trainer_key,
             "latest_version": self.table.latest_version,
             "revoked": self.credentials.revoked(now)[:MAX_REVOKED_LISTED],
+            "boot": self.boot,
         }
+        if (ticket := self._ticket(node, now)) is not None:
+            reply["ticket"] = ticket
         if peers:  # most of a reply's bytes and of a renewal's work in a large swarm
             listed = self.table.peers(node.node_id, node.region, now, limit=self.peer_limit, rng=self.rng)
             reply["peers"] = [self.entry(p) for p in listed]
@@ -135,6 +157,46 @@ class TrackerService:
             if tag != heads_seen:
                 reply["heads"] = {r: [self.entry(n) for n in hs] for r, hs in heads.items()}
         return reply
+
+    def _ticket(self, node: Node, now: float) -> str | None:
+        """The lease's ticket (``identity.Ticket``): good for one TTL, never past its credential's expiry."""
+        b = self.identities.get(node.node_id)
+        if self._sign is None or b is None:
+            return None
+        expires = now + self.table.ttl
+        if b.credential is not None and (end := self.credentials.expires(b.credential)) is not None:
+            expires = min(expires, end)
+        return Ticket(node.node_id, node.role, node.region, b.key, node.epoch, b.credential, expires).text(self._sign)
+
+    def _watch_credential(self, node: Node) -> None:
+        """Remember when the credential a lease joined with expires: ``sweep`` ends the lease then."""
+        b = self.identities.get(node.node_id)
+        if b is not None and b.credential is not None and (end := self.credentials.expires(b.credential)) is not None:
+            heapq.heappush(self._credential_ends, (end, node.node_id, node.epoch))
+
+    def _check_bearer(self, op: str, node_id: str, credential: Credential | None, now: float) -> None:
+        """A lease is bound to the credential it joined with: a renewal or leave presenting a credential
+        presents that one; the lease ends once that credential is revoked or has expired."""
+        b = self.identities.get(node_id)
+        bound = b.credential if b is not None else None
+        try:
+            if credential is not None and credential.id != bound:
+                raise Refused("credential", f"node {node_id!r} joined with "
+                                            f"{'credential ' + bound if bound else 'the swarm token'}, "
+                                            f"not credential {credential.id}")
+            if bound is not None:
+                if bound in self.credentials:
+                    raise Refused("revoked", f"credential {bound} was revoked")
+                end = self.credentials.expires(bound)
+                if end is not None and now >= end:
+                    raise Refused("expired", f"credential {bound} expired")
+        except Refused as e:
+            self._refuse(op, e, node_id)
+            if e.reason != "credential" and (n := self.table.get(node_id, now)) is not None:
+                self.table.leave(n.node_id, n.epoch, now)
+                self.identities.end_session(n.node_id)
+                self._changed()
+            raise
 
     def join(self, sealed, *, credential: Credential | None = None) -> dict:
         """``credential``: what the request authenticated with, if not the shared swarm token."""
@@ -155,6 +217,7 @@ class TrackerService:
             raise
         node = self.table.join(m["node_id"], m["role"], m["region"], m["address"], now)
         self.identities.bind(binding)
+        self._watch_credential(node)
         event(log, logging.INFO, "node joined", node_id=node.node_id, role=node.role, region=node.region,
               address=node.address, epoch=node.epoch, credential=binding.credential)
         self._changed()
@@ -199,6 +262,15 @@ class TrackerService:
             self._refuse(op, e, m["node_id"])
             raise
 
+    def _check_boot(self, m: dict) -> None:
+        """A signed renewal or leave names this tracker process (its ``boot``, from every lease reply);
+        one that names none must be newer than the process's start. A message captured before a
+        restart names the old boot, and is refused."""
+        boot = m.get("boot")
+        if boot != self.boot and (boot is not None or float(m["ts"]) <= self.started):
+            raise SessionUnknown("a signed message must name this tracker's boot (it restarted): sign again "
+                                 "with the boot given", boot=self.boot)
+
     def _check_mac(self, body: bytes, mac: bytes, m: dict, now: float) -> None:
         try:
             self.identities.check_mac(m["node_id"], m["epoch"], "renew", body, mac, float(m["ts"]), now)
@@ -238,6 +310,8 @@ class TrackerService:
             self._check_mac(body, mac, m, now)
         else:
             self._check("renew", body, sig, m, now)
+            self._check_boot(m)
+        self._check_bearer("renew", m["node_id"], credential, now)
         try:
             node = self.table.renew(
                 m["node_id"], m["epoch"], now, versions=versions, engine_version=m["engine_version"],
@@ -261,6 +335,8 @@ class TrackerService:
         m = fields(msg, LEAVE, what="leave")
         now = self.clock()
         self._check("leave", body, sig, m, now)
+        self._check_boot(m)
+        self._check_bearer("leave", m["node_id"], credential, now)
         node = self.table.leave(m["node_id"], m["epoch"], now)
         self.identities.end_session(node.node_id)
         event(log, logging.INFO, "node left", node_id=node.node_id, region=node.region, epoch=node.epoch)
@@ -312,10 +388,22 @@ class TrackerService:
         return out
 
     def sweep(self) -> list[Node]:
-        gone = self.table.expire(self.clock())
+        """Leases that ran out, and leases whose credential expired: ended now; returns their nodes."""
+        now = self.clock()
+        gone = self.table.expire(now)
         for n in gone:
             self.identities.end_session(n.node_id)
             event(log, logging.WARNING, "lease expired", node_id=n.node_id, region=n.region, epoch=n.epoch)
+        while self._credential_ends and self._credential_ends[0][0] <= now:
+            _, node_id, epoch = heapq.heappop(self._credential_ends)
+            n = self.table.get(node_id, now)
+            if n is not None and n.epoch == epoch:
+                self.table.leave(node_id, epoch, now)
+                self.identities.end_session(node_id)
+                gone.append(n)
+                b = self.identities.get(node_id)
+                event(log, logging.WARNING, "lease ended: its credential expired", node_id=node_id,
+                      credential=b.credential if b else None, epoch=epoch)
         if gone:
             self._changed()
         return gone

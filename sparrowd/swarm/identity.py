@@ -20,9 +20,18 @@ region, node id, expiry) signed by the trainer's key, so any member that pinned
 that key can check one. The first node key that joins with a credential owns it;
 a credential can be revoked, and members learn the revoked ids from the tracker.
 
-**Peer proofs** bind the node id a request names to that node's key: a header
-``ms.signature`` over (from, to, ms), made for one receiver (a member that
-receives a proof cannot pass it on to a third) and good for :data:`PROOF_TTL`.
+**Tickets** are the tracker's word on a lease, carried by the node itself: the
+trainer's key signs (node id, role, region, node key, epoch, credential id,
+expiry), and every lease reply carries a fresh one. A ticket lasts one lease
+TTL and never past its credential's expiry, so a peer checks membership from a
+request's headers alone, with no call to the tracker and before reading a byte
+of its body.
+
+**Peer proofs** bind a request to the key its ticket names: a header
+``ms.signature`` over (from, to, ms, epoch), made for one receiver (a member that
+receives a proof cannot pass it on to a third), for one lease, and good for
+:data:`PROOF_TTL`. Peers never send a join secret to each other: the shared
+token and credentials go to the tracker only.
 
 **Sessions** make renewals cheap for the tracker: checking an Ed25519
 signature costs about 190 µs here, a renewal comes every TTL/3 from every
@@ -60,7 +69,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..checkpoint import atomic_file
 from ..errors import FormatError, SparrowError
-from ..schema import Bytes, Num, Opt, Str, fields, pack, unpack
+from ..schema import Bytes, NonNegInt, Num, Opt, Str, fields, pack, unpack
 
 __all__ = [
     "NodeKey",
@@ -85,6 +94,11 @@ __all__ = [
     "open_session_sealed",
     "make_proof",
     "check_proof",
+    "Ticket",
+    "TICKET_HEADER",
+    "PROOF_HEADER",
+    "NODE_HEADER",
+    "peer_headers",
     "parse_duration",
 ]
 
@@ -97,6 +111,9 @@ _TRACKER_DOMAIN = b"sparrowd-tracker-v1\x00"
 _CREDENTIAL_DOMAIN = b"sparrowd-credential-v1\x00"
 _PROOF_DOMAIN = b"sparrowd-peer-v1\x00"
 _SESSION_DOMAIN = b"sparrowd-session-v1\x00"
+_TICKET_DOMAIN = b"sparrowd-ticket-v1\x00"
+TICKET_HEADER, PROOF_HEADER, NODE_HEADER = "X-Sparrowd-Ticket", "X-Sparrowd-Proof", "X-Sparrowd-Node"
+MAX_TICKET = 1024  # characters of a ticket header; a longer one is refused unread
 
 
 class Refused(SparrowError):
@@ -196,7 +213,12 @@ def _open(sealed, op: str, max_len: int, seal_field: str, size: int) -> tuple[di
 
 class SessionUnknown(SparrowError):
     """A renewal sealed under a session the tracker does not hold (it restarted, or the lease's
-    epoch moved): the node renews again, signed, with a new exchange key."""
+    epoch moved), or a signed one that does not name this tracker's ``boot``: the node renews
+    again, signed, with a new exchange key and the ``boot`` given here."""
+
+    def __init__(self, message: str, boot: bytes | None = None):
+        super().__init__(message)
+        self.boot = boot
 
 
 class SessionKey:
@@ -362,6 +384,11 @@ class CredentialBook:
         return sorted(i for i, r in self._records.items()
                       if r["revoked_at"] is not None and (r["expires"] is None or r["expires"] > now))
 
+    def expires(self, credential_id: str) -> float | None:
+        """When an issued credential expires (None: never, or not issued here)."""
+        r = self._records.get(credential_id)
+        return r["expires"] if r is not None else None
+
     def __contains__(self, credential_id: str) -> bool:
         """Whether the credential is revoked (``Credential.check`` asks ``id in revoked``)."""
         r = self._records.get(credential_id)
@@ -489,16 +516,16 @@ class Identities:
 # ------------------------------------------------------------------ peer proofs
 
 
-def make_proof(key: NodeKey, sender: str, receiver: str, now: float) -> str:
+def make_proof(key: NodeKey, sender: str, receiver: str, now: float, epoch: int) -> str:
     """``ms.signature`` (``ms``: the time in milliseconds): the sender's key vouches that it is
-    ``sender``, to ``receiver`` only."""
+    ``sender`` in its lease ``epoch``, to ``receiver`` only."""
     ts = str(int(now * 1000))
-    sig = key.sign(_PROOF_DOMAIN + pack([sender, receiver, ts]))
+    sig = key.sign(_PROOF_DOMAIN + pack([sender, receiver, ts, int(epoch)]))
     return f"{ts}.{_b64(sig)}"
 
 
-def check_proof(proof: str, public: bytes, sender: str, receiver: str, now: float) -> bool:
-    """Whether ``proof`` is ``sender``'s, made for ``receiver``, within PROOF_TTL of ``now``."""
+def check_proof(proof: str, public: bytes, sender: str, receiver: str, now: float, epoch: int) -> bool:
+    """Whether ``proof`` is ``sender``'s, for lease ``epoch``, made for ``receiver``, within PROOF_TTL of ``now``."""
     ts, _, sig = proof.partition(".")
     try:
         t = int(ts) / 1000
@@ -507,4 +534,61 @@ def check_proof(proof: str, public: bytes, sender: str, receiver: str, now: floa
         return False
     if not abs(now - t) <= PROOF_TTL or len(raw) != 64:
         return False
-    return _verify(public, raw, _PROOF_DOMAIN + pack([sender, receiver, ts]))
+    return _verify(public, raw, _PROOF_DOMAIN + pack([sender, receiver, ts, int(epoch)]))
+
+
+def peer_headers(key: NodeKey, sender: str, receiver: str, ticket: str, epoch: int, now: float) -> dict[str, str]:
+    """What a member's request to a peer carries to be admitted: its node id, its lease's ticket and a
+    proof for ``receiver`` (and no join secret)."""
+    return {NODE_HEADER: sender, TICKET_HEADER: ticket, PROOF_HEADER: make_proof(key, sender, receiver, now, epoch)}
+
+
+# ------------------------------------------------------------------ tickets
+
+
+_TICKET = {"node": Str, "role": Str, "region": Str, "key": Bytes, "epoch": NonNegInt, "cred": Opt(Str),
+           "exp": Num}
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """The tracker's word on a live lease, signed by the trainer's key (see the module's docstring)."""
+
+    node_id: str
+    role: str
+    region: str
+    key: bytes
+    epoch: int
+    credential: str | None
+    expires: float
+
+    def text(self, sign) -> str:
+        """The header value: base64url(claims) "." base64url(signature); ``sign`` is the trainer's."""
+        claims = pack({"node": self.node_id, "role": self.role, "region": self.region, "key": self.key,
+                       "epoch": self.epoch, "cred": self.credential, "exp": self.expires})
+        return _b64(claims) + "." + _b64(sign(_TICKET_DOMAIN + claims))
+
+    @classmethod
+    def parse(cls, text: str, trainer_key: bytes) -> "Ticket":
+        """The claims of a ticket this swarm's trainer signed; FormatError or Refused otherwise."""
+        if len(text) > MAX_TICKET or text.count(".") != 1:
+            raise FormatError("not a sparrowd ticket (CLAIMS.SIGNATURE)")
+        try:
+            claims, sig = (_unb64(p) for p in text.split("."))
+        except ValueError:
+            raise FormatError("ticket: not base64url") from None
+        if len(sig) != 64 or not _verify(trainer_key, sig, _TICKET_DOMAIN + claims):
+            raise Refused("bad-ticket", "ticket: not signed by this swarm's trainer")
+        c = fields(unpack(claims, what="ticket", max_len=MAX_TICKET), _TICKET, what="ticket")
+        if len(c["key"]) != 32 or c["exp"] != c["exp"]:
+            raise FormatError("ticket: bad key or expiry")
+        return cls(c["node"], c["role"], c["region"], c["key"], c["epoch"], c["cred"], float(c["exp"]))
+
+    def check(self, now: float, revoked) -> None:
+        """Refused once the ticket has expired or its credential is revoked."""
+        if now >= self.expires:
+            raise Refused("expired", f"the ticket of node {self.node_id!r} expired (its lease was not renewed, "
+                                     "or its credential expired)")
+        if self.credential is not None and self.credential in revoked:
+            raise Refused("revoked", f"node {self.node_id!r} joined with credential {self.credential}, "
+                                     "which was revoked")

@@ -13,12 +13,13 @@ import collections
 import json
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import msgpack
 from cryptography.hazmat.primitives import serialization
 
-from sparrowd.swarm.identity import NodeKey, make_proof
+from sparrowd.swarm.identity import NodeKey, peer_headers
 
 
 async def main(cfg: dict) -> dict:
@@ -30,9 +31,9 @@ async def main(cfg: dict) -> dict:
 
     async def one(session, url, method, to):
         while time.monotonic() < deadline:
-            headers = {"Authorization": f"Bearer {cfg['credential']}", "Content-Type": "application/msgpack",
-                       "X-Sparrowd-Node": cfg["node"],
-                       "X-Sparrowd-Proof": make_proof(key, cfg["node"], to, time.time())}
+            lease = json.loads(Path(cfg["ticket_file"]).read_text())  # the member's latest ticket
+            headers = {"Content-Type": "application/msgpack",
+                       **peer_headers(key, cfg["node"], to, lease["ticket"], lease["epoch"], time.time())}
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                     async with session.request(method, url, data=body if method == "POST" else None,

@@ -10,7 +10,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,6 @@ from urllib.parse import urlparse
 import msgpack
 
 from sparrowd.localswarm import free_port, wait_for  # noqa: F401  (the tests import them from here)
-from sparrowd.swarm.identity import make_proof
 from tests import members
 
 
@@ -181,15 +179,21 @@ class Member:
         code, body = get(f"{cluster.tracker}/v1/tracker/join", cluster.token, method="POST", headers=MP,
                          data=msgpack.packb(members.join(self.key, node_id, region=region)))
         assert code == 200, body
-        self.epoch = msgpack.unpackb(body)["epoch"]
+        self.lease = msgpack.unpackb(body)
+        self.epoch = self.lease["epoch"]
 
     def renew(self) -> None:
-        get(f"{self.cluster.tracker}/v1/tracker/renew", self.cluster.token, method="POST", headers=MP,
-            data=msgpack.packb(members.renew(self.key, self.id, self.epoch)))
+        code, body = get(f"{self.cluster.tracker}/v1/tracker/renew", self.cluster.token, method="POST", headers=MP,
+                         data=msgpack.packb(members.renew(self.key, self.id, self.epoch)))
+        if code == 410:  # the lease ran out meanwhile: join again, as a daemon does
+            code, body = get(f"{self.cluster.tracker}/v1/tracker/join", self.cluster.token, method="POST",
+                             headers=MP, data=msgpack.packb(members.join(self.key, self.id, region=self.region)))
+        if code == 200:
+            self.lease = msgpack.unpackb(body)
+            self.epoch = self.lease["epoch"]
 
     def headers(self, to: str) -> dict:
-        return {"Authorization": f"Bearer {self.cluster.token}", "X-Sparrowd-Node": self.id,
-                "X-Sparrowd-Proof": make_proof(self.key, self.id, to, time.time())}
+        return members.peer(self.key, self.id, to, self.lease)
 
     def known_to(self, relay) -> bool:
         """An exchange answered at once: the relay holds this member's tracker entry (503 until then)."""

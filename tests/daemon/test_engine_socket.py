@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
+import time
 
 import pytest
 
 from sparrowd import Publisher
+from sparrowd.daemon.engine import HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_UNGREETED
 from sparrowd.errors import BaseMismatchError, SparrowError
 from sparrowd.integrations.engine import EngineClient, sync
 from sparrowd.integrations.torch import PatchApplier
-from tests.daemon.harness import status, wait_for
+from tests.daemon.harness import Daemon, status, wait_for
+from tests.helpers import sparrowd
 from tests.models import assert_serves, bf16_model, served_bits, train, trained_setup
 
 pytestmark = pytest.mark.slow
@@ -92,3 +96,98 @@ def test_an_engine_behind_the_retained_chain_loads_the_anchor_its_node_fetches_f
     assert_serves(engine, served_bits(model))
     client.close()
     pub.close()
+
+
+def until_closed(s: socket.socket) -> bytes:
+    """What the daemon sends before it closes ``s`` (a timeout if it does not, within s's own)."""
+    data = b""
+    while part := s.recv(4096):
+        data += part
+    return data
+
+
+def test_silent_connections_never_keep_an_engine_out_and_are_closed_after_the_hello_timeout(cluster):
+    trainer = cluster.trainer()
+    sock = str(trainer.data_dir / "engine.sock")
+    t0 = time.monotonic()
+    silent = []
+    for _ in range(MAX_UNGREETED + 1):  # far more than MAX_CONNECTIONS, and one more than the daemon holds
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock)  # blocking: waits while the listen backlog is full
+        s.settimeout(HELLO_TIMEOUT + 10)
+        silent.append(s)
+    silent[0].settimeout(2)
+    assert until_closed(silent[0]) == b""  # the oldest closed at once to make room
+
+    client = EngineClient(sock, token_file=cluster.token_file, engine="real", version=0, timeout=HELLO_TIMEOUT)
+    assert client.ready(0) == (None, [])
+    assert until_closed(silent[1]) == b""  # the engine's connection took the oldest one's place
+    silent[-1].setblocking(False)
+    with pytest.raises(BlockingIOError):  # attached while the others are still open
+        silent[-1].recv(1)
+    silent[-1].settimeout(HELLO_TIMEOUT + 10)
+
+    for s in silent[2:]:
+        assert b"no hello within" in until_closed(s)
+    assert HELLO_TIMEOUT <= time.monotonic() - t0 < HELLO_TIMEOUT + 5
+    assert client.ready(0) == (None, [])  # an engine that said hello is not timed out
+    client.close()
+    for s in silent:
+        s.close()
+
+
+def test_at_most_max_connections_engines_attach_at_once(cluster):
+    trainer = cluster.trainer()
+    sock = trainer.data_dir / "engine.sock"
+    clients = [EngineClient(sock, token_file=cluster.token_file, engine="e", rank=r) for r in range(MAX_CONNECTIONS)]
+    with pytest.raises(SparrowError, match=f"more than {MAX_CONNECTIONS} engine connections"):
+        EngineClient(sock, token_file=cluster.token_file, engine="e", rank=MAX_CONNECTIONS)
+    clients.pop().close()
+    wait_for(lambda: _attaches(sock, cluster.token_file), 5, "a freed place to be taken")
+    for c in clients:
+        c.close()
+
+
+def _attaches(sock, token_file) -> bool:
+    try:
+        EngineClient(sock, token_file=token_file, engine="late").close()
+        return True
+    except SparrowError:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink", "folder"])
+def test_an_engine_socket_path_that_is_not_a_socket_is_refused_and_left_alone(cluster, tmp_path, kind):
+    path = tmp_path / "engine.sock"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    if kind == "file":
+        path.write_text("keep me\n")
+    elif kind == "symlink":
+        path.symlink_to(target)
+    else:
+        path.mkdir()
+    r = sparrowd("run", "--role", "trainer", "--region", "eu", "--listen", "127.0.0.1:0", "--data-dir",
+                 tmp_path / "data", "--token-file", cluster.token_file, "--engine-socket", path, timeout=60)
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert r.returncode != 0 and errors == [f"sparrowd: error: engine socket {path} exists and is not a socket; "
+                                            "remove it or choose another path"], r.stderr
+    assert "Traceback" not in r.stderr
+    if kind == "file":
+        assert path.read_text() == "keep me\n"
+    elif kind == "symlink":
+        assert path.is_symlink() and path.read_text() == "keep me\n"
+    else:
+        assert path.is_dir()
+    assert target.read_text() == "keep me\n"
+
+
+def test_a_socket_left_by_a_dead_daemon_is_replaced(cluster, tmp_path):
+    path = tmp_path / "engine.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))  # a socket file nobody listens on
+    d = Daemon(tmp_path, "trainer", "trainer", "eu", cluster.token_file, port=cluster.port,
+               extra=("--engine-socket", str(path)))
+    cluster.daemons.append(d.start())
+    EngineClient(path, token_file=cluster.token_file).close()
+    assert d.stop() == 0

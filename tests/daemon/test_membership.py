@@ -100,10 +100,11 @@ def test_a_wrong_or_missing_token_is_refused_and_leaks_nothing(cluster, tmp_path
     assert "refused a request without the swarm token" in trainer.log()
     assert cluster.nodes() == {"trainer"}  # nothing changed; the leave above did not stop the trainer
 
-    # A rollout with the wrong token says so and exits non-zero rather than retrying forever.
+    # A rollout with the wrong token says so and exits 78 (EX_CONFIG: systemd does not restart it)
+    # rather than retrying forever.
     wrong = make_token(tmp_path / "wrong.token")
     bad = cluster.rollout("intruder", "eu", token_file=wrong, wait=False)
-    assert bad.wait() == 1
+    assert bad.wait() == 78
     assert "refused the swarm token" in bad.log()
     assert cluster.nodes() == {"trainer"}
 

@@ -16,7 +16,6 @@ from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
 from sparrowd.daemon.swarm import MIN_RATE, UPLOAD_SLOTS, stream_timeout
-from sparrowd.swarm.identity import make_proof
 from tests import members
 from tests.daemon.harness import free_port, get, status, wait_for
 from tests.daemon.patches import check_store, held, manifests, publish, write_chain
@@ -123,8 +122,8 @@ def hostile_peer(cluster, patch, serve_chunk, node_id="mallory", forged=(), conn
                      data=msgpack.packb(members.join(key, node_id, region=region, address=f"127.0.0.1:{port}")))
     assert code == 200
     lease = msgpack.unpackb(body)
-    proof = {"X-Sparrowd-Node": node_id, "X-Sparrowd-Proof": make_proof(key, node_id, "trainer", time.time())}
-    code, body = get(f"{cluster.tracker}/v1/swarm/exchange", cluster.token, method="POST", headers={**mp, **proof},
+    proof = members.peer(key, node_id, "trainer", lease)
+    code, body = get(f"{cluster.tracker}/v1/swarm/exchange", None, method="POST", headers={**mp, **proof},
                      data=msgpack.packb({"node_id": node_id, "region": region, "after": -1, "wait": 0,
                                          "versions": []}))
     statements = msgpack.unpackb(body)["versions"][0]["statements"]

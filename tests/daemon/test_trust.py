@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import msgpack
@@ -19,7 +20,6 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
 from sparrowd import Publisher
-from sparrowd.swarm.identity import make_proof
 from sparrowd.swarm.versions import to_bitmap
 from tests import members
 from tests.daemon.harness import free_port, get, make_token, status, wait_for
@@ -91,8 +91,7 @@ class LyingPeer(threading.Thread):
                     continue
                 url, m = self.source
                 body = msgpack.packb({"node_id": "mallory", "region": "us", "after": -1, "wait": 0, "versions": []})
-                headers = {**MP, "Authorization": f"Bearer {m.cred}", "X-Sparrowd-Node": "mallory",
-                           "X-Sparrowd-Proof": make_proof(m.key, "mallory", "trainer", time.time())}
+                headers = {**MP, **members.peer(m.key, "mallory", "trainer", m.lease)}
                 try:
                     async with session.post(f"{url}/v1/swarm/exchange", data=body, headers=headers) as r:
                         if r.status == 200:
@@ -124,6 +123,8 @@ class Mallory:
     def __init__(self, tracker: str, credential: str, address: str):
         self.key, self.tracker, self.cred, self.address = new_key(), tracker, credential, address
         self.epoch = None
+        self.lease: dict = {}  # the last lease reply: its ticket admits this box to peers
+        self.ticket_file: Path | None = None  # where keep_lease writes each new ticket (for the flood)
 
     def call(self, op: str, sealed: dict) -> tuple[int, dict]:
         code, body = get(f"{self.tracker}/v1/tracker/{op}", self.cred, method="POST", data=msgpack.packb(sealed),
@@ -132,16 +133,23 @@ class Mallory:
             reply = msgpack.unpackb(body) if code == 200 else json.loads(body)
         except ValueError:
             reply = {}
+        if code == 200 and op in ("join", "renew") and reply.get("ticket"):
+            self.lease = reply
+            if self.ticket_file is not None:
+                tmp = self.ticket_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"ticket": reply["ticket"], "epoch": reply["epoch"]}))
+                tmp.replace(self.ticket_file)
         return code, reply
 
     def peer(self, url: str, path: str, *, claim: str = "mallory", to: str, proof: str | None = None,
              method: str = "POST", timeout: float = 5.0) -> int:
         # "after" a generation the peer has not reached: the poll is held for its full wait.
         data = msgpack.packb({"node_id": claim, "region": "us", "after": 1 << 40, "wait": 15, "versions": []})
-        headers = {**MP, "X-Sparrowd-Node": claim,
-                   "X-Sparrowd-Proof": proof if proof is not None else make_proof(self.key, claim, to, time.time())}
-        try:
-            return get(f"{url}{path}", self.cred, method=method, data=data if method == "POST" else None,
+        headers = {**MP, **members.peer(self.key, "mallory", to, self.lease), "X-Sparrowd-Node": claim}
+        if proof is not None:
+            headers["X-Sparrowd-Proof"] = proof
+        try:  # no bearer: a peer is admitted by its ticket and proof alone
+            return get(f"{url}{path}", None, method=method, data=data if method == "POST" else None,
                        headers=headers, timeout=timeout)[0]
         except OSError:
             return 0  # the long poll outlived our patience: it was held, not refused
@@ -196,9 +204,12 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     # Renew or end another node's lease: refused, whatever the epoch.
     assert m.call("renew", members.renew(m.key, "r0", before["r0"], versions=[99]))[0] == 403
     assert m.call("leave", members.leave(m.key, "r0", before["r0"]))[0] == 403
-    # Speak for another node to a peer: refused (no valid proof of being r0).
-    assert m.peer(r1.url, "/v1/swarm/exchange", claim="r0", to="r1") == 403
-    assert m.peer(r1.url, "/v1/swarm/exchange", claim="r0", to="r1", proof="") == 403
+    # Speak for another node to a peer: refused (its ticket names mallory, not r0); its own ticket
+    # without a valid proof: refused too.
+    assert m.peer(r1.url, "/v1/swarm/exchange", claim="r0", to="r1") == 401
+    assert m.peer(r1.url, "/v1/swarm/exchange", to="r1", proof="") == 403
+    assert m.peer(r1.url, "/v1/swarm/exchange", to="r1", proof=members.peer(m.key, "mallory", "r0", m.lease)[
+        "X-Sparrowd-Proof"]) == 403  # a proof made for another receiver
     after = {n["node_id"]: n["epoch"] for n in status(cluster.tracker, cluster.token)["nodes"]}
     assert {k: after[k] for k in before} == before and "6.6.6.6:1" not in json.dumps(
         status(cluster.tracker, cluster.token))
@@ -206,6 +217,8 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     # Flood exchanges (long polls) at one honest node, and tracker waits at the trainer, while the
     # lying peer's have-maps claim every chunk: the honest swarm's time to all barely moves.
     stop = threading.Event()  # set when the test ends: the member keeps its lease until it is revoked
+    m.ticket_file = tmp_path / "mallory.ticket"
+    assert m.call("renew", members.renew(m.key, "mallory", m.epoch))[0] == 200 and m.ticket_file.exists()
     threading.Thread(target=m.keep_lease, args=(stop,), daemon=True).start()
     wait_for(lambda: any(p["node_id"] == "mallory" for p in r0.node(cluster.token)["peers"]), 10,
              "r0 to list mallory")
@@ -213,7 +226,7 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     cfg.write_text(json.dumps({
         "key_pem": m.key._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                             serialization.NoEncryption()).decode(),
-        "credential": m.cred, "node": "mallory", "seconds": 10.0, "hold": 4, "per_target": 48,
+        "ticket_file": str(m.ticket_file), "node": "mallory", "seconds": 10.0, "hold": 4, "per_target": 48,
         "targets": [{"url": f"{r1.url}/v1/swarm/exchange", "method": "POST", "to": "r1"},
                     {"url": f"{cluster.tracker}/v1/tracker/wait?version=999&timeout=4", "method": "GET",
                      "to": "trainer"}]}))
@@ -239,6 +252,7 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
         got = metric(t_url, cluster.token, f'sparrowd_tracker_refused_total{{op="{op}",reason="{reason}"}}')
         assert got >= 1, (op, reason)
     assert metric(r1.url, cluster.token, 'sparrowd_peer_refused_total{reason="impostor"}') >= 2
+    assert metric(r1.url, cluster.token, 'sparrowd_peer_refused_total{reason="bad-ticket"}') >= 1
     # A liar that answers the moment a version appears is asked first (a peer of the region) and
     # found out: each honest node asks it for a chunk once, then never again for that chunk.
     liar.smart = True

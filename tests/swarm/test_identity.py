@@ -21,6 +21,7 @@ from sparrowd.swarm.identity import (
     Refused,
     SessionKey,
     SessionUnknown,
+    Ticket,
     check_proof,
     default_node_id,
     key_id,
@@ -36,11 +37,11 @@ from tests.members import new_key
 
 def tracker(tmp_path=None, *, ttl=15.0, clock=time.time):
     store = SqliteLeaseStore(tmp_path / "tracker.db") if tmp_path is not None else None
-    signer = load_or_create_key(tmp_path / "trainer.key") if tmp_path is not None else None
+    signer = load_or_create_key(tmp_path / "trainer.key") if tmp_path is not None else new_key()
     return TrackerService(LeaseTable(ttl, now=clock(), store=store), tracker_id="t", peer_limit=32, clock=clock,
                           identities=Identities(store), credentials=CredentialBook(store),
-                          sign=signer.sign_bytes if signer else new_key().sign,
-                          trainer_key=signer.public if signer else b""), store
+                          sign=signer.sign_bytes if tmp_path is not None else signer.sign,
+                          trainer_key=signer.public), store
 
 
 def refused(reason, fn, *a, **kw):
@@ -221,11 +222,97 @@ def test_expired_credentials_and_durations():
 def test_a_peer_proof_is_for_one_receiver_one_key_and_a_short_while():
     a = new_key()
     now = time.time()
-    p = make_proof(a, "r0", "r1", now)
-    assert check_proof(p, a.public, "r0", "r1", now + 1)
-    assert not check_proof(p, a.public, "r0", "r2", now)  # r1 cannot pass r0's proof on to r2
-    assert not check_proof(p, a.public, "r9", "r1", now)  # nor claim to be another node with it
-    assert not check_proof(p, new_key().public, "r0", "r1", now)
-    assert not check_proof(p, a.public, "r0", "r1", now + PROOF_TTL + 1)
+    p = make_proof(a, "r0", "r1", now, 7)
+    assert check_proof(p, a.public, "r0", "r1", now + 1, 7)
+    assert not check_proof(p, a.public, "r0", "r2", now, 7)  # r1 cannot pass r0's proof on to r2
+    assert not check_proof(p, a.public, "r9", "r1", now, 7)  # nor claim to be another node with it
+    assert not check_proof(p, a.public, "r0", "r1", now, 8)  # nor is it good for another lease
+    assert not check_proof(p, new_key().public, "r0", "r1", now, 7)
+    assert not check_proof(p, a.public, "r0", "r1", now + PROOF_TTL + 1, 7)
     for junk in ("", "x.y", "1.", ".AAAA", "1e400." + "A" * 86):
-        assert not check_proof(junk, a.public, "r0", "r1", now)
+        assert not check_proof(junk, a.public, "r0", "r1", now, 7)
+
+
+def test_a_ticket_carries_the_lease_and_ends_with_the_ttl_or_its_credential():
+    t = [1_000_000.0]
+    svc, _ = tracker(ttl=15.0, clock=lambda: t[0])
+    rec, text = svc.issue(role="rollout", region="us", lifetime=10.0)
+    c = Credential.parse(text, svc.trainer_key)
+    a = new_key()
+    reply = svc.join(members.join(a, "n1", region="us", ts=t[0]), credential=c)
+    ticket = Ticket.parse(reply["ticket"], svc.trainer_key)
+    assert (ticket.node_id, ticket.role, ticket.region, ticket.key, ticket.epoch, ticket.credential) == (
+        "n1", "rollout", "us", a.public, reply["epoch"], c.id)
+    assert ticket.expires == t[0] + 10.0  # the credential ends before the lease's TTL would
+    ticket.check(t[0] + 9.9, ())
+    refused("expired", ticket.check, t[0] + 10.0, ())
+    refused("revoked", ticket.check, t[0], {c.id})
+    # A node that joined with the shared token: a ticket for one TTL.
+    b = new_key()
+    plain = Ticket.parse(svc.join(members.join(b, "n2", ts=t[0]))["ticket"], svc.trainer_key)
+    assert plain.expires == t[0] + 15.0 and plain.credential is None
+    # Another trainer's ticket, or a tampered one, is not this swarm's.
+    claims, sig = reply["ticket"].split(".")
+    mid = len(claims) // 2
+    tampered = claims[:mid] + ("B" if claims[mid] == "A" else "A") + claims[mid + 1:] + "." + sig
+    for bad in (tampered, Ticket("n1", "rollout", "us", a.public, 1, None, t[0] + 99).text(new_key().sign)):
+        refused("bad-ticket", Ticket.parse, bad, svc.trainer_key)
+    for junk in ("", "x", "a.b.c", "!!.??", "A" * 2000 + ".A"):
+        with pytest.raises((FormatError, Refused)):
+            Ticket.parse(junk, svc.trainer_key)
+
+
+def test_a_lease_is_bound_to_its_credential_for_its_whole_life():
+    """Renewals presenting another credential are refused; the credential's expiry or revocation
+    ends the lease at the tracker (at its next renewal, or at the sweep after it expires)."""
+    t = [1_000_000.0]
+    svc, _ = tracker(ttl=15.0, clock=lambda: t[0])
+    _, text1 = svc.issue(role="rollout", region="us", lifetime=20.0)
+    _, text2 = svc.issue(role="rollout", region="us", lifetime=3600.0)
+    c1, c2 = (Credential.parse(x, svc.trainer_key) for x in (text1, text2))
+    a, b = new_key(), new_key()
+    e1 = svc.join(members.join(a, "n1", region="us", ts=t[0]), credential=c1)["epoch"]
+    e2 = svc.join(members.join(b, "n2", region="us", ts=t[0]), credential=c2)["epoch"]
+    t[0] += 5
+    assert "joined with credential" in refused("credential", svc.renew, members.renew(a, "n1", e1, ts=t[0]),
+                                                credential=c2)
+    svc.renew(members.renew(a, "n1", e1, ts=t[0] + 0.1), credential=c1)
+    svc.renew(members.renew(a, "n1", e1, ts=t[0] + 0.2))  # the shared token (credential None) is the operator's
+    svc.renew(members.renew(b, "n2", e2, ts=t[0] + 0.3), credential=c2)
+    # c1 expires at +20 s: the sweep right after ends n1's lease, though its TTL has time left.
+    t[0] += 14.9
+    svc.renew(members.renew(a, "n1", e1, ts=t[0]), credential=c1)
+    svc.renew(members.renew(b, "n2", e2, ts=t[0]), credential=c2)
+    t[0] += 0.2
+    assert [n.node_id for n in svc.sweep()] == ["n1"]
+    assert {n["node_id"] for n in svc.status()["nodes"]} == {"n2"}
+    refused("expired", svc.join, members.join(a, "n1", region="us", ts=t[0]), credential=c1)
+    # A renewal under an expired credential (no sweep yet) is refused and ends the lease too.
+    svc2, _ = tracker(ttl=15.0, clock=lambda: t[0])
+    _, text3 = svc2.issue(role="rollout", region="us", lifetime=5.0)
+    c3 = Credential.parse(text3, svc2.trainer_key)
+    e3 = svc2.join(members.join(a, "n3", region="us", ts=t[0]), credential=c3)["epoch"]
+    t[0] += 6
+    refused("expired", svc2.renew, members.renew(a, "n3", e3, ts=t[0]))
+    assert svc2.status()["nodes"] == []
+    # Revoked: the next renewal finds the lease gone.
+    svc.revoke(c2.id)
+    with pytest.raises((LeaseGone, Refused)):
+        svc.renew(members.renew(b, "n2", e2, ts=t[0] + 1), credential=c2)
+
+
+def test_a_signed_renewal_captured_before_a_tracker_restart_is_refused_after_it(tmp_path):
+    svc, store = tracker(tmp_path)
+    a = new_key()
+    reply = svc.join(members.join(a, "r0"))
+    captured = members.renew(a, "r0", reply["epoch"], boot=reply["boot"])
+    assert svc.renew(captured)["epoch"] == reply["epoch"]
+    captured_leave = members.leave(a, "r0", reply["epoch"])  # one without a boot, made before the restart
+    store.close()
+    restarted, _ = tracker(tmp_path)  # the lease table and bindings come back; the last times do not
+    with pytest.raises(SessionUnknown) as e:
+        restarted.renew(captured)
+    assert e.value.boot == restarted.boot != reply["boot"]
+    with pytest.raises(SessionUnknown):  # nor a captured leave
+        restarted.leave(captured_leave)
+    assert restarted.renew(members.renew(a, "r0", reply["epoch"], boot=restarted.boot))["epoch"] == reply["epoch"]

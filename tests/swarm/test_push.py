@@ -536,15 +536,14 @@ def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_coun
     import time
     from types import SimpleNamespace
 
-    from sparrowd.daemon.swarm import NODE_HEADER, Remote, Swarm
+    from sparrowd.daemon.swarm import Remote, Swarm
 
     regions = {"e1": "eu", "e2": "eu", "u1": "us", "a1": "ap"}
     me = SimpleNamespace(remotes={}, _live_regions=set(), _live_at=float("-inf"), _wants=lambda r: True,
-                         daemon=SimpleNamespace(member=lambda n: {"region": regions[n]}, membership=None,
-                                                settings=SimpleNamespace(region="eu")))
+                         daemon=SimpleNamespace(settings=SimpleNamespace(region="eu")))
 
     def ask(node):
-        r = Swarm._admit(me, SimpleNamespace(headers={NODE_HEADER: node}))
+        r = Swarm._remote(me, node, regions[node])
         assert isinstance(r, Remote) and r.region == regions[node]
 
     def live():
