@@ -170,6 +170,7 @@ class Daemon:
         self.auth_digests: list[bytes] = []  # SHA-256 of "Bearer <token>" per accepted token
         self.key: NodeKey | None = None
         self._credentials_seen: dict[str, Credential | None] = {}  # credential text -> claims (None: bad)
+        self._credential_refused: Refused | None = None  # why ``credential`` refused the last one it checked
         self.engines: EngineServer | None = None
         self._unauthorized_log = Throttle(_UNAUTHORIZED_LOG_EVERY)  # a warning per address, not per request
         self._flood_log = Throttle(_UNAUTHORIZED_LOG_EVERY)
@@ -429,6 +430,7 @@ class Daemon:
 
     def credential(self, header: str) -> Credential | None:
         """The claims of a valid, unrevoked, unexpired credential in an Authorization header, else None."""
+        self._credential_refused = None
         text = header[7:] if header.startswith("Bearer ") else ""
         if not text.startswith(CREDENTIAL_PREFIX):
             return None
@@ -451,7 +453,8 @@ class Daemon:
                    self.membership.state.revoked if self.membership is not None else ())
         try:
             c.check(now, revoked)
-        except Refused:
+        except Refused as e:
+            self._credential_refused = e
             return None
         return c
 
@@ -532,8 +535,13 @@ class Daemon:
         elif self.token_ok(header) or self._own_token(request, header):
             pass  # an operator (or a member, with the shared token)
         elif header.startswith("Bearer " + CREDENTIAL_PREFIX) and \
-                (credential := self.credential(header)) is not None:  # not this swarm's, revoked or expired
+                (credential := self.credential(header)) is not None:
             request["credential"] = credential
+        elif header.startswith("Bearer " + CREDENTIAL_PREFIX) and self._credential_refused is not None:
+            # This swarm's credential, revoked or expired: its holder is told so, and stops.
+            e, self._credential_refused = self._credential_refused, None
+            self.metrics.unauthorized += 1
+            return web.json_response({"error": str(e), "reason": e.reason}, status=401)
         else:
             self.metrics.unauthorized += 1
             peer = request.remote or "?"

@@ -149,6 +149,9 @@ class HttpTrackerClient:
                     return reply
                 reason = _error_text(body)
                 if r.status == 401:
+                    why = _error_field(body, "reason")
+                    if why in ("revoked", "expired"):
+                        raise Unauthorized(f"tracker {self.url} refused this node: {reason}", why)
                     raise Unauthorized(f"tracker {self.url} refused the swarm token ({reason})", "token")
                 if r.status == 403:
                     raise Unauthorized(f"tracker {self.url} refused {path.rsplit('/', 1)[-1]}: {reason}",
@@ -486,7 +489,12 @@ class Membership:
             except LeaseGone as e:
                 event(log, logging.WARNING, "lease gone; re-joining", reason=str(e))
                 self.state.epoch = None
-            except (TrackerUnavailable, Unauthorized, FormatError, IntegrityError) as e:
+            except Unauthorized as e:
+                if e.reason in FINAL_REFUSALS and self.on_fatal:  # its credential was revoked or expired
+                    self.on_fatal(e)
+                    return
+                self._unreachable(e)
+            except (TrackerUnavailable, FormatError, IntegrityError) as e:
                 self._unreachable(e)
 
     def _unreachable(self, e: Exception) -> None:

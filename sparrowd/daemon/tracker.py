@@ -50,6 +50,9 @@ log = logging.getLogger("sparrowd.tracker")
 MAX_MESSAGE = 256 << 10
 MAX_ASK = 64  # node ids one renewal may ask the tracker about (strangers that contacted the node)
 MAX_REVOKED_LISTED = 10_000
+TICKET_LIFE = 30.0  # seconds a lease's ticket is good for at least (one TTL where that is longer): a
+# renewal late under load, or a tracker restarting, does not cut a member off from its peers. A credential's
+# expiry ends its tickets (they never outlive it), and its revocation reaches every peer with its next renewal.
 JOIN_NEWS = 64  # joins the tracker remembers to tell the swarm of (TrackerService.joined_since)
 JOIN = {"node_id": Str, "role": Str, "region": Str, "address": Str, "key": Bytes, "ts": Num, "kx": Opt(Bytes)}
 RENEW = {
@@ -159,11 +162,12 @@ class TrackerService:
         return reply
 
     def _ticket(self, node: Node, now: float) -> str | None:
-        """The lease's ticket (``identity.Ticket``): good for one TTL, never past its credential's expiry."""
+        """The lease's ticket (``identity.Ticket``): good for ``TICKET_LIFE`` or one TTL, whichever is longer,
+        never past its credential's expiry."""
         b = self.identities.get(node.node_id)
         if self._sign is None or b is None:
             return None
-        expires = now + self.table.ttl
+        expires = now + max(self.table.ttl, TICKET_LIFE)
         if b.credential is not None and (end := self.credentials.expires(b.credential)) is not None:
             expires = min(expires, end)
         return Ticket(node.node_id, node.role, node.region, b.key, node.epoch, b.credential, expires).text(self._sign)

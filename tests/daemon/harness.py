@@ -46,7 +46,9 @@ class Daemon:
 
     def __init__(self, root: Path, name: str, role: str, region: str, token_file: Path, *,
                  tracker: str | None = None, port: int = 0, ttl: float | None = None, env: dict | None = None,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), open_files: int | None = None):
+        """``open_files``: the process's limit on open files, soft and hard (as a box's ulimit sets it)."""
+        self.open_files = open_files
         self.name, self.role, self.region = name, role, region
         self.data_dir = root / name
         self.log_path = root / f"{name}.log"
@@ -69,8 +71,15 @@ class Daemon:
 
     def start(self, wait: bool = True) -> "Daemon":
         self._log = open(self.log_path, "ab")
+        limit = self.open_files
+
+        def limits() -> None:
+            if limit is not None:
+                import resource
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", *self.args],
-                                     stdout=self._log, stderr=self._log, env=self.env)
+                                     stdout=self._log, stderr=self._log, env=self.env, preexec_fn=limits)
         if wait:
             wait_for(lambda: self.runtime() is not None or self.proc.poll() is not None, 20, f"{self.name} to start")
             assert self.proc.poll() is None, f"{self.name} exited: {self.log()}"

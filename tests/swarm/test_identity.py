@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sparrowd.daemon.leasedb import SqliteLeaseStore
-from sparrowd.daemon.tracker import TrackerService
+from sparrowd.daemon.tracker import TICKET_LIFE, TrackerService
 from sparrowd.errors import FormatError
 from sparrowd.swarm.identity import (
     MAX_SKEW,
@@ -243,14 +243,14 @@ def test_a_ticket_carries_the_lease_and_ends_with_the_ttl_or_its_credential():
     ticket = Ticket.parse(reply["ticket"], svc.trainer_key)
     assert (ticket.node_id, ticket.role, ticket.region, ticket.key, ticket.epoch, ticket.credential) == (
         "n1", "rollout", "us", a.public, reply["epoch"], c.id)
-    assert ticket.expires == t[0] + 10.0  # the credential ends before the lease's TTL would
+    assert ticket.expires == t[0] + 10.0  # the credential ends before the ticket would
     ticket.check(t[0] + 9.9, ())
     refused("expired", ticket.check, t[0] + 10.0, ())
     refused("revoked", ticket.check, t[0], {c.id})
-    # A node that joined with the shared token: a ticket for one TTL.
+    # A node that joined with the shared token: a ticket for TICKET_LIFE (or a TTL, if longer).
     b = new_key()
     plain = Ticket.parse(svc.join(members.join(b, "n2", ts=t[0]))["ticket"], svc.trainer_key)
-    assert plain.expires == t[0] + 15.0 and plain.credential is None
+    assert plain.expires == t[0] + max(15.0, TICKET_LIFE) and plain.credential is None
     # Another trainer's ticket, or a tampered one, is not this swarm's.
     claims, sig = reply["ticket"].split(".")
     mid = len(claims) // 2
