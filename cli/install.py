@@ -36,6 +36,9 @@ def register(sub) -> None:
     i.add_argument("--role", choices=ROLES, default="rollout", help="trainer, rollout (default) or relay")
     i.add_argument("--listen", metavar="HOST:PORT", help="address to serve peers on (default 0.0.0.0:7070)")
     i.add_argument("--advertise", metavar="HOST:PORT", help="address other nodes reach this box on, behind NAT")
+    i.add_argument("--metrics-listen", metavar="HOST:PORT", default=DEFAULT_METRICS_LISTEN,
+                   help=f"serve /metrics alone there, with no token, for Prometheus (default "
+                        f"{DEFAULT_METRICS_LISTEN}; 'off' for none)")
     i.add_argument("--group", metavar="NAME", help="run the daemon with this group, so an engine running as "
                                                    "another user in it can open the engine socket")
     add_follow_flags(i)
@@ -50,6 +53,9 @@ def register(sub) -> None:
     u.add_argument("--prefix", metavar="DIR", default="/", help="the prefix given to install")
     u.add_argument("--purge", action="store_true", help="also delete /var/lib/sparrowd (chunks, keys, leases)")
     u.set_defaults(func=cmd_uninstall)
+
+
+DEFAULT_METRICS_LISTEN = "127.0.0.1:9464"  # an installed box's scrape address: loopback, no token
 
 
 def _toml(settings: dict) -> str:
@@ -102,7 +108,8 @@ def cmd_install(args) -> int:
     settings = {"role": args.role, "region": args.region, "tracker": args.tracker,
                 "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise,
                 "follow_vllm": args.follow_vllm, "follow_every": args.follow_every,
-                "follow_vllm_remote": args.follow_vllm_remote, "current": args.current}
+                "follow_vllm_remote": args.follow_vllm_remote, "current": args.current,
+                "metrics_listen": None if args.metrics_listen == "off" else args.metrics_listen}
     # The same checks `sparrowd run` will make, now, while the operator is at the keyboard.
     load_settings({k: v for k, v in settings.items()}, env={})
     written = []

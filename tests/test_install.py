@@ -35,11 +35,13 @@ def test_install_writes_settings_token_and_a_unit_systemd_accepts(tmp_path, toke
     assert tok.read_text().strip() == "ab" * 24 and (tok.stat().st_mode & 0o777) == 0o600
     cfg = tomllib.loads((root / "etc/sparrowd/sparrowd.toml").read_text())
     assert cfg == {"role": "rollout", "region": "us-east", "tracker": "http://10.0.0.1:7070",
-                   "token_file": "/etc/sparrowd/swarm.token"}
+                   "token_file": "/etc/sparrowd/swarm.token", "metrics_listen": "127.0.0.1:9464"}
     s = load_settings({}, env={"SPARROWD_CONFIG": str(root / "etc/sparrowd/sparrowd.toml")})
     assert (s.role, s.region, s.tracker) == ("rollout", "us-east", "http://10.0.0.1:7070")
+    assert s.metrics_listen == ("127.0.0.1", 9464)  # a scraper reads metrics on loopback, holding no secret
     unit = (root / "etc/systemd/system/sparrowd.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "StateDirectory=sparrowd",
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "RestartPreventExitStatus=78",
+                 "StateDirectory=sparrowd",
                  "RuntimeDirectory=sparrowd", "LimitNOFILE=", "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "ProtectHome=", "PrivateTmp=yes", "Group=video", "run --config /etc/sparrowd/sparrowd.toml"):
         assert line in unit, line

@@ -67,8 +67,10 @@ class DaemonMetrics:
                 "no-ticket (no member's ticket), bad-ticket (not this swarm's, or another node's), expired (a "
                 "ticket past its lease or credential), revoked (its credential was), lease-ended (at the "
                 "trainer: no lease at that epoch), impostor (no valid proof with the ticket's key), unknown "
-                "(this node holds no lease yet)", labels=["reason"])
-            for reason in ("no-ticket", "bad-ticket", "expired", "revoked", "lease-ended", "impostor", "unknown"):
+                "(this node holds no lease yet), budget-choked / budget-banned (a peer whose exchanges cost this node "
+                "past its budget of CPU and bytes, swarm.budget)", labels=["reason"])
+            for reason in ("no-ticket", "bad-ticket", "expired", "revoked", "lease-ended", "impostor", "unknown",
+                           "budget-choked", "budget-banned"):
                 refused.add_metric([reason], d.swarm.refused[reason])
             yield refused
             lies = CounterMetricFamily("sparrowd_peer_false_haves", "Chunks peers advertised and then did not serve")
@@ -104,7 +106,7 @@ class DaemonMetrics:
             yield stripes
             bans = CounterMetricFamily("sparrowd_peers_banned", "Peers banned for the session",
                                        labels=["reason"])
-            for reason in ("bad-chunk", "false-have"):
+            for reason in ("bad-chunk", "false-have", "budget"):
                 bans.add_metric([reason], d.swarm.bans[reason])
             yield bans
 

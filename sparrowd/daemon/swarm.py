@@ -77,6 +77,7 @@ from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
 from ..swarm.bucket import DEFAULT_BURST, TokenBucket
+from ..swarm.budget import Budgets
 from ..swarm.chain import Key, advance, retained, wanted
 from ..swarm.choker import Choker, ChokerPeer
 from ..swarm.identity import (
@@ -287,6 +288,7 @@ class Swarm:
         self.lies = 0  # chunks peers advertised and did not serve
         self._proofs_ok: dict[tuple[str, int, str], float] = {}  # (node, epoch, proof) -> checked at
         self._tickets: dict[str, Ticket | None] = {}  # ticket text -> its claims (None: not this swarm's)
+        self.budgets = Budgets()  # what each peer's exchanges may cost this node (swarm.budget)
         self._refusal_log = Throttle(10.0)  # a warning per refusal reason every 10 s
         self.gen = 0
         self._changed = asyncio.Event()
@@ -817,6 +819,10 @@ class Swarm:
 
     async def handle_exchange(self, request: web.Request) -> web.Response:
         remote = request["peer"]  # admitted from its headers (``admit``) before a byte of the body is read
+        if (why := self.budgets.refused(remote.node_id, time.monotonic())) is not None:
+            return self._refuse(request, remote.node_id, f"budget-{why}", 403 if why == "banned" else 429,
+                                f"{why}: this peer's exchanges cost this node past its budget (swarm.budget)")
+        cpu = time.thread_time()
         if (request.content_length or 0) > MAX_EXCHANGE_REQUEST:
             return web.json_response({"error": "exchange message too large"}, status=413)
         body = await read_limited(request.content, MAX_EXCHANGE_REQUEST)
@@ -847,7 +853,9 @@ class Swarm:
                 wait = 0
         if any(k in theirs and theirs[k][0] < len(vs.statements) for k, vs in self.versions.items()):
             wait = 0  # it follows a version and lacks statements of it (the last reply was a page): at once
+        cpu = time.thread_time() - cpu
         await self.changed(m["after"], wait)
+        built = time.thread_time()
         # The statements go out a page at a time (StatementPage): first of the versions the peer follows,
         # then of the others newest first (it may not want the old ones; it lists those it takes).
         out, page = [], StatementPage()
@@ -871,7 +879,13 @@ class Swarm:
             reply["joins"], joined = t.joined_since(m.get("joined_after") or 0, time.time())
             if joined:
                 reply["joined"] = joined
-        return web.Response(body=pack(reply), content_type=MSGPACK)
+        packed = pack(reply)
+        cpu += time.thread_time() - built
+        if (verdict := self.budgets.of(remote.node_id).spend(time.monotonic(), cpu, len(body) + len(packed))):
+            self.refused[f"budget-{verdict}"] += 1
+            event(log, logging.WARNING, "peer over its budget", peer=remote.node_id, now=verdict,
+                  remote=request.remote or "?")
+        return web.Response(body=packed, content_type=MSGPACK)
 
     def _live(self) -> tuple[int, int, int, int]:
         """The peers heard from in the last 30 s: how many, how many of them in this node's region, how
@@ -1211,7 +1225,10 @@ class Swarm:
         # crossings timed for 2 s one way, and took 1.33x the bound where later ones took 1.08x).
         took = (time.monotonic() - t0) / (2 if traced.get("new") else 1)
         ps.rtt = took if ps.rtt is None else min(ps.rtt, took)
+        cpu = time.thread_time()
         self._ingest(ps, unpack(body, what=f"exchange reply from {ps.node_id}", max_len=MAX_EXCHANGE))
+        if self.budgets.of(ps.node_id).spend(time.monotonic(), time.thread_time() - cpu, len(body)) == "banned":
+            self._ban(ps, "its exchange replies cost this node past its budget", kind="budget")
 
     async def _peer_loop(self, ps: PeerState) -> None:
         """The long poll: returns when the peer changed (or after a few seconds), then asks again."""
