@@ -22,7 +22,18 @@ from .status import render_status
 _SETTING_FLAGS = ("role", "listen", "data_dir", "region", "token_file", "tracker", "advertise", "lease_ttl",
                   "node_id", "peer_limit", "log_format", "log_level", "retain", "upload_rate", "download_rate",
                   "wan_upload_rate", "rate_burst", "engine_socket", "follow_vllm", "follow_every",
-                  "follow_vllm_remote", "super_seed", "current", "cut_through", "push", "metrics_listen")
+                  "follow_vllm_remote", "super_seed", "current", "cut_through", "push", "metrics_listen", "base",
+                  "base_version")
+
+
+def add_base_flags(p) -> None:
+    """The box's own base checkpoint, shared by `run` and `install`."""
+    p.add_argument("--base", metavar="DIR",
+                   help="a local model folder (or .safetensors file) holding a version the swarm's patches build on, "
+                        "e.g. the checkpoint this box's engine loads: the current folder starts from it, so ulp2 "
+                        "patches decode here without an anchor (rollouts)")
+    p.add_argument("--base-version", metavar="N",
+                   help="the version --base holds (default: found from the patches' base fingerprints)")
 
 
 def add_follow_flags(p) -> None:
@@ -65,6 +76,7 @@ def register(sub) -> None:
                         "to the tracker when listening on all interfaces)")
     r.add_argument("--lease-ttl", metavar="SECONDS", help="lease time-to-live the tracker grants (trainer; default 15)")
     r.add_argument("--node-id", metavar="ID", help="node id (default: generated once, kept in the data dir)")
+    add_base_flags(r)
     r.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve /metrics alone on this address, without the swarm token, for Prometheus (e.g. "
                         "127.0.0.1:9464; default: only on the main port, with the token)")
@@ -460,6 +472,7 @@ def _publish_checkpoint(args, token: str) -> int:
     print(f"version {m.version} (base {m.base_version}) published from {src}: {_count(len(m.chunks), 'chunk')}, "
           f"{m.patch_bytes} bytes, {m.elements_changed} elements changed")
     anchor = published_state(args.daemon, token)["anchor"]
+    _warn_base(m, anchor)
     if args.anchor_every and args.version - (anchor or 0) >= args.anchor_every:
         _publish_anchor(src, args.version, state, args, token)
     return 0
@@ -479,4 +492,17 @@ def cmd_publish(args) -> int:
     state = "published" if new else "was already published"
     print(f"version {m.version} (base {m.base_version}) {state}: {_count(len(m.chunks), 'chunk')}, "
           f"{m.patch_bytes} bytes, {sent} sent now")
+    _warn_base(m, published_state(args.daemon, token)["anchor"])
     return 0
+
+
+def _warn_base(m, anchor: int | None) -> None:
+    """An ``ulp2`` patch decodes only against its base's bits: say, in one line, what a rollout box
+    needs when no anchor in the swarm carries that base."""
+    from sparrowd.codec.chunk import ULP2
+
+    if m.values == ULP2 and m.base_version is not None and (anchor is None or anchor > m.base_version):
+        print(f"warning: version {m.version} is ulp2, coded against base {m.base_version}, and no anchor in the "
+              f"swarm carries that base: each rollout box needs it locally (sparrowd run --base DIR, or an engine "
+              f"started from that folder) or an anchor (sparrowd publish --checkpoint DIR --anchor, or --values "
+              f"ulp)", file=sys.stderr)

@@ -15,7 +15,7 @@ from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 
 from .checks import path_args
-from .daemon import add_current_flag, add_follow_flags
+from .daemon import add_base_flags, add_current_flag, add_follow_flags
 
 ETC = Path("etc/sparrowd")
 UNIT = Path("etc/systemd/system/sparrowd.service")
@@ -42,6 +42,7 @@ def register(sub) -> None:
     i.add_argument("--group", metavar="NAME", help="run the daemon with this group, so an engine running as "
                                                    "another user in it can open the engine socket")
     add_follow_flags(i)
+    add_base_flags(i)
     add_current_flag(i)
     i.add_argument("--prefix", metavar="DIR", default="/", help="install under DIR instead of / (images, tests)")
     i.add_argument("--now", action="store_true", help="also enable and start the service (needs --prefix /)")
@@ -109,7 +110,9 @@ def cmd_install(args) -> int:
                 "token_file": "/" + str(ETC / "swarm.token"), "listen": args.listen, "advertise": args.advertise,
                 "follow_vllm": args.follow_vllm, "follow_every": args.follow_every,
                 "follow_vllm_remote": args.follow_vllm_remote, "current": args.current,
-                "metrics_listen": None if args.metrics_listen == "off" else args.metrics_listen}
+                "metrics_listen": None if args.metrics_listen == "off" else args.metrics_listen,
+                "base": str(Path(args.base).expanduser().absolute()) if args.base else None,
+                "base_version": args.base_version}
     # The same checks `sparrowd run` will make, now, while the operator is at the keyboard.
     load_settings({k: v for k, v in settings.items()}, env={})
     written = []

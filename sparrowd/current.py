@@ -76,7 +76,8 @@ from .decoded import decoded_from, write_decoded
 from .errors import BaseMismatchError, FormatError, IntegrityError, SparrowError
 from .schema import pack, unpack
 
-__all__ = ["CurrentFolder", "FolderBusy", "LayoutChange", "HistoryMissing", "read_history", "model_files",
+__all__ = ["CurrentFolder", "FolderBusy", "LayoutChange", "HistoryMissing", "read_history", "model_files", "base_of",
+           "adopt_folder",
            "read_marker", "reading", "build_folder", "update_folder", "MARKER", "LOCK"]
 
 MARKER = "sparrowd.json"
@@ -269,11 +270,16 @@ def _layout(tensors, shard_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
+def _weight_files(folder: Path) -> list[str]:
+    """A model folder's weight files: those its shard index names, else ``model.safetensors``."""
+    index = folder / INDEX_NAME
+    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+
+
 def _places(folder: Path) -> dict[str, _Place]:
     """Where each tensor's bytes are, from the shards' headers."""
-    index = folder / INDEX_NAME
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        ["model.safetensors"]
+    files = _weight_files(folder)
     out = {}
     for name in files:
         with open(folder / name, "rb") as f:
@@ -288,13 +294,16 @@ def _places(folder: Path) -> dict[str, _Place]:
 
 
 class _Shards:
-    """Writable flat bit views of a folder's tensors, one mapping per shard file, opened lazily.
+    """Flat bit views of a folder's tensors, one mapping per shard file, opened lazily; writable
+    unless ``writable`` is False.
 
     ``guard``: each shard is leased first; one that another process has open is copied and
-    updated under a temporary name, renamed over the original by ``commit``."""
+    updated under a temporary name, renamed over the original by ``commit``. A shard that is a
+    link to a file outside the folder (an adopted base, ``adopt``) is always so copied before
+    its first write: the linked file is never written."""
 
-    def __init__(self, folder: Path, places: dict[str, _Place], *, guard: bool):
-        self.folder, self.places, self.guard = folder, places, guard
+    def __init__(self, folder: Path, places: dict[str, _Place], *, guard: bool, writable: bool = True):
+        self.folder, self.places, self.guard, self.writable = folder, places, guard, writable
         self._open: dict[str, tuple[int, mmap.mmap, Path | None]] = {}  # file -> (fd, map, temporary copy)
         self.copied: list[str] = []
 
@@ -307,9 +316,14 @@ class _Shards:
 
     def _map(self, file: str) -> tuple[int, mmap.mmap, Path | None]:
         path, tmp = self.folder / file, None
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        if self.guard and not _lease(fd):
-            os.close(fd)
+        if not self.writable:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ), None
+        linked = path.is_symlink()
+        fd = -1 if linked else os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        if linked or (self.guard and not _lease(fd)):
+            if fd >= 0:
+                os.close(fd)
             tmp = self.folder / f".{file}.{os.getpid()}.cow"
             shutil.copyfile(path, tmp)
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
@@ -331,7 +345,7 @@ class _Shards:
                 mm.close()
             except BufferError:  # a view is still referenced; the mapping goes with it
                 pass
-            if self.guard:
+            if self.guard and self.writable and tmp is None:
                 _unlease(fd)
             os.close(fd)
             if tmp is not None:
@@ -489,6 +503,78 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
                   {f.name: f.hash.hex() for f in anchor.files})
 
 
+def adopt_folder(dest: Path, source: Path, choose: Callable[[dict[str, bytes]], int]) -> tuple[int, str]:
+    """``dest`` (new) made a version folder of ``source``: a model folder or one safetensors file
+    (``CurrentFolder.adopt``)."""
+    dest.mkdir(parents=True)
+    if source.is_file():
+        weights = {"model.safetensors": source}
+    else:
+        weights = {name: source / name for name in _weight_files(source)}
+        if (source / INDEX_NAME).exists():
+            shutil.copyfile(source / INDEX_NAME, dest / INDEX_NAME)
+    how = "reflink"
+    for name, path in weights.items():
+        if not path.is_file():
+            raise FormatError(f"{source}: no weight file {name}")
+        if not _clone(path, dest / name):
+            os.symlink(path.resolve(), dest / name)
+            how = "link"
+    files = model_files(source) if source.is_dir() else {}
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    places = _places(dest)
+    shards = _Shards(dest, places, guard=False, writable=False)
+    try:
+        fps = {name: fingerprint(shards.view(name)) for name in places}
+    finally:
+        shards.close()
+    version = choose(fps)
+    (dest / LOCK).touch(mode=0o644)
+    _write_history(dest, version, History())  # the chain after a base starts its history afresh
+    _write_marker(dest, version, fps, {name: blake3.blake3(data).hexdigest() for name, data in files.items()})
+    return version, how
+
+
+_FICLONE = 0x40049409  # ioctl: make ``dest`` share ``src``'s extents (btrfs, XFS, bcachefs, ...)
+
+
+def _clone(src: Path, dest: Path) -> bool:
+    """A reflink of ``src`` at ``dest``, where the filesystem has them; False (nothing left) elsewhere."""
+    try:
+        with open(src, "rb") as s, open(dest, "wb") as d:
+            fcntl.ioctl(d.fileno(), _FICLONE, s.fileno())
+        return True
+    except OSError:
+        dest.unlink(missing_ok=True)
+        return False
+
+
+def base_of(fps: dict[str, bytes], patches: list[Manifest], version: int | None = None) -> int:
+    """The version a folder whose tensors have the fingerprints ``fps`` holds, told by the base
+    fingerprints of the patches that apply to it: the oldest base whose every fingerprint matches
+    (``version``: that one only). BaseMismatchError naming the first tensor that differs from the
+    base tried first otherwise; SparrowError when no patch names a base to compare with."""
+    bases: dict[int, Manifest] = {}
+    for m in sorted(patches, key=lambda m: m.version):
+        if m.base_version is not None and (version is None or m.base_version == version):
+            bases.setdefault(m.base_version, m)
+    if not bases:
+        raise SparrowError("no patch held yet names " + (f"base {version}" if version is not None else "a base"))
+    first: str | None = None
+    for b in sorted(bases):
+        m = bases[b]
+        bad = next((t.name for t in m.tensors if t.base_fp is not None
+                    and not (t.name in fps and fp_equal(fps[t.name], t.base_fp))), None)
+        if bad is None:
+            return b
+        if first is None:
+            missing = bad not in fps
+            first = (f"tensor {bad!r} " + ("is missing" if missing else "differs") +
+                     f" from version {b}'s, which version {m.version} applies to")
+    raise BaseMismatchError(f"not a base of this swarm's patches: {first}")
+
+
 def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], patch: Manifest, read: ReadChunk,
                    progress: Progress | None, decoded: Path | None = None,
                    history: History | None = None) -> dict[str, list]:
@@ -497,7 +583,7 @@ def _journal_patch(journal: _Journal, folder: Path, places: dict[str, _Place], p
     decoded layout (sparrowd.decoded), for engines that cannot decode it themselves (an ulp2 patch
     is coded against the base this folder holds). Returns an ulp2 patch's decoded segments by
     tensor (what the next history is made of)."""
-    reader = _Shards(folder, places, guard=False)  # reads only, through the same mappings
+    reader = _Shards(folder, places, guard=False, writable=False)  # reads only
     parts: dict[str, list] = {}
     keep = decoded is not None or patch.values == "ulp2"
     try:
@@ -645,7 +731,7 @@ class CurrentFolder:
         places = _places(folder)
         if set(places) != set(m["tensors"]):
             raise IntegrityError("its tensors are not those sparrowd.json lists")
-        shards = _Shards(folder, places, guard=False)
+        shards = _Shards(folder, places, guard=False, writable=False)
         try:
             for name, fp in m["tensors"].items():
                 if not fp_equal(fingerprint(shards.view(name)), bytes.fromhex(fp)):
@@ -658,12 +744,32 @@ class CurrentFolder:
 
     def build(self, anchor: Manifest, read: ReadChunk, progress: Progress | None = None) -> int:
         """Rebuild from an anchor beside the current folder, then swing ``current`` to it."""
+        self._make(lambda tmp: build_folder(tmp, anchor, read, shard_bytes=self.shard_bytes, progress=progress))
+        return anchor.version
+
+    def adopt(self, source: Path, choose: Callable[[dict[str, bytes]], int]) -> tuple[int, str]:
+        """Take a local model folder (Hugging Face layout, safetensors shards) or one safetensors
+        file as the current folder, then swing ``current`` to it. ``choose`` names the version its
+        tensors' fingerprints are (``base_of``) or raises; nothing is swung then. The weights are
+        cloned where the filesystem can (a reflink: no bytes copied), else linked, and each linked
+        shard is copied when it is first written (``_Shards``): the source is never written.
+        Returns the version and how the weights came ("reflink" or "link")."""
+        got: dict = {}
+
+        def make(tmp: Path) -> None:
+            got["version"], got["how"] = adopt_folder(tmp, Path(source), choose)
+
+        self._make(make)
+        return got["version"], got["how"]
+
+    def _make(self, fill: Callable[[Path], None]) -> None:
+        """A new version folder filled by ``fill`` beside the current one, then ``current`` swung to it."""
         self.folders.mkdir(parents=True, exist_ok=True)
         n = max((int(p.name) for p in self.folders.iterdir() if p.name.isdigit()), default=0) + 1
         tmp = self.folders / f".{n}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            build_folder(tmp, anchor, read, shard_bytes=self.shard_bytes, progress=progress)
+            fill(tmp)
             os.replace(tmp, self.folders / str(n))
             _fsync_dir(self.folders)
         except BaseException:
@@ -680,7 +786,6 @@ class CurrentFolder:
             self.journal.unlink(missing_ok=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        return anchor.version
 
     def apply(self, patch: Manifest, read: ReadChunk, progress: Progress | None = None,
               decoded: Path | None = None) -> int:

@@ -20,7 +20,7 @@ MAX_FRAME = 1 << 20
 _LEN = struct.Struct(">I")
 
 REQUESTS = {
-    "hello": {"op": Str, "engine": Str, "rank": NonNegInt, "version": NonNegInt, "token": Str},
+    "hello": {"op": Str, "engine": Str, "rank": NonNegInt, "version": NonNegInt, "token": Str, "model": Opt(Str)},
     "ready": {"op": Str, "wait": Opt(Int), "until": Opt(NonNegInt)},
     "fetch": {"op": Str, "version": NonNegInt, "anchor": Opt(Bool)},
     "applied": {"op": Str, "version": NonNegInt, "anchor": Opt(Bool), "fingerprint": Opt(Str)},

@@ -40,10 +40,11 @@ from aiohttp import web
 
 from .. import __version__
 from ..checkpoint import atomic_file
+from ..codec.chunk import ULP2
 from ..codec.manifest import MAX_MANIFEST
 from ..errors import FormatError, InputError, IntegrityError, SparrowError
 from ..schema import pack, unpack
-from ..swarm.chain import Key
+from ..swarm.chain import Key, Unproducible, unproducible
 from ..swarm.identity import (
     CREDENTIAL_PREFIX,
     Credential,
@@ -62,7 +63,7 @@ from . import sdnotify
 from .bodies import read_limited
 from .connections import GuardedRunner
 from .engine import EngineServer
-from .folder import FolderKeeper
+from .folder import FolderKeeper, decoded_path
 from .follow import VllmFollower
 from .leasedb import SqliteLeaseStore
 from .logs import Throttle, event
@@ -182,6 +183,20 @@ class Daemon:
     def versions_held(self) -> list[int]:
         return self.swarm.held() if self.swarm else []
 
+    def unproducible(self, target: int | None = None) -> Unproducible | None:
+        """Why a version this rollout holds whole (``target``, else the newest) cannot be made here:
+        an ``ulp2`` patch whose base no folder of this node holds or can reach. Never silent: renewals,
+        ``/v1/node`` and the engine socket say it (``swarm.chain.unproducible``)."""
+        sw = self.swarm
+        if sw is None or self.settings.role != "rollout" or (self.keeper is not None and self.keeper.base_pending()):
+            return None
+        held = {k: vs.obj for k, vs in sw.versions.items()}
+        based = {k.version for k, vs in sw.versions.items()
+                 if not k.anchor and vs.manifest is not None and vs.manifest.values == ULP2}
+        decoded = {v for v in based if decoded_path(self.data_dir, v).exists()}
+        folder = self.keeper.version if self.keeper is not None else None
+        return unproducible(held, based, decoded, folder, keeps_folder=self.keeper is not None, target=target)
+
     def count_bytes(self, direction: str, n: int, wan: bool) -> None:
         self.metrics.bytes[(direction, "other" if wan else "same")] += n
 
@@ -201,7 +216,7 @@ class Daemon:
             "bytes_down_wan": b[("down", "other")],
             "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
             "error": (self.swarm.error if self.swarm else None) or (self.follower.error if self.follower else None)
-            or (self.keeper.error if self.keeper else None),
+            or (self.keeper.error if self.keeper else None) or ((u := self.unproducible()) and u.reason),
             "peers": len(self.membership.state.peers) if self.membership else 0,
             "current": self.keeper.report() if self.keeper else None,
         }
@@ -740,7 +755,8 @@ class Daemon:
                       for p in (m.state.peers if m else [])],
             "key_id": self.key.id if self.key else None,
             "versions": self.versions_held(), "held_at": self.swarm.held_at() if self.swarm else {},
-            "error": self.swarm.error if self.swarm else None,
+            "error": (self.swarm.error if self.swarm else None) or ((u := self.unproducible()) and u.reason),
+            "unproducible": u._asdict() if (u := self.unproducible()) else None,
             "current": self.keeper.info() if self.keeper else None,
         })
 

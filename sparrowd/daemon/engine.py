@@ -263,6 +263,8 @@ class EngineServer:
             event(log, logging.WARNING, "engine refused: wrong swarm token", engine=msg["engine"][:64])
             await self._send(conn, {"op": "error", "error": "wrong swarm token"})
             return None
+        if msg.get("model") and self.daemon.keeper is not None:  # the folder it loaded: a base for an empty node
+            self.daemon.keeper.offer_base(Path(msg["model"][:4096]), by=msg["engine"][:64])
         me = Engine(msg["engine"][:64], msg["rank"], msg["version"], time.monotonic())
         self.engines[(me.engine, me.rank)] = me
         event(log, logging.INFO, "engine attached", engine=me.engine, rank=me.rank, version=me.version)
@@ -289,6 +291,8 @@ class EngineServer:
         deadline = time.monotonic() + wait
         while True:
             gen = self.swarm.gen
+            if until is not None and (u := self.daemon.unproducible(until)) is not None:
+                return {"op": "error", "error": u.reason}  # held, and never to be made here: say so now
             anchor, patches = self.plan(me.version)
             left = deadline - time.monotonic()
             end = patches[-1] if patches else anchor

@@ -20,9 +20,10 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 
 from ..codec.chunk import ULP2
-from ..current import CurrentFolder, FolderBusy, HistoryMissing, LayoutChange
+from ..current import CurrentFolder, FolderBusy, HistoryMissing, LayoutChange, base_of
 from ..errors import SparrowError
 from ..swarm.chain import Key, engine_plan
 from .logs import event
@@ -64,6 +65,10 @@ class FolderKeeper:
         self._failures = 0
         self._need_anchor = False  # a patch changed the layout: only an anchor can move the folder on
         self._rebuild = False  # the folder lacks a patch's change history: rebuilt from the newest anchor
+        # A local model folder holding a version the patches build on (--base, or the folder an engine
+        # loaded): an empty current folder starts from it (``_adopt``).
+        self.base: Path | None = daemon.settings.base
+        self._base_refused: tuple[Path, int] | None = None  # (source, patches held) a mismatch was found with
         # Until the folder is checked, plan from the version its commit record names.
         self.version = self.folder.version()
         self.swarm.current_floor = -1 if self.version is None else self.version
@@ -112,6 +117,41 @@ class FolderKeeper:
             wait = await self._step()
             await self.swarm.changed(gen, wait)
 
+    def base_pending(self) -> bool:
+        """A local base is set and not yet adopted nor refused: the versions it leads to are coming."""
+        return self.version is None and self.base is not None and self._base_refused is None
+
+    def offer_base(self, source: Path, by: str) -> None:
+        """A local model folder an engine loaded (``by``): the base to start from, when none is set."""
+        if self.base is None and source.is_dir():
+            self.base = source
+            event(log, logging.INFO, "base offered", path=str(source), by=by)
+            self.swarm.wake()
+
+    async def _adopt(self) -> bool:
+        """Start the empty current folder from the local base, once the patches held tell which version
+        it is (their base fingerprints, or ``--base-version``); a folder that is no base of theirs is
+        refused with one line naming the first tensor that differs. True when adopted."""
+        patches = [vs.manifest for k, vs in self.swarm.versions.items() if not k.anchor and vs.manifest is not None]
+        tried = (self.base, len(patches))
+        if not patches or self._base_refused == tried:
+            return False
+        want = self.daemon.settings.base_version
+        self._set("building")
+        try:
+            version, how = await asyncio.to_thread(self.folder.adopt, self.base,
+                                                   lambda fps: base_of(fps, patches, want))
+        except (SparrowError, OSError) as e:
+            self._base_refused = tried
+            self.error = f"--base {self.base}: {e}"
+            event(log, logging.ERROR, "base refused", path=str(self.base), reason=str(e))
+            self._set("empty")
+            return False
+        self.error = None
+        self._set("ready", version)
+        event(log, logging.INFO, "base adopted", path=str(self.base), version=version, weights=how)
+        return True
+
     def _reader(self, key: Key):
         store = self.swarm.store
         return lambda i: store.chunk_path(key, i).read_bytes()
@@ -124,6 +164,8 @@ class FolderKeeper:
         drop_decoded(self.daemon.data_dir, {k.version for k in held if not k.anchor})
         at = -1 if self.version is None else self.version
         anchor, patches = engine_plan(-1 if self._need_anchor else at, held)
+        if self.version is None and self.base is not None and anchor is None and await self._adopt():
+            return 0.0
         if self._need_anchor and (anchor is None or (anchor <= at and not self._rebuild)):
             return 5.0
         if anchor is None and not patches:

@@ -86,6 +86,9 @@ class VllmFollower:
             if server is None:
                 await self._attach()
                 server = self.server_version()
+                # Attached: the server answers now, so the back-off of the attempts made while it was
+                # starting (or down) ends; the versions it lacks go to it at once.
+                self._failures, self._failed_at, self.error = 0, None, None
             anchor, patches = self.daemon.engines.plan(server) if server is not None else (None, [])
             ready = patches[-1] if patches else anchor
             d = decide(now, server=server, ready=ready, every=self.every, last_update=self.last_update,

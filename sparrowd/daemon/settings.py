@@ -123,6 +123,29 @@ def _path(text: Any) -> Path:
     return Path(os.path.expanduser(str(text).strip())).absolute()
 
 
+def _base(text: Any) -> Path:
+    """A local model folder (safetensors shards) or one safetensors file: the base the swarm's
+    patches build on, which this box already holds."""
+    p = _path(text)
+    if p.is_file() and p.suffix == ".safetensors":
+        return p
+    if not p.is_dir():
+        raise ValueError(f"{p}: not a model folder or a .safetensors file")
+    if not (p / "model.safetensors").is_file() and not (p / "model.safetensors.index.json").is_file():
+        raise ValueError(f"{p}: no model.safetensors (or model.safetensors.index.json) in it")
+    return p
+
+
+def _non_negative_int(text: Any) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise ValueError("must be 0 or more")
+    return v
+
+
 def _non_negative_float(text: Any) -> float:
     try:
         v = float(text)
@@ -210,6 +233,8 @@ class Settings:
     push: tuple[int, int] = DEFAULT_PUSH  # a relay sends what it can serve, unasked, to (local, cross) peers a chunk
     current: bool | None = None  # keep DATA/current, the newest version as a model folder (default: rollouts do)
     metrics_listen: tuple[str, int] | None = None  # a second listener serving /metrics alone, no token asked
+    base: Path | None = None  # a local model folder holding a version the patches build on (the current folder's start)
+    base_version: int | None = None  # the version ``base`` holds (default: found from the patches' base fingerprints)
 
     @property
     def is_tracker(self) -> bool:
@@ -248,6 +273,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "push": _push,
     "current": _bool,
     "metrics_listen": parse_hostport,
+    "base": _base,
+    "base_version": _non_negative_int,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

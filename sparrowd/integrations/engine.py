@@ -29,7 +29,10 @@ __all__ = ["EngineClient", "sync", "MAX_READY_WAIT"]
 class EngineClient:
     def __init__(self, path: str | os.PathLike, *, token: str | None = None,
                  token_file: str | os.PathLike | None = None,
-                 engine: str = "engine", rank: int = 0, version: int = 0, timeout: float = 60.0):
+                 engine: str = "engine", rank: int = 0, version: int = 0, timeout: float = 60.0,
+                 model: str | os.PathLike | None = None):
+        """``model``: the local folder the engine loaded its weights from, if it did: a daemon whose
+        current folder is empty starts it from there (``sparrowd run --base``)."""
         if token is None:
             token_file = token_file or os.environ.get("SPARROWD_TOKEN_FILE")
             if not token_file:
@@ -45,7 +48,10 @@ class EngineClient:
         except OSError as e:
             self._sock.close()
             raise SparrowError(f"engine socket {self.path}: cannot connect ({e.strerror or e})") from None
-        reply = self._call({"op": "hello", "engine": engine, "rank": rank, "version": version, "token": token})
+        hello = {"op": "hello", "engine": engine, "rank": rank, "version": version, "token": token}
+        if model is not None and os.path.isdir(model):
+            hello["model"] = os.path.abspath(model)
+        reply = self._call(hello)
         self.node = reply.get("node")
 
     # ------------------------------------------------------------ calls

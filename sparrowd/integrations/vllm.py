@@ -254,7 +254,10 @@ class VllmPatcher:
         elif version is not None:
             self.applier.version = version
         self.close()
-        self._attach = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine)
+        # The folder the weights were loaded from, when local: the daemon can start its current folder
+        # from it (ulp2 patches decode against that base), with no anchor and no --base.
+        model = str(self.folder) if self.folder and os.path.isdir(str(self.folder)) else None
+        self._attach = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine, model=model)
         self.client = EngineClient(**self._attach, version=self.applier.version)
 
     def update(self, target: int | None = None, *, wait: float = 0.0, exact: bool = False) -> int:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-__all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan", "producible"]
+__all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan", "producible", "Unproducible",
+           "unproducible"]
 
 
 class Key(NamedTuple):
@@ -170,3 +171,51 @@ def producible(held: Mapping[Key, Obj]) -> dict[int, tuple[int, list[int]]]:
             chain.append(cur)
             out[cur] = (a, list(chain))
     return out
+
+
+class Unproducible(NamedTuple):
+    """A version this node holds whole but cannot produce, the base its held chain starts from, and
+    why, in one line."""
+
+    version: int
+    base: int
+    reason: str
+
+
+def unproducible(held: Mapping[Key, Obj], based: set[int], decoded: set[int], folder: int | None, *,
+                 keeps_folder: bool, target: int | None = None) -> Unproducible | None:
+    """Why version ``target`` (default: the newest patch held whole) cannot be produced here, or None.
+
+    ``based``: the patches coded against their base's bits (``ulp2``): only a folder that holds
+    that base (the node's current folder) decodes them; ``decoded``: those it has decoded already;
+    ``folder``: the version the current folder holds (None: empty). A base is within reach when
+    the folder holds it or a later version, reaches it through held patches, or a held anchor does."""
+    done = {k: o for k, o in held.items() if o.complete}
+    patches = {k.version: o.base for k, o in done.items() if not k.anchor}
+    if target is None:
+        todo = [v for v in patches if v in based and v not in decoded and (folder is None or v > folder)]
+        if not todo:
+            return None
+        target = max(todo)
+    if target not in patches or target not in based or target in decoded or (folder is not None and target <= folder):
+        return None
+    base = patches[target]
+    if base is None:
+        return None
+    reach = set(producible(done))
+    if folder is not None:
+        reach.add(folder)
+        cur, by_base = folder, {b: v for v, b in patches.items() if b is not None}
+        while cur in by_base and by_base[cur] > cur:
+            cur = by_base[cur]
+            reach.add(cur)
+    if base in reach or (folder is not None and folder >= base):
+        return None
+    while base in patches and patches[base] is not None and patches[base] < base:
+        base = patches[base]  # the chain's start: what the node lacks is the base the held patches lead from
+    if not keeps_folder:
+        why = (f"v{target}: ulp2 needs base {base} in a current folder, which this node does not keep: "
+               f"start it with --current on and --base, or publish an anchor")
+    else:
+        why = f"v{target}: ulp2 needs base {base}, which this node lacks: start it with --base or publish an anchor"
+    return Unproducible(target, base, why)

@@ -211,6 +211,34 @@ def test_follow_mode_moves_the_server_while_requests_run(world):
     outputs(w)
 
 
+def test_follow_mode_moves_a_server_at_once_when_it_attaches_after_failing_to(world):
+    """A follower started before its server (as a new user does: the daemon first, then `vllm serve`)
+    backs off while the server cannot be reached; once it attaches, the versions it already holds go
+    to the server at once, not after the back-off of the failed attempts."""
+    from tests.daemon.test_open_port import RecordingProxy
+
+    w = world
+    start = int(w.server.weight_version())
+    w.node.stop()
+    proxy = RecordingProxy(int(w.server.url.rsplit(":", 1)[1]))  # not listening yet: "cannot connect"
+    w.node = w.rollout("--follow-vllm", f"http://127.0.0.1:{proxy.port}")
+    role("more", w.out, w.tracker, w.token_file, start, 2)
+    last = start + 2
+    wait_for(lambda: last in (r1_row(w).get("versions") or []), 60, "the node to hold the new versions")
+    time.sleep(12.0)  # failed attempts in a row: the back-off reaches 8 s
+    assert "cannot move the vLLM server" in w.node.log()
+    proxy.start()
+    proxy.ready.wait(10)
+    attached = wait_for(lambda: "following the vLLM server" in w.node.log() and time.monotonic(), 30,
+                        "the follower to attach the server")
+    moved = wait_for(lambda: w.server.weight_version() == str(last) and time.monotonic(), 30,
+                     f"the server to reach version {last}")
+    assert moved - attached < 3.0, f"the server moved {moved - attached:.1f} s after the follower attached it"
+    w.node.stop()
+    w.node = w.rollout("--follow-vllm", w.server.url)  # the next tests' follower, straight to the server
+    wait_for(lambda: r1_row(w).get("engine_version") == last, 30, "the follower to attach the server")
+
+
 def test_every_version_served_equals_a_fresh_engine_on_its_checkpoint(world):
     # Whatever path moved the server (vLLM's trainer-side API, the RL routes by hand after
     # faults, follow mode under load), its greedy tokens and logprobs at each version equal

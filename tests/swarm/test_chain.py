@@ -137,3 +137,22 @@ def test_a_newer_anchor_known_elsewhere_retires_the_old_one_and_its_chain():
     # Anchor 6 exists in the swarm: late nodes start there; anchor 0 and patches up to 6 go.
     assert retained(complete, 2, newest_anchor=6) == {Key(7), Key(8)}
     assert retained(complete, 4, newest_anchor=6) == {Key(5), Key(6), Key(7), Key(8)}
+
+
+def test_a_version_held_but_not_producible_is_named_with_the_base_it_lacks():
+    from sparrowd.swarm.chain import Key, Obj, unproducible
+
+    held = {Key(1): Obj(0, True), Key(2): Obj(1, True), Key(3): Obj(2, True)}
+    ulp2 = {1, 2, 3}
+    u = unproducible(held, ulp2, set(), None, keeps_folder=True)
+    assert (u.version, u.base) == (3, 0) and "start it with --base or publish an anchor" in u.reason
+    assert "--current on" in unproducible(held, ulp2, set(), None, keeps_folder=False).reason
+    assert unproducible(held, ulp2, set(), 0, keeps_folder=True) is None  # the folder holds the base
+    assert unproducible(held, ulp2, set(), 3, keeps_folder=True) is None  # or is there already
+    assert unproducible({**held, Key(1, True): Obj(None, True)}, ulp2, set(), None, keeps_folder=True) is None
+    assert unproducible(held, {1, 2}, set(), None, keeps_folder=True).version == 2  # v3 is plain ulp
+    assert unproducible(held, ulp2, {1, 2, 3}, None, keeps_folder=True) is None  # decoded already
+    assert unproducible(held, ulp2, set(), None, keeps_folder=True, target=2).version == 2
+    assert unproducible(held, ulp2, set(), None, keeps_folder=True, target=9) is None  # not held: not yet
+    partial = {Key(1): Obj(0, True), Key(2): Obj(1, False)}
+    assert unproducible(partial, ulp2, set(), None, keeps_folder=True).version == 1
