@@ -24,11 +24,12 @@ _SHORT = {"trainer": "train", "rollout": "roll", "joining": "join"}
 
 
 def rate(r: float | None) -> str:
-    """Bytes per second in at most 4 characters: 512K, 3.1M, 42M."""
+    """Bytes per second in the IEC units every figure of the screen uses, in at most 5 characters
+    (the B/s is the column's): 512Ki, 2.9Mi, 42Mi."""
     if not r:
         return "-"
-    for unit in ("", "K", "M", "G", "T"):
-        if r < 1000 or unit == "T":
+    for unit in ("", "Ki", "Mi", "Gi", "Ti"):
+        if r < 1000 or unit == "Ti":
             return f"{r:.1f}{unit}" if r < 10 and unit else f"{r:.0f}{unit}"
         r /= 1024
     raise AssertionError("unreachable")
@@ -166,10 +167,10 @@ class TopView:
 
 
 def fit(rows: list[tuple[str, ...]], width: int) -> tuple[list[int], list[tuple[str, ...]]]:
-    """Column widths that fit ``width`` (NODE, then REGION, shrink first, with an ellipsis)."""
+    """Column widths that fit ``width`` (NODE, then REGION, then IN FLIGHT shrink first, with an ellipsis)."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     over = sum(widths) + len(widths) - 1 - width
-    for col, floor in ((0, 12), (2, 6), (0, 6)):
+    for col, floor in ((0, 12), (2, 6), (7, 8), (0, 6)):
         if over <= 0:
             break
         cut = min(over, widths[col] - floor)

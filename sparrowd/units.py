@@ -24,8 +24,11 @@ def format_rate(n: float | None) -> str:
 
 
 def format_bytes(n: float) -> str:
+    """Bytes in IEC units, three significant digits: 512 B, 1.50 KiB, 495 KiB, 2.90 MiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -676,10 +676,11 @@ class Daemon:
         q = request.query
         try:
             version = int(q["version"])
-            timeout = min(float(q.get("timeout", "30")), MAX_WAIT)
+            timeout = float(q.get("timeout", "30"))
             fraction = float(q["fraction"]) if "fraction" in q else None
             if not math.isfinite(timeout) or (fraction is not None and not math.isfinite(fraction)):
-                raise ValueError
+                raise ValueError  # NaN and infinity are no durations
+            timeout = min(timeout, MAX_WAIT)
             names = [n for n in q["nodes"].split(",") if n] if q.get("nodes") else None
             flags = {k: q.get(k, "0") in ("1", "true") for k in ("applied", "engines")}
             if version < 0 or timeout < 0 or (fraction is not None and not 0 < fraction <= 1) or (

@@ -200,6 +200,9 @@ class SparrowTrainerInitInfo(TrainerInitInfo):
     hold_timeout: float = 600.0  # how long send_weights waits for the rollout nodes to hold a version
     update_timeout: float = 60.0  # update_info["timeout"]: a server waits this long for a held version
     publisher: dict = field(default_factory=dict)  # keyword arguments of sparrowd.Publisher
+    # Publish the servers' weights as an anchor first. False: every rollout box holds that base
+    # itself (its server loaded it from a local folder, which its daemon starts from).
+    anchor: bool = True
 
     def __post_init__(self) -> None:
         _version("version", self.version)
@@ -242,7 +245,7 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         engine.info = init_info
         engine.publisher = Publisher(daemon=init_info.daemon, token_file=init_info.token_file, **init_info.publisher)
         if source is not None:  # the servers hold these weights: the base every later step is a patch on
-            engine.publisher.start(engine._weights(None), version=init_info.version)
+            engine.publisher.start(engine._weights(None), version=init_info.version, anchor=init_info.anchor)
             engine.version = init_info.version
         if engine.is_sender:
             engine._each(lambda c: c.init_weight_transfer_engine(dict(init_info.worker_init_info)))

@@ -21,12 +21,15 @@ STEPS = 2
 
 
 def test_vllm_follows_trained_steps_bit_for_bit(cluster, tmp_path):
+    """`sparrowd delta diff`'s defaults: ulp2 patches and no anchor. The node keeps its current folder
+    (a rollout's default) and nothing else: the engine, started from the base checkpoint's folder,
+    tells the daemon where, and the daemon starts its folder from there."""
     cluster.trainer()
-    node = cluster.rollout("r1", "us")
+    node = cluster.rollout("r1", "us", extra=("--current", "on"))
     wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
     out = tmp_path / "run"
     out.mkdir()
-    log = role("train", out, cluster.tracker, cluster.token_file, STEPS)
+    log = role("train", out, cluster.tracker, cluster.token_file, STEPS, env={"SPARROWD_TEST_BASE": "own"})
     assert f"step {STEPS}:" in log
     wait_for(lambda: any(n["node_id"] == "r1" and STEPS in n["versions"]
                          for n in status(cluster.tracker, cluster.token)["nodes"]), 60, "the node to hold the steps")
@@ -48,6 +51,7 @@ def test_vllm_follows_trained_steps_bit_for_bit(cluster, tmp_path):
     assert "hash mismatch" in faults["corrupt"]
     assert faults["unchanged"] and faults["version"] == STEPS
     same_params(out / "after-faults.params.npz", out / f"reference-step{STEPS}.params.npz")
+    assert "base adopted" in node.log() and "base offered" in node.log()
     # The node told the tracker which version its engine holds.
     wait_for(lambda: any(n["node_id"] == "r1" and n["engine_version"] is None
                          for n in status(cluster.tracker, cluster.token)["nodes"]), 15,

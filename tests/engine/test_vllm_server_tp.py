@@ -26,7 +26,10 @@ def test_tensor_parallel_server_follows_trained_steps(tmp_path):
     port = free_port()
     tracker = f"http://127.0.0.1:{port}"
     daemons = [Daemon(tmp_path, "trainer", "trainer", "eu", token_file, port=port, ttl=2).start()]
-    daemons.append(Daemon(tmp_path, "r1", "rollout", "us", token_file, tracker=tracker, ttl=2).start())
+    # `sparrowd delta diff`'s defaults (ulp2, no anchor), and a box with nothing but its server's own
+    # base folder: the workers tell the daemon where they loaded from (SPARROWD_TEST_BASE=own).
+    daemons.append(Daemon(tmp_path, "r1", "rollout", "us", token_file, tracker=tracker, ttl=2,
+                          extra=("--current", "on")).start())
     out = tmp_path / "run"
     out.mkdir()
     server = None
@@ -36,7 +39,9 @@ def test_tensor_parallel_server_follows_trained_steps(tmp_path):
         server = VllmServer(engine_python(), out / "step0", free_port(), tensor_parallel=2,
                             log_path=tmp_path / "server.log").start()
         server.wait_ready()
-        role("drive", out, tracker, token_file, STEPS, server.url, daemons[1].data_dir / "engine.sock", timeout=600)
+        role("drive", out, tracker, token_file, STEPS, server.url, daemons[1].data_dir / "engine.sock", timeout=600,
+             env={"SPARROWD_TEST_BASE": "own"})
+        assert "base adopted" in daemons[1].log()
         seen = json.loads((out / "drive.json").read_text())
         assert [s["weight_version"] for s in seen] == [str(v) for v in range(1, STEPS + 1)]
         # Both workers attached as ranks of one engine; the node reports the version they hold.

@@ -104,8 +104,11 @@ def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
     model = tiny_qwen3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     save_bf16(model, out / "step0")
-    pub = Publisher(daemon=daemon, token_file=token_file)
-    pub.start(model, version=0)
+    # SPARROWD_TEST_BASE=own: `sparrowd delta diff`'s defaults (ulp2, no anchor): the rollout boxes
+    # hold the base themselves (their engines loaded it from step0).
+    own = os.environ.get("SPARROWD_TEST_BASE") == "own"
+    pub = Publisher(daemon=daemon, token_file=token_file, values="ulp2" if own else "ulp")
+    pub.start(model, version=0, anchor=not own)
     g = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         loss = adamw_step(model, opt, g)
@@ -252,9 +255,11 @@ def drive(out: Path, daemon: str, token_file: str, steps: int, server: str, sock
     model = tiny_qwen3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     save_bf16(model, out / "step0")
+    own = os.environ.get("SPARROWD_TEST_BASE") == "own"  # ulp2 and no anchor: the servers hold the base
     engine = WeightTransferTrainerFactory.trainer_init(
         SparrowTrainerInitInfo(rank=0, daemon=daemon, token_file=token_file,
-                               worker_init_info={"socket": socket_path, "token_file": token_file}),
+                               worker_init_info={"socket": socket_path, "token_file": token_file},
+                               publisher={"values": "ulp2"} if own else {}, anchor=not own),
         client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model))
     g = torch.Generator().manual_seed(1)
     seen = []
