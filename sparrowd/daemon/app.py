@@ -200,6 +200,12 @@ class Daemon:
     def count_bytes(self, direction: str, n: int, wan: bool) -> None:
         self.metrics.bytes[(direction, "other" if wan else "same")] += n
 
+    def _joined(self) -> None:
+        """A node joined the trainer's swarm: its long polls answer with the news, and its own row
+        counts the new peer at once."""
+        self.swarm.wake()
+        self.report_changed()
+
     def report_changed(self) -> None:
         """What renewals report changed; the tracker hears it at once rather than at the next renewal."""
         if self.membership is not None:
@@ -217,7 +223,9 @@ class Daemon:
             "progress": list(progress) if (progress := self.swarm.progress() if self.swarm else None) else None,
             "error": (self.swarm.error if self.swarm else None) or (self.follower.error if self.follower else None)
             or (self.keeper.error if self.keeper else None) or ((u := self.unproducible()) and u.reason),
-            "peers": len(self.membership.state.peers) if self.membership else 0,
+            # The trainer peers with every member (its table); a node with the peers its lease listed.
+            "peers": max(0, len(self.tracker.table) - 1) if self.tracker is not None else
+            len(self.membership.state.peers) if self.membership else 0,
             "current": self.keeper.report() if self.keeper else None,
         }
 
@@ -280,7 +288,7 @@ class Daemon:
                                           trainer_key=signer.public, identities=Identities(self._store),
                                           credentials=CredentialBook(self._store), sign=signer.sign_bytes)
             self.tracker.on_change = self._tracker_touched
-            self.tracker.on_join = self.swarm.wake
+            self.tracker.on_join = self._joined
             latest = self.swarm.latest()
             if latest is not None:
                 table.set_latest_version(latest)

@@ -166,6 +166,7 @@ PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps 
 PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
 NO_HASHES = "no signed block hashes for that chunk here yet"
 NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
+ROW_EVERY = 1.0  # seconds between the trainer's early renewals that report its uploads
 PUSH_TRIES = 4  # a push the receiver refuses as from a node it does not know yet goes again this often in all
 
 
@@ -289,6 +290,7 @@ class Swarm:
         self._proofs_ok: dict[tuple[str, int, str], float] = {}  # (node, epoch, proof) -> checked at
         self._tickets: dict[str, Ticket | None] = {}  # ticket text -> its claims (None: not this swarm's)
         self.budgets = Budgets()  # what each peer's exchanges may cost this node (swarm.budget)
+        self._row_told = float("-inf")  # when the trainer last renewed early to report its uploads
         self._refusal_log = Throttle(10.0)  # a warning per refusal reason every 10 s
         self.gen = 0
         self._changed = asyncio.Event()
@@ -631,6 +633,7 @@ class Swarm:
               chunks=len(m.chunks), bytes=m.patch_bytes, base_version=m.base_version)
         self.retire()
         await self.notify()
+        self.daemon.report_changed()  # the trainer's own row shows the version now, as a node's does
         return {"version": m.version, "anchor": key.anchor, "chunks": len(m.chunks), "new": True}
 
     # ------------------------------------------------------------ serving side
@@ -1005,6 +1008,9 @@ class Swarm:
             return resp
         remote.rate_to.add(time.monotonic(), size)
         self.daemon.count_bytes("up", size, wan)
+        if self.signer is not None and (now := time.monotonic()) - self._row_told >= ROW_EVERY:
+            self._row_told = now
+            self.daemon.report_changed()  # the trainer's own row counts its uploads within a second
         return resp
 
     @contextlib.asynccontextmanager

@@ -123,3 +123,24 @@ def test_a_bad_base_is_one_line_at_start(tmp_path):
         r = sparrowd("run", "--role", "rollout", "--region", "us", "--tracker", "http://127.0.0.1:9",
                      "--token-file", tmp_path / "t", "--data-dir", tmp_path / "d", "--base", arg, timeout=30)
         assert r.returncode != 0 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_trainers_own_row_shows_what_it_published_and_sent_at_once(cluster, tmp_path):
+    """Leases of 30 s here: a renewal every 10 s would leave the trainer's row behind that long. It
+    renews early on its events, as the other nodes do."""
+    cluster.trainer(ttl=30.0)
+    cluster.rollout("r1", "us", ttl=30.0)
+    wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
+    wait_for(lambda: node_row(cluster.tracker, cluster.token, "trainer").get("peers"), 15, "the trainer's peers")
+    model, opt = trained_setup(3)
+    pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file)
+    pub.start(model, version=0)
+    train(model, opt)
+    pub.publish(model, version=1)
+    assert pub.wait(timeout=30)["done"]
+    t0 = time.monotonic()
+    row = wait_for(lambda: (r := node_row(cluster.tracker, cluster.token, "trainer")).get("bytes_up") and
+                   1 in (r.get("versions") or []) and r, 3, "the trainer's row",
+                   detail=lambda: node_row(cluster.tracker, cluster.token, "trainer"))
+    assert time.monotonic() - t0 < 3 and row["bytes_up"] > 0 and row["peers"] >= 1
+    pub.close()
