@@ -66,3 +66,39 @@ def test_tensor_parallel_server_follows_trained_steps(tmp_path):
             if d.proc.poll() is None:
                 d.proc.kill()
                 d.proc.wait()
+
+
+def test_the_worker_extension_under_tensor_parallelism_starts_from_its_own_base(tmp_path):
+    """`sparrowd delta diff`'s defaults (ulp2, no anchor) and an `LLM` with two CPU workers started
+    from the base checkpoint's folder: the node starts its current folder from there, both ranks
+    reach every step, and the greedy tokens equal a fresh single-worker engine's on each checkpoint."""
+    token_file = make_token(tmp_path / "swarm.token")
+    token = token_file.read_text().strip()
+    port = free_port()
+    tracker = f"http://127.0.0.1:{port}"
+    daemons = [Daemon(tmp_path, "trainer", "trainer", "eu", token_file, port=port, ttl=2).start()]
+    daemons.append(Daemon(tmp_path, "r1", "rollout", "us", token_file, tracker=tracker, ttl=2,
+                          extra=("--current", "on")).start())
+    out = tmp_path / "run"
+    out.mkdir()
+    try:
+        wait_for(lambda: len(status(tracker, token)["nodes"]) == 2, 15, "two nodes")
+        role("train", out, tracker, token_file, STEPS, env={"SPARROWD_TEST_BASE": "own"})
+        role("engine_tp", out, daemons[1].data_dir / "engine.sock", token_file, STEPS, timeout=600,
+             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+        log = daemons[1].log()
+        assert "base adopted" in log and "base offered" in log
+        assert all(f"engine applied engine=vllm-tp rank={r} object=\"version {STEPS}\"" in log for r in (0, 1)), log
+        role("reference", out, *(out / f"step{v}" for v in range(STEPS + 1)))
+        for v in range(1, STEPS + 1):
+            got = json.loads((out / f"engine-tp{v}.generate.json").read_text())
+            want = json.loads((out / f"reference-step{v}.generate.json").read_text())
+            assert [g["tokens"] for g in got] == [r["tokens"] for r in want], v
+            for g, r in zip(got, want):
+                for t, a, b in zip(g["tokens"], g["logprobs"], r["logprobs"]):
+                    assert abs(a[str(t)] - b[str(t)]) < 1e-2
+    finally:
+        for d in daemons:
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait()

@@ -9,6 +9,7 @@ engine that follows the steps through the daemon's socket, and fresh reference e
     python -m tests.engine.vllm_roles more OUT DAEMON TOKEN_FILE FROM COUNT
     python -m tests.engine.vllm_roles dispatch OUT
     python -m tests.engine.vllm_roles base OUT
+    python -m tests.engine.vllm_roles engine_tp OUT SOCKET TOKEN_FILE STEPS
 
 Each writes what it saw under OUT for tests/engine/test_vllm*.py to compare.
 """
@@ -324,6 +325,35 @@ def dispatch(out: Path) -> None:
 def base(out: Path) -> None:
     save_bf16(tiny_qwen3(), out / "step0")
 
+
+def engine_tp(out: Path, socket_path: str, token_file: str, steps: int) -> None:
+    """The worker extension under tensor parallelism 2 (two CPU workers), started from the base
+    checkpoint's folder: each rank attaches, and ``update`` moves both to each step. Its greedy
+    tokens go to ``engine-tp{v}.generate.json``; a version held but not producible raises."""
+    from vllm import LLM, SamplingParams
+
+    from sparrowd.integrations.vllm import update
+
+    llm = LLM(str(out / "step0"), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              dtype="bfloat16", max_model_len=256, seed=0, tensor_parallel_size=2,
+              distributed_executor_backend="mp", worker_extension_cls=EXTENSION)
+    llm.collective_rpc("sparrow_connect", args=(socket_path,),
+                       kwargs={"token_file": token_file, "version": 0, "engine": "vllm-tp"})
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, seed=0)
+    for v in range(1, steps + 1):
+        deadline = time.monotonic() + 120
+        while update(llm, v) < v:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"version {v} never became ready")
+            time.sleep(0.2)
+        assert llm.collective_rpc("sparrow_version") == [v, v]
+        res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+        gen = [{"tokens": list(r.outputs[0].token_ids),
+                "logprobs": [{str(k): lp.logprob for k, lp in x.items()} for x in r.outputs[0].logprobs]}
+               for r in res]
+        (out / f"engine-tp{v}.generate.json").write_text(json.dumps(gen))
+    print("tp engine done", flush=True)
+
 if __name__ == "__main__":
     role, out = sys.argv[1], Path(sys.argv[2])
     if role == "train":
@@ -342,5 +372,7 @@ if __name__ == "__main__":
         coldtrain(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "base":
         base(out)
+    elif role == "engine_tp":
+        engine_tp(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     else:
         raise SystemExit(f"unknown role {role!r}")
