@@ -104,6 +104,7 @@ class TrackerService:
         self.on_join: Callable[[], None] | None = None  # a node joined (``joined_since``)
         self._joins: deque[Node] = deque(maxlen=JOIN_NEWS)  # the latest joins, oldest first
         self._wires: dict[tuple[str, int], dict] = {}
+        self._tickets: dict[str, tuple[int, float, str]] = {}  # node id -> (epoch, expires, ticket text)
         self.refused: Counter = Counter()  # (operation, reason): messages refused, for metrics
         # This tracker process: signed renewals and leaves name it, so one captured before a restart
         # is refused after it (the last time accepted per node is kept in memory only).
@@ -163,14 +164,23 @@ class TrackerService:
 
     def _ticket(self, node: Node, now: float) -> str | None:
         """The lease's ticket (``identity.Ticket``): good for ``TICKET_LIFE`` or one TTL, whichever is longer,
-        never past its credential's expiry."""
+        never past its credential's expiry. A renewal gets the ticket it had until that is half spent:
+        signing costs some 50 µs, and a renewal under a session otherwise costs a few."""
         b = self.identities.get(node.node_id)
         if self._sign is None or b is None:
             return None
-        expires = now + max(self.table.ttl, TICKET_LIFE)
+        life = max(self.table.ttl, TICKET_LIFE)
+        cached = self._tickets.get(node.node_id)
+        if cached is not None and cached[0] == node.epoch and cached[1] - now > life / 2:
+            return cached[2]
+        expires = now + life
         if b.credential is not None and (end := self.credentials.expires(b.credential)) is not None:
             expires = min(expires, end)
-        return Ticket(node.node_id, node.role, node.region, b.key, node.epoch, b.credential, expires).text(self._sign)
+        text = Ticket(node.node_id, node.role, node.region, b.key, node.epoch, b.credential, expires).text(self._sign)
+        if len(self._tickets) > 4 * len(self.table) + 1024:
+            self._tickets.clear()  # tickets of leases long gone
+        self._tickets[node.node_id] = (node.epoch, expires, text)
+        return text
 
     def _watch_credential(self, node: Node) -> None:
         """Remember when the credential a lease joined with expires: ``sweep`` ends the lease then."""
