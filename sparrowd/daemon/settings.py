@@ -81,14 +81,20 @@ def _positive_float(text: Any) -> float:
     return v
 
 
-def _positive_int(text: Any) -> int:
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise ValueError("must be at least 1")
-    return v
+def _int_from(least: int) -> Callable[[Any], int]:
+    """A parser of integers of at least ``least``."""
+    def parse(text: Any) -> int:
+        try:
+            v = int(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{text!r} is not an integer") from None
+        if v < least:
+            raise ValueError(f"must be at least {least}")
+        return v
+    return parse
+
+
+_positive_int, _non_negative_int = _int_from(1), _int_from(0)
 
 
 def _rate(text: Any) -> int | None:
@@ -134,16 +140,6 @@ def _base(text: Any) -> Path:
     if not (p / "model.safetensors").is_file() and not (p / "model.safetensors.index.json").is_file():
         raise ValueError(f"{p}: no model.safetensors (or model.safetensors.index.json) in it")
     return p
-
-
-def _non_negative_int(text: Any) -> int:
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise ValueError("must be 0 or more")
-    return v
 
 
 def _non_negative_float(text: Any) -> float:

@@ -144,3 +144,24 @@ def test_the_trainers_own_row_shows_what_it_published_and_sent_at_once(cluster, 
                    detail=lambda: node_row(cluster.tracker, cluster.token, "trainer"))
     assert time.monotonic() - t0 < 3 and row["bytes_up"] > 0 and row["peers"] >= 1
     pub.close()
+
+
+def test_publishing_an_ulp2_patch_whose_base_no_anchor_carries_says_what_boxes_need(cluster, tmp_path):
+    from tests.helpers import make_state, save_folder, step
+
+    states = [make_state(0)]
+    for seed in (1, 2):
+        states.append(step(states[-1], seed=seed))
+    folders = [save_folder(st, tmp_path / f"ckpt{i}") for i, st in enumerate(states)]
+    cluster.trainer()
+    for v, values, warned in ((1, "ulp2", True), (2, "ulp", False)):
+        patch = tmp_path / f"v{v}.sprw"
+        r = sparrowd("delta", "diff", folders[v - 1], folders[v], "-o", patch, "--values", values,
+                     "--version", str(v), timeout=60)
+        assert r.returncode == 0, r.stderr
+        r = sparrowd("publish", patch, "--daemon", cluster.tracker, "--token-file", cluster.token_file, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+        assert len(lines) == (1 if warned else 0), r.stderr
+        if warned:
+            assert "version 1 is ulp2, coded against base 0" in lines[0] and "--base" in lines[0], lines

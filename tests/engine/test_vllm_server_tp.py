@@ -20,16 +20,21 @@ pytestmark = pytest.mark.slow
 STEPS = 1  # one real AdamW step through both workers (the single-worker tests run more)
 
 
-def test_tensor_parallel_server_follows_trained_steps(tmp_path):
+def swarm(tmp_path) -> tuple:
+    """A trainer and a rollout node r1 that keeps its current folder and holds nothing else: with
+    `sparrowd delta diff`'s defaults (ulp2, no anchor; SPARROWD_TEST_BASE=own) its engine's workers
+    tell the daemon where they loaded the base from. (token file, token, tracker URL, daemons)"""
     token_file = make_token(tmp_path / "swarm.token")
-    token = token_file.read_text().strip()
     port = free_port()
     tracker = f"http://127.0.0.1:{port}"
     daemons = [Daemon(tmp_path, "trainer", "trainer", "eu", token_file, port=port, ttl=2).start()]
-    # `sparrowd delta diff`'s defaults (ulp2, no anchor), and a box with nothing but its server's own
-    # base folder: the workers tell the daemon where they loaded from (SPARROWD_TEST_BASE=own).
     daemons.append(Daemon(tmp_path, "r1", "rollout", "us", token_file, tracker=tracker, ttl=2,
                           extra=("--current", "on")).start())
+    return token_file, token_file.read_text().strip(), tracker, daemons
+
+
+def test_tensor_parallel_server_follows_trained_steps(tmp_path):
+    token_file, token, tracker, daemons = swarm(tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     server = None
@@ -72,13 +77,7 @@ def test_the_worker_extension_under_tensor_parallelism_starts_from_its_own_base(
     """`sparrowd delta diff`'s defaults (ulp2, no anchor) and an `LLM` with two CPU workers started
     from the base checkpoint's folder: the node starts its current folder from there, both ranks
     reach every step, and the greedy tokens equal a fresh single-worker engine's on each checkpoint."""
-    token_file = make_token(tmp_path / "swarm.token")
-    token = token_file.read_text().strip()
-    port = free_port()
-    tracker = f"http://127.0.0.1:{port}"
-    daemons = [Daemon(tmp_path, "trainer", "trainer", "eu", token_file, port=port, ttl=2).start()]
-    daemons.append(Daemon(tmp_path, "r1", "rollout", "us", token_file, tracker=tracker, ttl=2,
-                          extra=("--current", "on")).start())
+    token_file, token, tracker, daemons = swarm(tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     try:
