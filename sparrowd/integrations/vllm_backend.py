@@ -342,27 +342,33 @@ class _Control:
     prefix cache and its version label. Spoken over the RL HTTP routes for
     ``HTTPVLLMWeightSyncClient`` (``base_url``), to the actors for ``RayVLLMWeightSyncClient``
     (``handles``), or through the client's own ``pause``/``resume`` methods when it has them;
-    anything else is driven without a pause."""
+    anything else is driven without a pause.
+
+    A Ray actor is asked what it has, not assumed to be an ``AsyncLLM``: an ``LLM`` actor has no
+    pause (its ``generate`` is synchronous, and an actor runs one call at a time, so the update
+    runs between two ``generate`` calls); an ``AsyncLLM`` actor is paused with ``keep`` and
+    resumed."""
 
     def __init__(self, client):
         self.client = client
 
     def pause(self) -> None:
-        self._do("pause", "pause?mode=keep", lambda h: h.pause_generation.remote(mode="keep"))
+        self._do("pause", "pause?mode=keep", "pause_generation", kwargs={"mode": "keep"})
 
     def resume(self) -> None:
-        self._do("resume", "resume", lambda h: h.resume_generation.remote())
+        self._do("resume", "resume", "resume_generation")
 
     def reset_prefix_cache(self) -> None:
         """Prefixes cached under the old weights are stale. The reset is refused while requests
         are running (kept across the pause); their cached prefixes then stay until they end."""
-        self._do("reset_prefix_cache", "reset_prefix_cache", lambda h: h.reset_prefix_cache.remote())
+        self._do("reset_prefix_cache", "reset_prefix_cache", "reset_prefix_cache")
 
     def set_version(self, version: int) -> None:
-        self._do("update_weight_version", "update_weight_version",
-                 lambda h: h.update_weight_version.remote(str(version)), {"new_version": str(version)})
+        self._do("update_weight_version", "update_weight_version", "update_weight_version", args=(str(version),),
+                 body={"new_version": str(version)})
 
-    def _do(self, method: str, path: str, ray_call, body: dict | None = None) -> None:
+    def _do(self, method: str, path: str, actor_method: str, *, args: tuple = (), kwargs: dict | None = None,
+            body: dict | None = None) -> None:
         c = self.client
         if hasattr(c, "base_url"):
             http_call(f"{c.base_url.rstrip('/')}/{path}", None, method="POST", body=body,
@@ -370,9 +376,19 @@ class _Control:
         elif hasattr(c, "handles"):
             import ray
 
-            ray.get([ray_call(h) for h in c.handles])
+            ray.get([getattr(h, actor_method).remote(*args, **(kwargs or {}))
+                     for h in c.handles if actor_supports(h, actor_method)])
         elif callable(getattr(c, method, None)):
             getattr(c, method)()
+
+
+def actor_supports(handle, method: str) -> bool:
+    """Whether a Ray actor has ``method`` (``LLM`` actors have no ``pause_generation``)."""
+    try:
+        getattr(handle, method)
+    except AttributeError:
+        return False
+    return True
 
 
 register_engines()  # vLLM's trainer process loads no plugins; the init info's import registers the backend

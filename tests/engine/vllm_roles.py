@@ -10,6 +10,7 @@ engine that follows the steps through the daemon's socket, and fresh reference e
     python -m tests.engine.vllm_roles dispatch OUT
     python -m tests.engine.vllm_roles base OUT
     python -m tests.engine.vllm_roles engine_tp OUT SOCKET TOKEN_FILE STEPS
+    python -m tests.engine.vllm_roles ray OUT DAEMON TOKEN_FILE STEPS SOCKET ACTORS
 
 Each writes what it saw under OUT for tests/engine/test_vllm*.py to compare.
 """
@@ -326,6 +327,51 @@ def base(out: Path) -> None:
     save_bf16(tiny_qwen3(), out / "step0")
 
 
+def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path: str, count: int) -> None:
+    """An RL loop as Ray-based stacks run it: ``count`` vLLM ``LLM`` actors with the sparrowd
+    backend, moved by vLLM's ``RayVLLMWeightSyncClient`` through the trainer-side engine after each
+    real AdamW step. Writes each actor's weight version and greedy tokens per step to ``ray.json``."""
+    import ray
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer import ModuleSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from sparrowd.integrations.vllm_backend import SparrowTrainerInitInfo
+
+    model = tiny_qwen3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_bf16(model, out / "step0")
+    ray.init(num_cpus=count + 1, include_dashboard=False, log_to_driver=False)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
+           **{k: v for k, v in os.environ.items() if k.startswith(("SPARROWD_", "VLLM_CPU"))}}
+    actor = ray.remote(num_cpus=1)(LLM).options(runtime_env={"env_vars": env})
+    actors = [actor.remote(str(out / "step0"), skip_tokenizer_init=True, enforce_eager=True,
+                           kv_cache_memory_bytes=64 << 20, dtype="bfloat16", max_model_len=256, seed=0,
+                           weight_transfer_config={"backend": "sparrowd"}) for _ in range(count)]
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SparrowTrainerInitInfo(rank=0, daemon=daemon, token_file=token_file,
+                               worker_init_info={"socket": socket_path, "token_file": token_file}),
+        client=RayVLLMWeightSyncClient(actors), source=ModuleSource(model))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, seed=0)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for step in range(1, steps + 1):
+        adamw_step(model, opt, g)
+        save_bf16(model, out / f"step{step}")
+        stats = engine.send_weights()
+        versions = ray.get([a.get_weight_version.remote() for a in actors])
+        outputs = ray.get([a.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+                           for a in actors])
+        gens = [[{"tokens": list(r.outputs[0].token_ids),
+                  "logprobs": [{str(k): lp.logprob for k, lp in x.items()} for x in r.outputs[0].logprobs]}
+                 for r in res] for res in outputs]
+        seen.append({"step": step, "versions": versions, "generate": gens, "paused": stats.paused})
+        print(f"step {step}: weight versions {versions}", flush=True)
+    engine.shutdown()
+    ray.shutdown()
+    (out / "ray.json").write_text(json.dumps(seen))
+
+
 def engine_tp(out: Path, socket_path: str, token_file: str, steps: int) -> None:
     """The worker extension under tensor parallelism 2 (two CPU workers), started from the base
     checkpoint's folder: each rank attaches, and ``update`` moves both to each step. Its greedy
@@ -372,6 +418,8 @@ if __name__ == "__main__":
         coldtrain(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "base":
         base(out)
+    elif role == "ray":
+        ray_actors(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
     elif role == "engine_tp":
         engine_tp(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     else:
