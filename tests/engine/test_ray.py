@@ -1,7 +1,7 @@
-"""Ray-held rollouts: vLLM `LLM` actors (no pause: their generate is synchronous) moved by vLLM's
-`RayVLLMWeightSyncClient` and the sparrowd trainer-side engine, one actor and two, through real
-AdamW steps of a tiny Qwen3. Every actor's weight version is the step's, and its greedy tokens equal
-those of a fresh engine on that step's checkpoint."""
+"""Ray-held rollouts: two vLLM `LLM` actors (no pause: their generate is synchronous), and one
+`AsyncLLM` actor (paused with `keep`, then resumed), moved by vLLM's `RayVLLMWeightSyncClient` and
+the sparrowd trainer-side engine through real AdamW steps of a tiny Qwen3. Every actor's weight
+version is the step's, and its greedy tokens equal those of a fresh engine on that step's checkpoint."""
 
 from __future__ import annotations
 
@@ -17,16 +17,19 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 
 
-@pytest.mark.parametrize("actors", [1, 2])
-def test_llm_actors_follow_trained_steps(cluster, tmp_path, actors):
+@pytest.mark.parametrize("kind,actors", [("llm", 2), ("async", 1)])
+def test_ray_actors_follow_trained_steps(cluster, tmp_path, kind, actors):
     cluster.trainer()
     node = cluster.rollout("r1", "us")
     wait_for(lambda: len(cluster.nodes()) == 2, 15, "two nodes")
     out = tmp_path / "run"
     out.mkdir()
-    role("ray", out, cluster.tracker, cluster.token_file, STEPS, node.data_dir / "engine.sock", actors, timeout=600)
+    role("ray", out, cluster.tracker, cluster.token_file, STEPS, node.data_dir / "engine.sock", actors, kind,
+         timeout=600)
     seen = json.loads((out / "ray.json").read_text())
     assert [s["versions"] for s in seen] == [[str(s["step"])] * actors for s in seen]
+    if kind == "async":  # asked what it has: paused with keep and resumed, once a step
+        assert seen[-1]["pauses"] == [["keep", "resume"] * STEPS] * actors, seen[-1]["pauses"]
     role("reference", out, *(out / f"step{v}" for v in range(STEPS + 1)))
     for s in seen:
         want = json.loads((out / f"reference-step{s['step']}.generate.json").read_text())

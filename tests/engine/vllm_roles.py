@@ -10,7 +10,7 @@ engine that follows the steps through the daemon's socket, and fresh reference e
     python -m tests.engine.vllm_roles dispatch OUT
     python -m tests.engine.vllm_roles base OUT
     python -m tests.engine.vllm_roles engine_tp OUT SOCKET TOKEN_FILE STEPS
-    python -m tests.engine.vllm_roles ray OUT DAEMON TOKEN_FILE STEPS SOCKET ACTORS
+    python -m tests.engine.vllm_roles ray OUT DAEMON TOKEN_FILE STEPS SOCKET ACTORS llm|async
 
 Each writes what it saw under OUT for tests/engine/test_vllm*.py to compare.
 """
@@ -327,10 +327,69 @@ def base(out: Path) -> None:
     save_bf16(tiny_qwen3(), out / "step0")
 
 
-def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path: str, count: int) -> None:
-    """An RL loop as Ray-based stacks run it: ``count`` vLLM ``LLM`` actors with the sparrowd
-    backend, moved by vLLM's ``RayVLLMWeightSyncClient`` through the trainer-side engine after each
-    real AdamW step. Writes each actor's weight version and greedy tokens per step to ``ray.json``."""
+ENGINE_KW = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, dtype="bfloat16",
+                 max_model_len=256, seed=0, weight_transfer_config={"backend": "sparrowd"})
+
+
+class AsyncServer:
+    """An ``AsyncLLM`` in a Ray actor, as Ray-based RL stacks wrap one: the weight-sync calls of
+    vLLM's ``RayVLLMWeightSyncClient``, pause and resume (counted), and generate."""
+
+    async def start(self, path: str) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **ENGINE_KW))
+        self.pauses: list[str] = []
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        await self.llm.init_weight_transfer_engine(request)
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, request) -> None:
+        await self.llm.update_weights(request)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.llm.finish_weight_update(weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.llm.update_weight_version(new_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.llm.get_weight_version()
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        self.pauses.append(mode)
+        await self.llm.pause_generation(mode=mode)
+
+    async def resume_generation(self) -> None:
+        self.pauses.append("resume")
+        await self.llm.resume_generation()
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    async def paused(self) -> list[str]:
+        return self.pauses
+
+    async def generate(self, prompts, sp, use_tqdm: bool = False) -> list:
+        outs = []
+        for i, p in enumerate(prompts):
+            final = None
+            async for o in self.llm.generate(p, sp, request_id=f"{time.monotonic_ns()}-{i}"):
+                final = o
+            outs.append(final)
+        return outs
+
+
+def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path: str, count: int,
+               kind: str = "llm") -> None:
+    """An RL loop as Ray-based stacks run it: ``count`` vLLM actors (``LLM``, or an ``AsyncLLM``
+    wrapped as the stacks wrap one) with the sparrowd backend, moved by vLLM's
+    ``RayVLLMWeightSyncClient`` through the trainer-side engine after each real AdamW step.
+    Writes each actor's weight version, greedy tokens and pauses per step to ``ray.json``."""
     import ray
     import torch
     from vllm import LLM, SamplingParams
@@ -342,12 +401,16 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     save_bf16(model, out / "step0")
     ray.init(num_cpus=count + 1, include_dashboard=False, log_to_driver=False)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
+    env = {"VLLM_TARGET_DEVICE": "cpu",
            **{k: v for k, v in os.environ.items() if k.startswith(("SPARROWD_", "VLLM_CPU"))}}
-    actor = ray.remote(num_cpus=1)(LLM).options(runtime_env={"env_vars": env})
-    actors = [actor.remote(str(out / "step0"), skip_tokenizer_init=True, enforce_eager=True,
-                           kv_cache_memory_bytes=64 << 20, dtype="bfloat16", max_model_len=256, seed=0,
-                           weight_transfer_config={"backend": "sparrowd"}) for _ in range(count)]
+    if kind == "llm":
+        actor = ray.remote(num_cpus=1)(LLM).options(
+            runtime_env={"env_vars": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+        actors = [actor.remote(str(out / "step0"), **ENGINE_KW) for _ in range(count)]
+    else:
+        actor = ray.remote(num_cpus=1)(AsyncServer).options(runtime_env={"env_vars": env})
+        actors = [actor.remote() for _ in range(count)]
+        ray.get([a.start.remote(str(out / "step0")) for a in actors])
     engine = WeightTransferTrainerFactory.trainer_init(
         SparrowTrainerInitInfo(rank=0, daemon=daemon, token_file=token_file,
                                worker_init_info={"socket": socket_path, "token_file": token_file}),
@@ -365,7 +428,8 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
         gens = [[{"tokens": list(r.outputs[0].token_ids),
                   "logprobs": [{str(k): lp.logprob for k, lp in x.items()} for x in r.outputs[0].logprobs]}
                  for r in res] for res in outputs]
-        seen.append({"step": step, "versions": versions, "generate": gens, "paused": stats.paused})
+        pauses = ray.get([a.paused.remote() for a in actors]) if kind == "async" else None
+        seen.append({"step": step, "versions": versions, "generate": gens, "paused": stats.paused, "pauses": pauses})
         print(f"step {step}: weight versions {versions}", flush=True)
     engine.shutdown()
     ray.shutdown()
@@ -419,7 +483,7 @@ if __name__ == "__main__":
     elif role == "base":
         base(out)
     elif role == "ray":
-        ray_actors(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
+        ray_actors(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), sys.argv[8])
     elif role == "engine_tp":
         engine_tp(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     else:
