@@ -4,12 +4,12 @@ The daemon and the codec need no torch; ``sparrowd.integrations`` holds the
 parts that do.
 """
 
-from .errors import BaseMismatchError, FormatError, InputError, IntegrityError, SparrowError
+from .errors import BaseMismatchError, FormatError, InputError, IntegrityError, SparrowError, StaleEnginesError
 
 __version__ = "0.1.0"
 
-__all__ = ["SparrowError", "FormatError", "IntegrityError", "BaseMismatchError", "InputError", "Publisher",
-           "__version__"]
+__all__ = ["SparrowError", "FormatError", "IntegrityError", "BaseMismatchError", "InputError", "StaleEnginesError",
+           "Publisher", "__version__"]
 
 
 def __getattr__(name):

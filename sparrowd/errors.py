@@ -16,6 +16,7 @@ __all__ = [
     "InputError",
     "OutputPathError",
     "VersionUnavailableError",
+    "StaleEnginesError",
 ]
 
 
@@ -46,3 +47,12 @@ class OutputPathError(InputError, OSError):
 
 class VersionUnavailableError(SparrowError):
     """A version asked for that the daemon could not give in time; nothing was changed."""
+
+
+class StaleEnginesError(SparrowError):
+    """Engines lag more than ``max_lag`` versions behind the one just published (bounded
+    staleness, ``Publisher(max_lag=...)``); ``lagging``: node id -> versions behind."""
+
+    def __init__(self, message: str, lagging: dict[str, int]):
+        super().__init__(message)
+        self.lagging = lagging

@@ -73,7 +73,7 @@ from .codec.workers import cpu_threads
 from .current import model_files
 from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
 from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
-from .errors import InputError, SparrowError
+from .errors import InputError, SparrowError, StaleEnginesError
 from .swarm.chain import Key
 
 __all__ = ["Publisher", "PublishStats"]
@@ -110,6 +110,7 @@ class PublishStats:
     anchor_bytes: int = 0  # (both 0 for an anchor in the background: Publisher.wait_anchor has them)
     anchor_started: bool = False  # an anchor of this version followed the patch (in the background or not)
     anchor_wait_seconds: float = 0.0  # waiting, before the patch, for the last background anchor
+    lag_wait_seconds: float = 0.0  # waiting, after the patch, for engines within max_lag (bounded staleness)
     first_chunk_seconds: float | None = None  # from the start of publish to the first chunk taken by the daemon
     total_seconds: float = 0.0
 
@@ -237,7 +238,10 @@ class Publisher:
                  values: str = ULP, dtype: str = "bfloat16", chunk_size: int | None = None,
                  anchor_every: int = DEFAULT_ANCHOR_EVERY, compare: str = "auto", timeout: float = 60.0,
                  model_files: str | Path | None = None, threads: int | None = None,
-                 background_anchors: bool = True):
+                 background_anchors: bool = True, max_lag: int | None = None, lag_timeout: float = 600.0):
+        """``max_lag``: bounded staleness. ``publish(v)`` returns only once every live engine holds at
+        least version v - max_lag (the tracker's wait), else raises ``StaleEnginesError`` after
+        ``lag_timeout`` seconds, naming the engines that lag and by how much. None: no bound."""
         torch = _torch()
         if threads is None:  # the compares are memory-bound: a few threads reach a socket's bandwidth
             threads = cpu_threads(at_least=2)
@@ -247,6 +251,11 @@ class Publisher:
             raise InputError("Publisher needs token_file, the swarm token's file")
         if anchor_every < 0:
             raise InputError("anchor_every must be 0 (no periodic anchors) or more")
+        if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0):
+            raise InputError("max_lag must be a version count, 0 or more (None: no bound)")
+        if not lag_timeout > 0:
+            raise InputError("lag_timeout must be more than 0 seconds")
+        self.max_lag, self.lag_timeout = max_lag, float(lag_timeout)
         if compare not in ("auto", "torch"):
             raise InputError("compare must be 'auto' (the fused C pass on the CPU, torch on devices) or 'torch'")
         self.compare = compare
@@ -528,7 +537,31 @@ class Publisher:
             else:
                 a = self._publish_anchor(version)
                 stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
+        if self.max_lag is not None:
+            t0 = time.perf_counter()
+            self.bound_lag(version)
+            stats.lag_wait_seconds = time.perf_counter() - t0
         return stats
+
+    def bound_lag(self, version: int) -> None:
+        """Until every live engine holds version ``version - max_lag`` or later (``max_lag``);
+        ``StaleEnginesError`` naming the engines behind, and by how much, after ``lag_timeout``."""
+        floor = version - (self.max_lag or 0)
+        if floor < 0:
+            return
+        try:
+            self.wait(floor, applied=True, engines=True, timeout=self.lag_timeout)
+        except SparrowError:
+            nodes = self.status().get("nodes", [])
+            behind = sorted((n["node_id"], n.get("engine_version")) for n in nodes
+                            if n.get("role") != "trainer" and n.get("engine_version") is not None
+                            and n["engine_version"] < floor)
+            if not behind:
+                raise
+            raise StaleEnginesError(
+                f"version {version} published, but engines lag more than max_lag {self.max_lag} after "
+                f"{self.lag_timeout:g} s: " + ", ".join(f"{node} at {v} ({version - v} behind)" for node, v in behind),
+                lagging={node: version - v for node, v in behind}) from None
 
     def wait_anchor(self) -> PublishStats | None:
         """Wait for an anchor being published in the background; returns its figures (None when

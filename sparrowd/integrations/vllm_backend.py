@@ -203,6 +203,10 @@ class SparrowTrainerInitInfo(TrainerInitInfo):
     # Publish the servers' weights as an anchor first. False: every rollout box holds that base
     # itself (its server loaded it from a local folder, which its daemon starts from).
     anchor: bool = True
+    # Bounded staleness: publishing version v returns only once every live engine holds v - max_lag or
+    # later (StaleEnginesError naming those behind after lag_timeout). None: no bound.
+    max_lag: int | None = None
+    lag_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         _version("version", self.version)
@@ -243,7 +247,9 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
 
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
-        engine.publisher = Publisher(daemon=init_info.daemon, token_file=init_info.token_file, **init_info.publisher)
+        engine.publisher = Publisher(daemon=init_info.daemon, token_file=init_info.token_file,
+                                     max_lag=init_info.max_lag, lag_timeout=init_info.lag_timeout,
+                                     **init_info.publisher)
         if source is not None:  # the servers hold these weights: the base every later step is a patch on
             engine.publisher.start(engine._weights(None), version=init_info.version, anchor=init_info.anchor)
             engine.version = init_info.version
