@@ -225,6 +225,7 @@ class SendStats:
     hold: float = 0.0  # until every rollout node with an engine holds the version
     update: float = 0.0  # pause, apply, finish, resume on every server (in parallel)
     paused: list[float] = field(default_factory=list)  # per server, pause to resume
+    verify: float = 0.0  # comparing every server's weight checksums (send_weights(verify=True))
     publish_stats: Any = None  # sparrowd.PublishStats
 
 
@@ -258,14 +259,43 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
             engine._each(lambda c: _Control(c).set_version(init_info.version))
         return engine
 
-    def send_weights(self, model=None, version: int | None = None) -> SendStats | None:
+    def send_weights(self, model=None, version: int | None = None, *, verify: bool = False) -> SendStats | None:
         """Publish ``model`` (default: the source given at init) as ``version`` (default: the
         next), then move every server to it. Called on every trainer rank; only rank 0 drives
-        the servers and gets the stats."""
+        the servers and gets the stats. ``verify``: then compare every server's weight checksums
+        (``verify_servers``)."""
         stats = self.publish_weights(model, version)
         if stats is not None:
             self.update_servers(stats.version, stats)
+            if verify:
+                t0 = time.perf_counter()
+                self.verify_servers()
+                stats.verify = time.perf_counter() - t0
         return stats
+
+    def verify_servers(self) -> None:
+        """Every server's weights, by vLLM's per-tensor checksums (``/weight_checker`` over HTTP, the
+        engine's ``compute_weight_checksums`` for a Ray actor), must be the same: a server that
+        silently diverged fails loudly here, named, with its first tensor that differs."""
+        servers = [s for c in self.clients for s in _checksums(c)]
+        if len(servers) < 2:
+            return
+        counts: dict[tuple, int] = {}
+        for _, sums in servers:
+            key = tuple(sorted(sums.items()))
+            counts[key] = counts.get(key, 0) + 1
+        if len(counts) == 1:
+            return
+        best = max(counts.values())
+        usual = dict(next(k for k, n in counts.items() if n == best))
+        odd = [(name, sums) for name, sums in servers if sums != usual]
+        name, sums = odd[0]
+        first = sorted(k for k in usual.keys() | sums.keys() if usual.get(k) != sums.get(k))[0]
+        if list(counts.values()).count(best) > 1:  # no majority: every server is named
+            raise SparrowError(f"servers disagree on their weights after version {self.version}, with no majority: "
+                               f"{', '.join(n for n, _ in servers)} (tensor {first!r} first)")
+        raise SparrowError(f"server {', '.join(n for n, _ in odd)} differs from the other "
+                           f"{len(servers) - len(odd)} after version {self.version}: tensor {first!r} first")
 
     def publish_weights(self, model=None, version: int | None = None) -> SendStats | None:
         """The first half of ``send_weights``: publish the version; the swarm starts carrying it
@@ -324,6 +354,29 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
     def shutdown(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+
+
+def _checksums(client) -> list[tuple[str, dict[str, str]]]:
+    """Each server behind ``client``: (its name, its weights' checksums by tensor and rank)."""
+    if hasattr(client, "base_url"):
+        reply = http_call(f"{client.base_url.rstrip('/')}/weight_checker", None, method="POST",
+                          body={"action": "checksum"}, timeout=getattr(client, "timeout", 300))
+        return [(client.base_url, dict(reply["checksums"]))]
+    if hasattr(client, "handles"):
+        import ray
+
+        out = []
+        for i, h in enumerate(client.handles):
+            if actor_supports(h, "compute_weight_checksums"):  # an AsyncLLM
+                per_worker = ray.get(h.compute_weight_checksums.remote())
+            else:  # an LLM: its workers, through the engine
+                per_worker = ray.get(h.collective_rpc.remote("compute_weight_checksums"))
+            merged: dict[str, str] = {}
+            for sums in per_worker:
+                merged.update(sums)
+            out.append((f"actor {i}", merged))
+        return out
+    raise SparrowError(f"verify: cannot read the weights of a {type(client).__name__}")
 
 
 def move_server(client, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> float:

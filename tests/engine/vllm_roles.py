@@ -268,7 +268,7 @@ def drive(out: Path, daemon: str, token_file: str, steps: int, server: str, sock
     for step in range(1, steps + 1):
         adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
-        stats = engine.send_weights()
+        stats = engine.send_weights(verify=True)  # the server's /weight_checker read after the update
         with urllib.request.urlopen(f"{server}/weight_info", timeout=10) as r:
             version = json.loads(r.read())["weight_version"]
         (out / f"server-step{step}.generate.json").write_text(json.dumps([generate(server, p) for p in PROMPTS]))
@@ -421,7 +421,7 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
     for step in range(1, steps + 1):
         adamw_step(model, opt, g)
         save_bf16(model, out / f"step{step}")
-        stats = engine.send_weights()
+        stats = engine.send_weights(verify=True)  # every actor's weight checksums compared, after the update
         versions = ray.get([a.get_weight_version.remote() for a in actors])
         outputs = ray.get([a.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
                            for a in actors])
@@ -431,9 +431,25 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
         pauses = ray.get([a.paused.remote() for a in actors]) if kind == "async" else None
         seen.append({"step": step, "versions": versions, "generate": gens, "paused": stats.paused, "pauses": pauses})
         print(f"step {step}: weight versions {versions}", flush=True)
+    diverged = None
+    if kind == "llm" and count > 1:  # one actor's weights changed behind the swarm's back: found, named
+        ray.get(actors[-1].collective_rpc.remote(_diverge))
+        try:
+            engine.verify_servers()
+        except Exception as e:  # noqa: BLE001 - the error is the finding
+            diverged = str(e)
     engine.shutdown()
     ray.shutdown()
-    (out / "ray.json").write_text(json.dumps(seen))
+    (out / "ray.json").write_text(json.dumps({"steps": seen, "diverged": diverged}))
+
+
+def _diverge(worker) -> None:
+    """Move one element of the first weight by a bit: a server that silently holds other weights."""
+    import torch
+
+    p = next(iter(worker.model_runner.model.parameters()))
+    with torch.no_grad():
+        p.view(-1)[:1].view(torch.int16).add_(1)
 
 
 def engine_tp(out: Path, socket_path: str, token_file: str, steps: int) -> None:
