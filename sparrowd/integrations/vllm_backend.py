@@ -277,9 +277,9 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         """Every server's weights, by vLLM's per-tensor checksums (``/weight_checker`` over HTTP, the
         engine's ``compute_weight_checksums`` for a Ray actor), must be the same: a server that
         silently diverged fails loudly here, named, with its first tensor that differs."""
+        if sum(len(c.handles) if hasattr(c, "handles") else 1 for c in self.clients) < 2:
+            return  # one server agrees with itself
         servers = [s for c in self.clients for s in _checksums(c)]
-        if len(servers) < 2:
-            return
         counts: dict[tuple, int] = {}
         for _, sums in servers:
             key = tuple(sorted(sums.items()))
@@ -369,8 +369,10 @@ def _checksums(client) -> list[tuple[str, dict[str, str]]]:
         for i, h in enumerate(client.handles):
             if actor_supports(h, "compute_weight_checksums"):  # an AsyncLLM
                 per_worker = ray.get(h.compute_weight_checksums.remote())
-            else:  # an LLM: its workers, through the engine
+            elif actor_supports(h, "collective_rpc"):  # an LLM: its workers, through the engine
                 per_worker = ray.get(h.collective_rpc.remote("compute_weight_checksums"))
+            else:
+                raise SparrowError(f"verify: actor {i} has neither compute_weight_checksums nor collective_rpc")
             merged: dict[str, str] = {}
             for sums in per_worker:
                 merged.update(sums)

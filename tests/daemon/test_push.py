@@ -165,6 +165,9 @@ def test_a_push_takes_the_place_of_a_request_that_has_had_no_byte_back(cluster, 
         honest = cluster.rollout("honest", "eu", extra=("--push", "off"))
         wait_for(lambda: asked, 20, "the node to ask the silent peer for a chunk")
         i = asked[0]
+        # The pusher's lease kept (leases last 2 s here; a loaded run outlived it), and listed as a peer.
+        wait_for(lambda: pusher.renew() or any(p["node_id"] == "p1" for p in honest.node(cluster.token)["peers"]),
+                 20, "the node to list the pusher as a peer")
         code, body = get(f"{honest.url}/v1/swarm/chunk/1/{i}", None, method="POST", data=bytes(view.chunks[i]),
                          headers={**pusher.headers("honest"), "Content-Type": "application/octet-stream"}, timeout=30)
         assert (code, json.loads(body)) == (200, {"stored": True})

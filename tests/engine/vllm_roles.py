@@ -371,6 +371,9 @@ class AsyncServer:
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
 
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        return await self.llm.compute_weight_checksums()
+
     async def paused(self) -> list[str]:
         return self.pauses
 
