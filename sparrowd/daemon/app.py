@@ -754,7 +754,7 @@ class Daemon:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _node_info(self, request: web.Request) -> web.Response:
-        m = self.membership
+        m, u = self.membership, self.unproducible()
         return web.json_response({
             "node_id": self.node_id, "role": self.settings.role, "region": self.settings.region,
             "address": self.address, "tracker": self.settings.tracker or self.url, "pid": os.getpid(),
@@ -764,8 +764,8 @@ class Daemon:
                       for p in (m.state.peers if m else [])],
             "key_id": self.key.id if self.key else None,
             "versions": self.versions_held(), "held_at": self.swarm.held_at() if self.swarm else {},
-            "error": (self.swarm.error if self.swarm else None) or ((u := self.unproducible()) and u.reason),
-            "unproducible": u._asdict() if (u := self.unproducible()) else None,
+            "error": (self.swarm.error if self.swarm else None) or (u and u.reason),
+            "unproducible": u._asdict() if u else None,
             "current": self.keeper.info() if self.keeper else None,
         })
 
