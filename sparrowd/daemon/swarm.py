@@ -676,8 +676,8 @@ class Swarm:
                                                                        f"epoch {ticket.epoch}")
         if not self._proof_ok(node, ticket.key, ticket.epoch, request.headers.get(PROOF_HEADER, "")):
             return self._refuse(request, node, "impostor", 403, f"no valid proof of being node {node!r}")
-        if self.daemon.member(node) is None:
-            self._discover(node)  # a member this node has no entry of: the tracker lists it soon
+        if self.signer is None and self.daemon.member(node) is None:
+            self._discover(node)  # a relay with no entry of this member: the tracker lists it soon
         return self._remote(node, ticket.region)
 
     def _remote(self, node: str, region: str) -> Remote:
