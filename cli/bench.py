@@ -354,6 +354,10 @@ def register_rl(bs) -> None:
     add_wan_flags(s, d)
     s.add_argument("--strategies", default=",".join(d.strategies),
                    help="which of full, star, swarm, ideal to run, in order (default all)")
+    s.add_argument("--churn", action="store_true",
+                   help="then the swarm again while boxes come and go: after a third of the steps one box (daemon "
+                        "and vllm serve) is killed and an empty one joins, boots from the swarm and is kept current "
+                        "by follow mode; the trainer side is unchanged. Reports each server's version per step")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.add_argument("--plot", metavar="PNG", type=json_file, help="also draw tokens/s and the step split (matplotlib)")
     s.add_argument("--keep", action="store_true", help="keep the run's folders and logs")
@@ -371,7 +375,7 @@ def cmd_rl(args) -> int:
         raise InputError("--servers must be 2 to 4")
     _check_wan(args, _WAN_RATES, unlimited=("link_rate",))
     kw = {"servers": args.servers, "on_policy": args.on_policy, "link_rate": args.link_rate,
-          "trainer_rate": args.trainer_rate, "rtt": args.rtt, "strategies": names}
+          "trainer_rate": args.trainer_rate, "rtt": args.rtt, "strategies": names + ("churn",) * args.churn}
     if args.steps is not None:
         if args.steps < 1:
             raise InputError("--steps must be at least 1")

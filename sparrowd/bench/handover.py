@@ -199,6 +199,18 @@ class Strategy:
     def wan_bytes(self) -> int:
         return 0
 
+    def versions(self) -> dict[str, int | None]:
+        """The version each server runs now, by name."""
+        return {f"s{i}": _version_of(s) for i, s in enumerate(self.w.servers)}
+
+    def more(self, elapsed: float) -> bool:
+        """Whether the run goes on past its steps (``elapsed`` seconds into it)."""
+        return False
+
+    def finish(self, last: int) -> dict | None:
+        """After the last step: what the strategy checks or reports beyond the steps."""
+        return None
+
     def stop(self) -> None:
         self.procs.stop()
 
@@ -224,8 +236,11 @@ class Strategy:
 class _Sparrow(Strategy):
     """``swarm``, or ``star`` (rollout regions cannot reach each other)."""
 
-    def __init__(self, world, star: bool):
-        self.name = "star" if star else "swarm"
+    extra = 0  # boxes beyond the servers' own (``churn``): their WAN proxies exist from the start
+    anchor = False  # the servers loaded the base: no anchor to ship
+
+    def __init__(self, world, star: bool = False):
+        self.name = self.name or ("star" if star else "swarm")
         super().__init__(world)
         self.star = star
 
@@ -240,7 +255,7 @@ class _Sparrow(Strategy):
         port = free_port(t_host)
         proxies = [{"listen": [t_proxy, port], "target": [t_host, port], "region": 0}]
         self.nodes = []
-        for i in range(cfg.servers):
+        for i in range(cfg.servers + self.extra):
             r = w.region_of(i)
             host = address(r, 0, i)
             p = free_port(host)
@@ -255,18 +270,26 @@ class _Sparrow(Strategy):
                           "--node-id", "trainer", "--upload-rate", cfg.trainer_rate, "--lease-ttl", "3",
                           "--super-seed", "off" if self.star else "on", "--log-level", "warning", name="trainer")
         wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
-        for i, r, host, p in self.nodes:
-            self.procs.daemon("--role", "rollout", "--region", f"r{r}", "--listen", f"{host}:{p}", "--advertise",
-                              f"{address(r, 1, i)}:{p}", "--data-dir", str(root / f"n{i}"), "--token-file",
-                              str(token_file), "--node-id", f"n{i}", "--tracker", f"http://{t_proxy}:{port}",
-                              "--upload-rate", cfg.node_rate, "--current", "off", "--log-level", "warning",
-                              name=f"n{i}")
-        self.pub = Publisher(daemon=self.direct, token_file=token_file, anchor_every=0)
+        self.tracker = f"http://{t_proxy}:{port}"
+        for i in range(cfg.servers):
+            self._rollout(i)
+        # A deployment that takes new boxes ships the model's files (config, tokenizer) with its anchors.
+        self.pub = Publisher(daemon=self.direct, token_file=token_file, anchor_every=0,
+                             model_files=w.base if self.anchor else None)
         wait(lambda: len(self.pub.status()["nodes"]) == cfg.servers + 1, 60, "every node to join")
         self.urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(cfg.servers)]
-        self.pub.start(model, version=0, anchor=False)  # the servers loaded the base: no anchor to ship
+        self.pub.start(model, version=0, anchor=self.anchor)
         self._attach([root / f"n{i}" / "engine.sock" for i in range(cfg.servers)], token_file)
         self._watch = ThreadPoolExecutor(1)
+
+    def _rollout(self, i: int, *extra: str) -> subprocess.Popen:
+        """Box i's rollout daemon, behind its WAN proxy."""
+        _, r, host, p = self.nodes[i]
+        return self.procs.daemon(
+            "--role", "rollout", "--region", f"r{r}", "--listen", f"{host}:{p}", "--advertise",
+            f"{address(r, 1, i)}:{p}", "--data-dir", str(self.root / f"n{i}"), "--token-file", str(self.w.token_file),
+            "--node-id", f"n{i}", "--tracker", self.tracker, "--upload-rate", self.cfg.node_rate, "--current", "off",
+            "--log-level", "warning", *extra, name=f"n{i}")
 
     def publish(self, model, version: int) -> None:
         self.pub.publish(model, version=version)
@@ -297,6 +320,126 @@ class _Sparrow(Strategy):
         if hasattr(self, "_watch"):
             self._watch.shutdown(wait=False, cancel_futures=True)
         super().stop()
+
+
+class _Churn(_Sparrow):
+    """``swarm`` while boxes come and go, the trainer side unchanged. A spare box (its own
+    ``vllm serve``, kept on the newest version by its daemon's follow mode) is killed, daemon and
+    server, right after the publish of step ``churn_step``; at the same moment an empty box joins:
+    its daemon boots ``DATA/current`` from the swarm (the base ships as anchor 0, as a deployment
+    that takes new boxes does), ``vllm serve DATA/current`` starts on it, and follow mode moves the
+    server from then on. The steady servers sample every step, so their rewards must equal the run
+    without churn; at the end the joiner must reach the last version with the steady servers'
+    weights."""
+
+    name = "churn"
+    extra = 2
+    anchor = True
+
+    def start(self, model) -> None:
+        super().start(model)
+        cfg, n = self.cfg, self.cfg.servers
+        self.leaver, self.joiner = n, n + 1
+        self.leaver_server = self.w.spare  # started with the steady servers, on the base
+        self.leaver_daemon = self._rollout(self.leaver, "--follow-vllm", self.leaver_server.url)
+        wait(lambda: len(self.pub.status()["nodes"]) == n + 2, 60, "the spare box to join")
+        wait(lambda: _version_of(self.leaver_server) == 0, 60, "follow mode to attach the spare box's server")
+        self.churn_step = max(1, cfg.steps // 3)
+        self.joiner_server = None
+        self.events: dict[str, float] = {}
+        self.joiner_seen: list[int] = []  # the joiner's versions at the steps it served
+        self._boot = ThreadPoolExecutor(1)
+        self._boot_job = None
+
+    def publish(self, model, version: int) -> None:
+        super().publish(model, version)
+        if version == self.churn_step:
+            t0 = time.monotonic()
+            for p in (self.leaver_daemon, self.leaver_server.proc):
+                os.killpg(p.pid, signal.SIGKILL)
+            self.leaver_server.proc.wait()
+            self.events["killed"] = t0
+            self._boot_job = self._boot.submit(self._join, t0)
+
+    def _join(self, t0: float) -> None:
+        """The empty box: its daemon, then its server once ``DATA/current`` is ready."""
+        from ..daemon.calls import http_call
+        from ..localswarm import free_port
+        from .vllm_server import VllmServer
+
+        _, r, _, _ = self.nodes[self.joiner]
+        host = address(r, 0, 50 + self.joiner)
+        url = f"http://{host}:{free_port(host)}"
+        self._rollout(self.joiner, "--current", "on", "--follow-vllm", url)
+        info = self.root / f"n{self.joiner}" / "daemon.json"
+        wait(lambda: info.exists(), 60, "the joining box's daemon")
+        node = json.loads(info.read_text())["url"]
+        wait(lambda: ((http_call(f"{node}/v1/node", self.w.token).get("current") or {}).get("state") == "ready"),
+             300, "the joining box's current folder", every=0.1)
+        self.events["folder_ready"] = time.monotonic()
+        folder = http_call(f"{node}/v1/node", self.w.token)["current"]
+        self.events["folder_version"] = folder["version"]
+        server = VllmServer(sys.executable, self.root / f"n{self.joiner}" / "current", int(url.rsplit(":", 1)[1]),
+                            host=host, log_path=self.root / "joiner-server.log",
+                            env={"VLLM_CPU_OMP_THREADS_BIND": str(self.joiner % (os.cpu_count() or 1))})
+        self.joiner_server = server.start()
+        server.wait_ready(600)
+        self.events["serving"] = time.monotonic()
+
+    def versions(self) -> dict[str, int | None]:
+        out = super().versions()
+        out["leaver"] = None if "killed" in self.events else _version_of(self.leaver_server)
+        out["joiner"] = _version_of(self.joiner_server) if "serving" in self.events else None
+        if out["joiner"] is not None:
+            self.joiner_seen.append(out["joiner"])
+        return out
+
+    def more(self, elapsed: float) -> bool:
+        """Training goes on until follow mode has moved the joiner while the steps run (its server
+        takes about a minute to start on CPU)."""
+        if self._boot_job is not None and self._boot_job.done():
+            self._boot_job.result()  # a failed join fails the run now
+        if len(set(self.joiner_seen)) >= 2:
+            return False
+        if elapsed > JOIN_WITHIN:
+            raise RuntimeError(f"the joining box's server did not follow a version within {JOIN_WITHIN:.0f} s")
+        return True
+
+    def finish(self, last: int) -> dict:
+        """The joiner on the last version, then every server's weights compared there."""
+        if self._boot_job is None:
+            raise RuntimeError(f"the churn happens after step {self.churn_step}; run at least that many steps")
+        self._boot_job.result()  # a failed join fails the run
+        wait(lambda: _version_of(self.joiner_server) == last, 300, f"the joining box's server to reach version {last}",
+             every=0.1)
+        caught_up = time.monotonic()
+        self.ensure(last)
+        sums = [s.post("weight_checker", {"action": "checksum"})["checksums"]
+                for s in [*self.w.servers, self.joiner_server]]
+        ev = self.events
+        return {"churn_step": self.churn_step, "joiner_folder_version": ev["folder_version"],
+                "joiner_folder_seconds": ev["folder_ready"] - ev["killed"],
+                "joiner_serving_seconds": ev["serving"] - ev["killed"],
+                "joiner_caught_up_after_last_publish": caught_up - self.published[last],
+                "joiner_weights_equal": all(x == sums[0] for x in sums)}
+
+    def stop(self) -> None:
+        if self.joiner_server is not None:
+            self.joiner_server.stop()
+        self._boot.shutdown(wait=True, cancel_futures=True)
+        super().stop()
+
+
+JOIN_WITHIN = 600.0  # seconds into a ``churn`` run by which the joiner must have followed a version
+
+
+def _version_of(server) -> int | None:
+    """The version a server runs, from vLLM's own label; None if it does not answer."""
+    try:
+        label = server.weight_version()
+    except Exception:  # a killed or starting server
+        return None
+    return int(label) if str(label).isdigit() else None
 
 
 class _Ideal(Strategy):
@@ -406,4 +549,4 @@ class _Full(Strategy):
 
 
 STRATEGIES = {"full": _Full, "star": lambda w: _Sparrow(w, True), "swarm": lambda w: _Sparrow(w, False),
-              "ideal": _Ideal}
+              "ideal": _Ideal, "churn": _Churn}

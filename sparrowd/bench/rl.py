@@ -11,7 +11,12 @@ once per way of handing the trainer's weights to the rollout servers:
   only (the WAN emulator lets no connection between rollout regions through);
 * ``swarm``: sparrowd as shipped (nodes relay to each other);
 * ``ideal``: the servers read each version from the trainer daemon's own
-  engine socket, no network at all: the "single datacenter" reference.
+  engine socket, no network at all: the "single datacenter" reference;
+* ``churn`` (``--churn``, after the others): ``swarm`` while boxes come and
+  go. After a third of the steps, a box kept current by follow mode is
+  killed (daemon and server) and an empty box joins: a cold start from the
+  swarm, ``vllm serve DATA/current``, then follow mode. The trainer side does
+  nothing about either. The JSON gives each server's version per step.
 
 The loop: a tiny Qwen3 (random init) samples completions on real ``vllm
 serve`` processes (CPU) in regions other than the trainer's; the reward is a
@@ -22,9 +27,10 @@ the servers get. One-step off-policy by default: generation of batch k runs
 on version k-2 while version k-1 travels, as SparrowRL does; ``on_policy``
 makes generation k wait for version k-1.
 
-Every strategy is bit-exact, so all four must give identical rewards and
+Every strategy is bit-exact, so all must give identical rewards and
 identical server weights (vLLM's ``/weight_checker`` checksums) at every
-step; the benchmark checks both and fails loudly otherwise.
+step, and the box that joined mid-run must end with the steady servers'
+weights; the benchmark checks all of it and fails loudly otherwise.
 
 The WAN is the swarm benchmark's (``sparrowd.bench.wan``): regions on their
 own loopback blocks, proxies adding round-trip time and shaping each ordered
@@ -93,6 +99,7 @@ class StepRecord:
     tokens: int = 0
     reward: float = 0.0
     wan_bytes: int = 0
+    versions: dict = field(default_factory=dict)  # server -> the version it ran as the step generated
 
 
 @dataclass
@@ -101,6 +108,7 @@ class StrategyResult:
     steps: list[StepRecord] = field(default_factory=list)
     checksums: dict = field(default_factory=dict)  # version -> the servers' weight checksums
     seconds: float = 0.0
+    after: dict | None = None  # what the strategy reports beyond the steps (``churn``)
 
     def summary(self) -> dict:
         """Figures over the steady state: every step but the first (warm-up, and no version to wait
@@ -115,7 +123,10 @@ class StrategyResult:
                 "rewards": [s.reward for s in self.steps],
                 "split": {k: sum(getattr(s, k) for s in steady) / n
                           for k in ("generate", "train", "publish", "wait", "pause")},
-                "wire_seconds": [s.wire for s in self.steps]}
+                "wire_seconds": [s.wire for s in self.steps],
+                "versions": {name: [s.versions.get(name) for s in self.steps]
+                             for name in dict.fromkeys(k for s in self.steps for k in s.versions)},
+                **({"churn": self.after} if self.after else {})}
 
 
 # ---------------------------------------------------------------------------- the policy and its update
@@ -174,6 +185,7 @@ class _World:
             tmp.write_text(secrets.token_hex(24) + "\n")
         self.token = self.token_file.read_text().strip()
         self.servers = []
+        self.spare = None  # ``churn``'s box that leaves
 
     @staticmethod
     def region_of(i: int) -> int:
@@ -233,7 +245,9 @@ def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
     wan0 = strategy.wan_bytes()
     try:
         t_run = time.monotonic()
-        for step in range(1, cfg.steps + 1):
+        step = 0
+        while step < cfg.steps or strategy.more(time.monotonic() - t_run):
+            step += 1
             rec = StepRecord(step)
             t_step = time.monotonic()
             version = step - 1 if cfg.on_policy else max(0, step - 2)
@@ -243,6 +257,7 @@ def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
             if version > 0 and version not in res.checksums:
                 res.checksums[version] = [s.post("weight_checker", {"action": "checksum"})["checksums"]
                                           for s in w.servers]
+            rec.versions = strategy.versions()
             t0 = time.monotonic()
             batch = _generate(w, cfg, step, version)
             rec.generate = time.monotonic() - t0
@@ -260,13 +275,14 @@ def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
                   f"{version}, train {rec.train:.2f}, publish {rec.publish:.2f}, waited {rec.wait:.2f} for weights, "
                   f"paused {rec.pause:.2f}), reward {rec.reward:.4f}", flush=True)
         # The last versions' transfers finish, so every step's wire time and bytes are known.
-        for v in range(1, cfg.steps + 1):
+        for v in range(1, step + 1):
             wait(lambda v=v: v in strategy.held, 600, f"version {v} to arrive")
         res.seconds = time.monotonic() - t_run
         wan = strategy.wan_bytes() - wan0
         for rec in res.steps:
             rec.wire = strategy.held[rec.step] - strategy.published[rec.step]
-            rec.wan_bytes = wan // cfg.steps
+            rec.wan_bytes = wan // step
+        res.after = strategy.finish(step)
     finally:
         strategy.stop()
     return res
@@ -300,7 +316,12 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
             server = VllmServer(sys.executable, w.base, free_port(host), host=host, log_path=root / f"server{i}.log",
                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)})
             w.servers.append(server.start())
-        for s in w.servers:
+        if "churn" in cfg.strategies:  # the box that leaves mid-run has its server up from the start
+            i = cfg.servers
+            host = address(w.region_of(i), 0, 50 + i)
+            w.spare = VllmServer(sys.executable, w.base, free_port(host), host=host, log_path=root / "spare.log",
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}).start()
+        for s in [*w.servers, *([w.spare] if w.spare else [])]:
             s.wait_ready(600)
         rate = parse_size(cfg.link_rate)
         print(f"   tiny Qwen3 of {model_bytes / MB:.1f} MiB bf16, {cfg.servers} vllm serve (CPU) in "
@@ -314,7 +335,7 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
             w.reset()
             results.append(_run_strategy(w, STRATEGIES[name](w)))
     finally:
-        for s in w.servers:
+        for s in [*w.servers, *([w.spare] if w.spare else [])]:
             s.stop()
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -324,17 +345,20 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
     # Bit-exact: identical rewards and server weights at every step, whatever carried them.
     ref = results[0]
     problems = []
-    for r in results[1:]:
-        if [s.reward for s in r.steps] != [s.reward for s in ref.steps]:
+    for r in results[1:]:  # ``churn`` runs on until its joiner has followed: its first steps are compared
+        if [s.reward for s in r.steps[:len(ref.steps)]] != [s.reward for s in ref.steps]:
             problems.append(f"{r.name}'s rewards differ from {ref.name}'s: {[s.reward for s in r.steps]} vs "
                             f"{[s.reward for s in ref.steps]}")
-        if r.checksums != ref.checksums:
+        if {v: r.checksums.get(v) for v in ref.checksums} != ref.checksums:
             problems.append(f"{r.name}'s server weights differ from {ref.name}'s at versions "
                             f"{sorted(v for v in ref.checksums if r.checksums.get(v) != ref.checksums[v])}")
     for r in results:
         for v, sums in r.checksums.items():
             if any(x != sums[0] for x in sums):
                 problems.append(f"{r.name}: the servers disagree on version {v}'s weights")
+        if r.after and not r.after["joiner_weights_equal"]:
+            problems.append(f"{r.name}: the box that joined mid-run holds other weights than the steady servers at "
+                            f"version {len(r.steps)}")
 
     summaries = {r.name: r.summary() for r in results}
     gen = sum(s["split"]["generate"] for s in summaries.values()) / len(summaries)
@@ -359,7 +383,8 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         if "ideal" in summaries:
             out["gap_to_ideal"] = sw["seconds_per_step"] / summaries["ideal"]["seconds_per_step"] - 1
         sw.update({k: out[k] for k in ("speedup_vs_full", "gap_to_ideal") if k in out})  # also on swarm's entry
-        print("\n   targets")
+        if "speedup_vs_full" in out or "gap_to_ideal" in out:
+            print("\n   targets")
         if "speedup_vs_full" in out:
             ok = out["speedup_vs_full"] >= 3
             print(f"   swarm throughput / full broadcast {out['speedup_vs_full']:6.2f}x  >= 3     "
@@ -368,6 +393,9 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
             ok = out["gap_to_ideal"] <= 0.10
             print(f"   swarm step time over ideal        {100 * out['gap_to_ideal']:5.1f}%  <= 10%   "
                   f"{'PASS' if ok else 'MISS'}  (SparrowRL: 8.91%)")
+    for r in results:
+        if r.after:
+            _print_churn(r, summaries[r.name])
     if json_path:
         write_json(json_path, out)
     if plot_path:
@@ -377,6 +405,22 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         return 1
     print(f"\n   rewards and server weights identical across {', '.join(summaries)} at every step")
     return 0
+
+
+def _print_churn(r: StrategyResult, summary: dict) -> None:
+    a = r.after
+    print(f"\n   {r.name}: after step {a['churn_step']}'s publish a box was killed (daemon and server) and an "
+          f"empty box joined; the trainer side did nothing")
+    print(f"   the joiner's folder was ready on version {a['joiner_folder_version']} in "
+          f"{a['joiner_folder_seconds']:.1f} s, its server answered {a['joiner_serving_seconds']:.1f} s after the "
+          f"churn, and follow mode had it on the last version {a['joiner_caught_up_after_last_publish']:.1f} s "
+          f"after that version's publish")
+    print("   version each server ran, step by step (- not serving; the JSON has every step):")
+    for name, versions in summary["versions"].items():
+        cells = [f"{'-' if v is None else v:>3}" for v in versions]
+        if len(cells) > 14:
+            cells = [*cells[:4], "...", *cells[-8:]]
+        print(f"     {name:<7}" + " ".join(cells))
 
 
 def _plot(summaries: dict, path: str) -> None:

@@ -387,12 +387,13 @@ class AsyncServer:
         return outs
 
 
-def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path: str, count: int,
-               kind: str = "llm") -> None:
-    """An RL loop as Ray-based stacks run it: ``count`` vLLM actors (``LLM``, or an ``AsyncLLM``
-    wrapped as the stacks wrap one) with the sparrowd backend, moved by vLLM's
-    ``RayVLLMWeightSyncClient`` through the trainer-side engine after each real AdamW step.
-    Writes each actor's weight version, greedy tokens and pauses per step to ``ray.json``."""
+def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path: str, kinds: str) -> None:
+    """An RL loop as Ray-based stacks run it: one vLLM actor per entry of ``kinds`` (``llm``: an
+    ``LLM``, which has no pause; ``async``: an ``AsyncLLM`` wrapped as the stacks wrap one) with the
+    sparrowd backend, moved together by vLLM's ``RayVLLMWeightSyncClient`` through the trainer-side
+    engine after each real AdamW step. Writes each actor's weight version, greedy tokens and pauses
+    per step to ``ray.json``, then changes one ``LLM`` actor's weights behind the swarm's back and
+    records what ``verify_servers`` says."""
     import ray
     import torch
     from vllm import LLM, SamplingParams
@@ -400,20 +401,17 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
 
     from sparrowd.integrations.vllm_backend import SparrowTrainerInitInfo
 
+    kinds = kinds.split(",")
     model = tiny_qwen3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     save_bf16(model, out / "step0")
-    ray.init(num_cpus=count + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=len(kinds) + 1, include_dashboard=False, log_to_driver=False)
     env = {"VLLM_TARGET_DEVICE": "cpu",
            **{k: v for k, v in os.environ.items() if k.startswith(("SPARROWD_", "VLLM_CPU"))}}
-    if kind == "llm":
-        actor = ray.remote(num_cpus=1)(LLM).options(
-            runtime_env={"env_vars": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
-        actors = [actor.remote(str(out / "step0"), **ENGINE_KW) for _ in range(count)]
-    else:
-        actor = ray.remote(num_cpus=1)(AsyncServer).options(runtime_env={"env_vars": env})
-        actors = [actor.remote() for _ in range(count)]
-        ray.get([a.start.remote(str(out / "step0")) for a in actors])
+    llm = ray.remote(num_cpus=1)(LLM).options(runtime_env={"env_vars": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+    wrapped = ray.remote(num_cpus=1)(AsyncServer).options(runtime_env={"env_vars": env})
+    actors = [llm.remote(str(out / "step0"), **ENGINE_KW) if k == "llm" else wrapped.remote() for k in kinds]
+    ray.get([a.start.remote(str(out / "step0")) for a, k in zip(actors, kinds) if k == "async"])
     engine = WeightTransferTrainerFactory.trainer_init(
         SparrowTrainerInitInfo(rank=0, daemon=daemon, token_file=token_file,
                                worker_init_info={"socket": socket_path, "token_file": token_file}),
@@ -431,19 +429,19 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
         gens = [[{"tokens": list(r.outputs[0].token_ids),
                   "logprobs": [{str(k): lp.logprob for k, lp in x.items()} for x in r.outputs[0].logprobs]}
                  for r in res] for res in outputs]
-        pauses = ray.get([a.paused.remote() for a in actors]) if kind == "async" else None
+        pauses = [ray.get(a.paused.remote()) if k == "async" else None for a, k in zip(actors, kinds)]
         seen.append({"step": step, "versions": versions, "generate": gens, "paused": stats.paused, "pauses": pauses})
         print(f"step {step}: weight versions {versions}", flush=True)
     diverged = None
-    if kind == "llm" and count > 1:  # one actor's weights changed behind the swarm's back: found, named
-        ray.get(actors[-1].collective_rpc.remote(_diverge))
+    if len(kinds) > 1 and "llm" in kinds:  # one actor's weights changed behind the swarm's back: found, named
+        ray.get(actors[kinds.index("llm")].collective_rpc.remote(_diverge))
         try:
             engine.verify_servers()
         except Exception as e:  # noqa: BLE001 - the error is the finding
             diverged = str(e)
     engine.shutdown()
     ray.shutdown()
-    (out / "ray.json").write_text(json.dumps({"steps": seen, "diverged": diverged}))
+    (out / "ray.json").write_text(json.dumps({"kinds": kinds, "steps": seen, "diverged": diverged}))
 
 
 def _diverge(worker) -> None:
@@ -502,7 +500,7 @@ if __name__ == "__main__":
     elif role == "base":
         base(out)
     elif role == "ray":
-        ray_actors(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), sys.argv[8])
+        ray_actors(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7])
     elif role == "engine_tp":
         engine_tp(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     else:
