@@ -13,6 +13,10 @@ decodes it into a memfd in the decoded safetensors layout
 (``sparrowd.decoded``), seals it, and the fetch reply passes the descriptor
 (SCM_RIGHTS): the engine maps the same pages, nothing is copied through the
 socket. At most ``AHEAD`` objects per engine are kept decoded.
+
+``EngineServer`` gets the swarm driver, the node's current folder and a few
+callables (``app`` wires them), never the daemon. Imports the pure core,
+``decoded``, ``enginewire`` and the daemon's ``folder`` and ``logs``.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class EngineServer:
         self.engines: dict[tuple[str, int], Engine] = {}
         self._decoded: dict[Key, asyncio.Task] = {}  # -> (memfd, size)
         # Chunks decode on threads of their own: a decode stands between a version's arrival and
-        # the engine's update (85M changes, an 8B model's step, take seconds on one core).
+        # the engine's update, and a large step's changes take seconds on one core.
         self._pool = ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparrowd-decode")
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()

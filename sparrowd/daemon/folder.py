@@ -12,6 +12,10 @@ States (``status`` and ``top``): ``empty`` (no version yet), ``building``
 (from an anchor, with progress), ``updating`` (a patch, in place),
 ``ready`` (a whole version engines can load), ``error`` (retried with
 back-off; the last whole version stays in place).
+
+``FolderKeeper`` gets the swarm driver, the data dir, the base settings and a
+callback (``app`` wires them), never the daemon. Imports the pure core,
+``current`` and the daemon's ``logs``.
 """
 
 from __future__ import annotations

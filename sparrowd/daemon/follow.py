@@ -16,6 +16,10 @@ vLLM's RL routes have no authentication, so the settings refuse a server
 address that is not loopback unless the operator allows it. A server that is
 down or restarts is attached again when it answers; a failed update leaves
 the server on its last version and is retried with back-off.
+
+``VllmFollower`` gets the engine socket's server and the swarm driver (``app``
+wires them), never the daemon. Imports the pure core (``swarm.follow``) and
+the daemon's ``engine`` and ``logs``.
 """
 
 from __future__ import annotations
