@@ -42,6 +42,13 @@ Disk: one model's bytes plus the journal (the changed elements: 8 + the
 element width bytes each). At ~1% uniform density nearly every 4 KiB page
 holds a change, so the page cache writes most of each shard back although the
 process writes only the changed elements.
+
+The modules, by job: ``ondisk`` (the files above, the lock, the errors),
+``shards`` (mappings of the shards, leases), ``journal`` (an update and its
+replay: steps 1 to 3), ``build`` (a folder from an anchor, or adopted from a
+local base), ``folder`` (``CurrentFolder``: ``DATA/current`` itself). They
+import ``checkpoint``, ``codec``, ``decoded``, ``errors`` and ``schema``,
+never the daemon; this module only re-exports the public names.
 """
 
 from __future__ import annotations

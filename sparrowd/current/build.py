@@ -2,7 +2,7 @@
 fingerprint), or adopted from a local model folder (weights reflinked or linked, never written)
 once the patches held tell which version it is (``base_of``).
 
-Imports ``checkpoint``, ``codec`` and the package's ``ondisk`` and ``shards``.
+Imports ``checkpoint``, ``codec``, ``errors`` and the package's ``ondisk`` and ``shards``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``DATA/current`` as a daemon keeps it: the symlink swung to a new folder when one is built or
 adopted, the in-place update of the folder it points at, and the recovery after a start.
 
-Imports the package's other modules only.
+Imports ``codec``, ``errors`` and the package's other modules.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 into the journal, which commits the version; the journal replayed into the shards; a crash
 after the commit replayed at the next start (package docstring: steps 1 to 3).
 
-Imports ``codec``, ``decoded``, ``schema`` and the package's ``ondisk`` and ``shards``.
+Imports ``checkpoint``, ``codec``, ``decoded``, ``errors``, ``schema`` and the package's ``ondisk`` and
+``shards``.
 """
 
 from __future__ import annotations

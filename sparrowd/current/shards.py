@@ -1,7 +1,7 @@
 """Writable bit views of a folder's shards, and the kernel leases that keep other readers whole
 while a shard is written in place (package docstring: engines that have the folder open).
 
-Imports ``codec`` and the package's ``ondisk``.
+Imports ``codec`` and the package's ``ondisk``; nothing here knows versions or patches.
 """
 
 from __future__ import annotations
