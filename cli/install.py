@@ -80,7 +80,7 @@ def _executable() -> str:
 
 
 def unit_text(exe: str, group: str | None = None) -> str:
-    text = resources.files("sparrowd").joinpath("units/sparrowd.service").read_text()
+    text = resources.files("sparrowd").joinpath("systemd/sparrowd.service").read_text()
     text = text.replace("ExecStart=/usr/local/bin/sparrowd ", f"ExecStart={exe} ")
     if group:
         text = text.replace("[Service]\n", f"[Service]\nGroup={group}\n")

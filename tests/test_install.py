@@ -152,3 +152,20 @@ def test_the_token_is_never_readable_by_others_not_even_while_it_is_written(tmp_
     for name in ("sparrowd.toml", "sparrowd.service"):
         assert {(when, mode) for n, when, mode in seen if n == name} == {("written", 0o644), ("renamed", 0o644)}
     assert stat.S_IMODE((root / "etc/sparrowd/swarm.token").stat().st_mode) == 0o600
+
+
+def test_the_unit_ships_once_and_the_repository_links_to_it():
+    """The unit ``sparrowd install`` writes is package data (``sparrowd/systemd/``, listed in
+    pyproject.toml and MANIFEST.in); ``systemd/sparrowd.service``, where users look, is a link to it."""
+    from importlib import resources
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shipped = resources.files("sparrowd").joinpath("systemd/sparrowd.service")
+    assert shipped.is_file()
+    link = root / "systemd/sparrowd.service"
+    assert link.is_symlink() and link.resolve() == (root / "sparrowd/systemd/sparrowd.service").resolve()
+    assert link.read_text() == shipped.read_text()
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert pyproject["tool"]["setuptools"]["package-data"]["sparrowd"] == ["systemd/*.service"]
+    assert "include sparrowd/systemd/sparrowd.service" in (root / "MANIFEST.in").read_text().splitlines()

@@ -13,6 +13,10 @@ decodes it into a memfd in the decoded safetensors layout
 (``sparrowd.decoded``), seals it, and the fetch reply passes the descriptor
 (SCM_RIGHTS): the engine maps the same pages, nothing is copied through the
 socket. At most ``AHEAD`` objects per engine are kept decoded.
+
+``EngineServer`` gets the swarm driver, the node's current folder and a few
+callables (``app`` wires them), never the daemon. Imports the pure core,
+``decoded``, ``enginewire`` and the daemon's ``folder`` and ``logs``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +38,8 @@ from ..codec.workers import cpu_threads
 from ..decoded import decode_patch, read_decoded, write_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
 from ..errors import FormatError, InputError, SparrowError
-from ..swarm.chain import Key, Obj, engine_plan
-from .folder import decoded_path
+from ..swarm.chain import Key, Obj, Unproducible, engine_plan
+from .folder import FolderKeeper, decoded_path
 from .logs import event
 
 __all__ = ["EngineServer"]
@@ -59,22 +64,33 @@ class Engine:
 
 
 class EngineServer:
-    def __init__(self, daemon, path: Path):
-        self.daemon = daemon
+    """The engine socket at ``path``, serving what ``swarm`` holds. ``keeper`` is the node's current
+    folder (None without ``--current``): it decodes ulp2 patches and takes the model folder an engine
+    loaded as its base. ``token_ok`` checks a hello's token, ``unproducible(version)`` says why a
+    version cannot be made here (None when it can), and ``on_change`` tells the node that what its
+    renewals report changed (the engines' versions)."""
+
+    def __init__(self, path: Path, swarm, *, data_dir: Path, node_id: str, token_ok: Callable[[str], bool],
+                 keeper: FolderKeeper | None = None,
+                 unproducible: Callable[[int], Unproducible | None] = lambda version: None,
+                 on_change: Callable[[], None] = lambda: None):
         self.path = Path(path)
+        self.swarm = swarm
+        self.data_dir = data_dir
+        self.node_id = node_id
+        self.keeper = keeper
+        self._token_ok = token_ok
+        self._unproducible = unproducible
+        self._on_change = on_change
         self.engines: dict[tuple[str, int], Engine] = {}
         self._decoded: dict[Key, asyncio.Task] = {}  # -> (memfd, size)
         # Chunks decode on threads of their own: a decode stands between a version's arrival and
-        # the engine's update (85M changes, an 8B model's step, take seconds on one core).
+        # the engine's update, and a large step's changes take seconds on one core.
         self._pool = ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparrowd-decode")
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
         self._ungreeted: dict[socket.socket, asyncio.Task] = {}  # oldest first
         self._attached = 0  # connections past their hello
-
-    @property
-    def swarm(self):
-        return self.daemon.swarm
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,7 +178,7 @@ class EngineServer:
 
     def _changed_engines(self) -> None:
         self.swarm.engine_floor = self.floor()
-        self.daemon.report_changed()
+        self._on_change()
         self._prefetch()
 
     # ------------------------------------------------------------ one connection
@@ -259,17 +275,17 @@ class EngineServer:
         if msg["op"] != "hello":
             await self._send(conn, {"op": "error", "error": "say hello first"})
             return None
-        if not self.daemon.local_token_ok(msg["token"]):
+        if not self._token_ok(msg["token"]):
             event(log, logging.WARNING, "engine refused: wrong swarm token", engine=msg["engine"][:64])
             await self._send(conn, {"op": "error", "error": "wrong swarm token"})
             return None
-        if msg.get("model") and self.daemon.keeper is not None:  # the folder it loaded: a base for an empty node
-            self.daemon.keeper.offer_base(Path(msg["model"][:4096]), by=msg["engine"][:64])
+        if msg.get("model") and self.keeper is not None:  # the folder it loaded: a base for an empty node
+            self.keeper.offer_base(Path(msg["model"][:4096]), by=msg["engine"][:64])
         me = Engine(msg["engine"][:64], msg["rank"], msg["version"], time.monotonic())
         self.engines[(me.engine, me.rank)] = me
         event(log, logging.INFO, "engine attached", engine=me.engine, rank=me.rank, version=me.version)
         self._changed_engines()
-        await self._send(conn, {"op": "welcome", "node": self.daemon.node_id, "position": self.swarm.position()})
+        await self._send(conn, {"op": "welcome", "node": self.node_id, "position": self.swarm.position()})
         return me
 
     # ------------------------------------------------------------ requests
@@ -281,8 +297,8 @@ class EngineServer:
         """An ulp2 patch is coded against its base: it is there for engines once the node's current
         folder, which holds that base, has decoded it (sparrowd.daemon.folder)."""
         obj = vs.obj
-        if obj.complete and vs.manifest.values == ULP2 and self.daemon.keeper is not None:
-            return Obj(obj.base, decoded_path(self.daemon.data_dir, vs.version).exists())
+        if obj.complete and vs.manifest.values == ULP2 and self.keeper is not None:
+            return Obj(obj.base, decoded_path(self.data_dir, vs.version).exists())
         return obj
 
     async def _ready(self, me: Engine, wait: float, until: int | None = None) -> dict:
@@ -291,7 +307,7 @@ class EngineServer:
         deadline = time.monotonic() + wait
         while True:
             gen = self.swarm.gen
-            if until is not None and (u := self.daemon.unproducible(until)) is not None:
+            if until is not None and (u := self._unproducible(until)) is not None:
                 return {"op": "error", "error": u.reason}  # held, and never to be made here: say so now
             anchor, patches = self.plan(me.version)
             left = deadline - time.monotonic()
@@ -378,8 +394,8 @@ class EngineServer:
             raise SparrowError(f"cannot decode: {e}") from None
 
     def _decoded_by_folder(self, key: Key):
-        path = decoded_path(self.daemon.data_dir, key.version)
-        if self.daemon.keeper is None:
+        path = decoded_path(self.data_dir, key.version)
+        if self.keeper is None:
             raise SparrowError(f"{key} is an ulp2 patch, coded against its base: this node decodes those in its "
                                f"current folder, which it keeps only with --current on")
         try:

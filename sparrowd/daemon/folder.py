@@ -12,6 +12,10 @@ States (``status`` and ``top``): ``empty`` (no version yet), ``building``
 (from an anchor, with progress), ``updating`` (a patch, in place),
 ``ready`` (a whole version engines can load), ``error`` (retried with
 back-off; the last whole version stays in place).
+
+``FolderKeeper`` gets the swarm driver, the data dir, the base settings and a
+callback (``app`` wires them), never the daemon. Imports the pure core,
+``current`` and the daemon's ``logs``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..codec.chunk import ULP2
@@ -53,9 +58,16 @@ def drop_decoded(data_dir, keep: set[int]) -> None:
 
 
 class FolderKeeper:
-    def __init__(self, daemon):
-        self.daemon = daemon
-        self.folder = CurrentFolder(daemon.data_dir)
+    """Keeps ``data_dir/current`` on the newest version ``swarm`` holds whole; ``on_change`` tells the
+    node that what renewals report changed (the folder's state and version)."""
+
+    def __init__(self, swarm, data_dir: Path, *, base: Path | None = None, base_version: int | None = None,
+                 on_change: Callable[[], None] = lambda: None):
+        self.swarm = swarm
+        self.data_dir = data_dir
+        self.base_version = base_version
+        self._on_change = on_change
+        self.folder = CurrentFolder(data_dir)
         self.state = "empty"
         self.version: int | None = None
         self.progress: tuple[int, int] | None = None  # chunks (done, total) of what is being written
@@ -67,15 +79,11 @@ class FolderKeeper:
         self._rebuild = False  # the folder lacks a patch's change history: rebuilt from the newest anchor
         # A local model folder holding a version the patches build on (--base, or the folder an engine
         # loaded): an empty current folder starts from it (``_adopt``).
-        self.base: Path | None = daemon.settings.base
+        self.base: Path | None = base
         self._base_refused: tuple[Path, int] | None = None  # (source, patches held) a mismatch was found with
         # Until the folder is checked, plan from the version its commit record names.
         self.version = self.folder.version()
         self.swarm.current_floor = -1 if self.version is None else self.version
-
-    @property
-    def swarm(self):
-        return self.daemon.swarm
 
     def report(self) -> dict:
         return {"state": self.state, "version": self.version}
@@ -97,7 +105,7 @@ class FolderKeeper:
             # What only the folder still held back goes now, not at the next version: a late box
             # that took older objects' statements while its folder was empty kept them until then.
             self.swarm.retire()
-        self.daemon.report_changed()
+        self._on_change()
 
     async def run(self) -> None:
         # Leases (module sparrowd.current) signal a holder whose lease is broken with SIGIO, which
@@ -136,7 +144,7 @@ class FolderKeeper:
         tried = (self.base, len(patches))
         if not patches or self._base_refused == tried:
             return False
-        want = self.daemon.settings.base_version
+        want = self.base_version
         self._set("building")
         try:
             version, how = await asyncio.to_thread(self.folder.adopt, self.base,
@@ -161,7 +169,7 @@ class FolderKeeper:
 
     async def _step(self) -> float:
         held = {k: vs.obj for k, vs in self.swarm.versions.items()}
-        drop_decoded(self.daemon.data_dir, {k.version for k in held if not k.anchor})
+        drop_decoded(self.data_dir, {k.version for k in held if not k.anchor})
         at = -1 if self.version is None else self.version
         anchor, patches = engine_plan(-1 if self._need_anchor else at, held)
         if self.version is None and self.base is not None and anchor is None and await self._adopt():
@@ -183,7 +191,7 @@ class FolderKeeper:
                 else:
                     # An ulp2 patch is coded against the base only this folder holds: engines get it decoded
                     # here, written before the folder moves past its base.
-                    decoded = decoded_path(self.daemon.data_dir, key.version) if vs.manifest.values == ULP2 else None
+                    decoded = decoded_path(self.data_dir, key.version) if vs.manifest.values == ULP2 else None
                     if decoded is not None:
                         decoded.parent.mkdir(exist_ok=True)
                     v = await asyncio.to_thread(self.folder.apply, vs.manifest, self._reader(key), self._progress,

@@ -16,6 +16,10 @@ vLLM's RL routes have no authentication, so the settings refuse a server
 address that is not loopback unless the operator allows it. A server that is
 down or restarts is attached again when it answers; a failed update leaves
 the server on its last version and is retried with back-off.
+
+``VllmFollower`` gets the engine socket's server and the swarm driver (``app``
+wires them), never the daemon. Imports the pure core (``swarm.follow``) and
+the daemon's ``engine`` and ``logs``.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 
 import aiohttp
 
 from ..errors import SparrowError
 from ..swarm.chain import Key
 from ..swarm.follow import decide
+from .engine import EngineServer
 from .logs import event
 
 __all__ = ["VllmFollower"]
@@ -45,8 +51,13 @@ class FollowError(SparrowError):
 
 
 class VllmFollower:
-    def __init__(self, daemon, url: str, *, every: float = 0.0):
-        self.daemon = daemon
+    """Moves the vLLM server at ``url`` onto what ``engines`` (this node's engine socket) has ready;
+    its workers attach with the token in ``token_file``."""
+
+    def __init__(self, url: str, engines: EngineServer, swarm, *, token_file: Path, every: float = 0.0):
+        self.engines = engines
+        self.swarm = swarm
+        self.token_file = token_file
         self.url = url.rstrip("/")
         self.every = every
         self.engine = f"follow:{self.url.split('://', 1)[-1]}"[:64]  # the id the server's workers attach as
@@ -62,14 +73,14 @@ class VllmFollower:
 
     def server_version(self) -> int | None:
         """The version the server's workers hold (the oldest rank), or None when not attached."""
-        engines = self.daemon.engines
+        engines = self.engines
         ranks = [e.version for (name, _), e in engines.engines.items() if name == self.engine] if engines else []
         return min(ranks) if ranks else None
 
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> None:
-        swarm = self.daemon.swarm
+        swarm = self.swarm
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT))
         try:
             while True:
@@ -89,7 +100,7 @@ class VllmFollower:
                 # Attached: the server answers now, so the back-off of the attempts made while it was
                 # starting (or down) ends; the versions it lacks go to it at once.
                 self._failures, self._failed_at, self.error = 0, None, None
-            anchor, patches = self.daemon.engines.plan(server) if server is not None else (None, [])
+            anchor, patches = self.engines.plan(server) if server is not None else (None, [])
             ready = patches[-1] if patches else anchor
             d = decide(now, server=server, ready=ready, every=self.every, last_update=self.last_update,
                        failures=self._failures, failed_at=self._failed_at)
@@ -97,7 +108,7 @@ class VllmFollower:
                 return d.wait
             keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches if v <= d.target]
             for key in keys:  # decoded now, so that the pause covers the scatter only
-                await self.daemon.engines.decode(key)
+                await self.engines.decode(key)
             await self._update(server, d.target)
         except (FollowError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._failed(str(e) or type(e).__name__)
@@ -116,10 +127,9 @@ class VllmFollower:
     # ------------------------------------------------------------ calls
 
     async def _attach(self) -> None:
-        s = self.daemon.settings
         info = await self._call("GET", "weight_info")
         label = str(info.get("weight_version", ""))
-        init = {"socket": str(self.daemon.engines.path), "token_file": str(s.token_file), "engine": self.engine}
+        init = {"socket": str(self.engines.path), "token_file": str(self.token_file), "engine": self.engine}
         if label.isdigit():  # the server's label names a sparrowd version; else its workers keep theirs (0 at first)
             init["version"] = int(label)
         await self._call("POST", "init_weight_transfer_engine", {"init_info": init})

@@ -2,12 +2,16 @@
 
 A collector rather than gauges updated in place: the numbers come straight
 from the lease table and the membership state when Prometheus asks, so they
-cannot drift from what ``sparrowd status`` shows.
+cannot drift from what ``sparrowd status`` shows. What it reads of the node is
+the ``Node`` protocol (``app.Daemon`` is one).
+
+Imports ``prometheus_client`` and the pure core (``swarm.waits``) only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,8 +24,22 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REGION_CLASSES = ("same", "other")
 
 
+class Node(Protocol):
+    """What the collector reads of its node; None where the node runs without that part."""
+
+    node_id: str
+    settings: object  # .role, .region
+    membership: object | None
+    swarm: object | None
+    tracker: object | None
+
+    def versions_held(self) -> list[int]: ...
+
+
 class DaemonMetrics:
-    def __init__(self, daemon):
+    """The collector; ``requests``, ``unauthorized`` and ``bytes`` are counted by the gate and the swarm."""
+
+    def __init__(self, daemon: Node):
         self.daemon = daemon
         self.requests: Counter[tuple[str, int]] = Counter()
         self.unauthorized = 0

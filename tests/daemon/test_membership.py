@@ -269,7 +269,7 @@ def test_publishing_is_refused_from_other_machines():
 
     from aiohttp.test_utils import make_mocked_request
 
-    from sparrowd.daemon.app import Daemon as App
+    from sparrowd.daemon.routes import local_only
 
     def request(peer):
         transport = mock.Mock()
@@ -277,9 +277,9 @@ def test_publishing_is_refused_from_other_machines():
         return make_mocked_request("POST", "/v1/publish/manifest", transport=transport)
 
     for local in ("127.0.0.1", "127.8.9.10", "::1"):
-        assert App._local_only(request(local)) is None
+        assert local_only(request(local)) is None
     for remote in ("10.0.0.5", "192.168.1.2", "2001:db8::1"):
-        refused = App._local_only(request(remote))
+        refused = local_only(request(remote))
         assert refused.status == 403 and b"own machine" in refused.body
 
 
