@@ -13,6 +13,8 @@ pytest.importorskip("torch")
 from sparrowd.bench.apply import qwen3_shapes, run  # noqa: E402
 from sparrowd.errors import InputError  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def test_the_torch_engine_takes_every_step_and_reports_its_pause_beside_the_reloads(tmp_path, capsys):
     out = tmp_path / "apply.json"

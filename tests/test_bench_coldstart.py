@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sparrowd.bench.coldstart import ColdstartConfig, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_two_boxes_boot_from_the_swarm_and_the_star_is_timed_with_progress_lines(tmp_path, capsys):

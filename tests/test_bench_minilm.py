@@ -7,6 +7,8 @@ import pytest
 
 from sparrowd.bench import minilm
 
+pytestmark = pytest.mark.slow
+
 
 def test_wordpiece_greedy_longest_match(tmp_path):
     vocab = tmp_path / "vocab.txt"

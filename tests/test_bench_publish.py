@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch")
 from sparrowd.bench.publish import run  # noqa: E402
 from sparrowd.errors import InputError  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("compare", ["auto", "torch"])
 def test_bench_publish_reports_its_target_against_a_baseline(tmp_path, capsys, compare):

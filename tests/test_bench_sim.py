@@ -10,6 +10,8 @@ import pytest
 
 from sparrowd.bench.sim import MB, Config, Sim, simulate
 
+pytestmark = pytest.mark.slow
+
 
 def test_sixteen_nodes_get_every_version_near_the_bound_and_the_same_run_twice():
     cfg = Config(nodes=16, regions=4, patch=6 * MB, versions=2, seed=1)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sparrowd.bench.soak import run
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_kills_and_restarts_a_node_and_every_version_arrives(tmp_path, capsys):

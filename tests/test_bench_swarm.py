@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def _cli(*args, tmp_path, timeout=60):
     return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "swarm", *args],

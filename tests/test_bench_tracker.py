@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from tests.helpers import sparrowd
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_tracker_measures_a_real_daemon_and_writes_its_figures(tmp_path):

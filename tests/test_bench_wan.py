@@ -20,6 +20,7 @@ def _port(host):
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # real sockets timed against the wall clock
 @pytest.mark.asyncio
 async def test_proxy_adds_rtt_across_regions_only_and_a_handshake_to_new_connections():
     target = ("127.10.0.1", _port("127.10.0.1"))
@@ -61,6 +62,7 @@ async def _echo(reader, writer):
     writer.close()
 
 
+@pytest.mark.slow  # real sockets timed against the wall clock
 @pytest.mark.asyncio
 async def test_without_the_handshake_a_new_connection_pays_one_round_trip():
     target = ("127.12.0.1", _port("127.12.0.1"))

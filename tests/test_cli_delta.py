@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from .helpers import make_state, same_bits, save_folder, sparrowd, step
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def files(tmp_path):

@@ -99,6 +99,7 @@ def test_token_commands_refuse_bad_input_in_one_line(inputs, args, says):
     assert _tree(inputs) == before
 
 
+@pytest.mark.slow  # a real trainer daemon
 def test_a_credential_that_cannot_be_written_is_not_issued(cluster, inputs):
     trainer = cluster.trainer()
     for out in ("adir", "nodir/cred", ""):

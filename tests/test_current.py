@@ -24,6 +24,8 @@ from sparrowd.current import MARKER, CurrentFolder, FolderBusy, LayoutChange, mo
 from sparrowd.errors import IntegrityError
 from tests.helpers import make_state, save_folder, step
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"tokenizer.json": b'{"model": {"type": "BPE"}}\n' * 50, "generation_config.json": b'{"temperature": 0.7}\n',
          "chat_template.jinja": b"{% for m in messages %}{{ m.content }}{% endfor %}\n"}

@@ -37,6 +37,7 @@ def refused_cleanly(fn, data) -> None:
         assert str(e) and "\n" not in str(e)
 
 
+@pytest.mark.slow  # many generated cases
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(garbage)
 def test_patch_files(data):
@@ -44,6 +45,7 @@ def test_patch_files(data):
     refused_cleanly(parse_patch, data)
 
 
+@pytest.mark.slow  # many generated cases
 @settings(max_examples=300, deadline=None)
 @given(garbage)
 def test_manifests_statements_frames_and_have_maps(data):
@@ -53,6 +55,7 @@ def test_manifests_statements_frames_and_have_maps(data):
     refused_cleanly(from_bitmap, data)
 
 
+@pytest.mark.slow  # many generated cases
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 300), st.binary(max_size=512), st.integers(0, 40), values)
 def test_ulp2_segments_from_outside(lo, body, count, v):
@@ -81,6 +84,7 @@ def test_ulp2_segments_from_outside(lo, body, count, v):
         refused_cleanly(lambda d: decode_chunk(d, base=base), data)
 
 
+@pytest.mark.slow  # many generated cases
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8),
        st.integers(-3, 3))

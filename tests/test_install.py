@@ -15,6 +15,8 @@ import pytest
 from sparrowd.daemon.settings import load_settings
 from tests.helpers import sparrowd
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def token(tmp_path):

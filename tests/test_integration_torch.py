@@ -19,6 +19,8 @@ from sparrowd.errors import BaseMismatchError, FormatError, IntegrityError
 from sparrowd.integrations.torch import PatchApplier, ulp_add_device
 from tests.models import TinyLM, assert_serves, bf16_model, served_bits, train
 
+pytestmark = pytest.mark.slow
+
 
 def steps(n: int, seed: int = 0):
     """A model trained n AdamW steps: the bf16 bits served after each (index 0: the base)."""

@@ -96,6 +96,7 @@ def test_cross_region_bytes_count_from_when_the_latest_version_appeared():
     assert "cross-region since 43: 0 B" in v.header(0)[2]
 
 
+@pytest.mark.slow  # the live app run headless: several seconds
 def test_the_live_app_headless_sorts_filters_and_survives_an_outage():
     state = {"fail": False}
 

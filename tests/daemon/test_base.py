@@ -15,6 +15,8 @@ from tests.daemon.test_current import FILES, assert_folder, current
 from tests.helpers import sparrowd
 from tests.models import bf16_model, served_bits, train, trained_setup
 
+pytestmark = pytest.mark.slow
+
 
 def base_folder(path, bits):
     """A Hugging Face style model folder holding ``bits`` (what `vllm serve ./base` would load)."""

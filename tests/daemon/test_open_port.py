@@ -20,6 +20,8 @@ from tests.daemon.test_trust import Mallory, create_credential
 from tests.helpers import sparrowd
 from tests.models import train, trained_setup
 
+pytestmark = pytest.mark.slow
+
 MP = {"Content-Type": "application/msgpack"}
 
 

@@ -13,6 +13,8 @@ from sparrowd import Publisher, StaleEnginesError
 from tests.daemon.harness import wait_for
 from tests.models import bf16_model, served_bits, train, trained_setup
 
+pytestmark = pytest.mark.slow
+
 
 def test_publish_waits_for_engines_within_max_lag_and_names_the_one_behind(cluster):
     from sparrowd.integrations.engine import EngineClient, sync
