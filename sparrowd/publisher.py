@@ -64,6 +64,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from .client import check_start, http_call, published_state, read_token, tracker_status, wait_arrival
 from .codec.bits import RawTensor, dtype_info
 from .codec.chunk import ULP, ULP2, join_ranks, rank_and_fingerprint, ranked_part, ranking
 from .codec.extract import diff_fingerprint, fingerprint
@@ -71,9 +72,8 @@ from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
 from .codec.workers import cpu_threads
 from .current import model_files
-from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
-from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError, SparrowError, StaleEnginesError
+from .publishing import DEFAULT_ANCHOR_EVERY, anchor_due, check_anchor, check_follows
 from .swarm.chain import Key
 
 __all__ = ["Publisher", "PublishStats"]
@@ -386,8 +386,7 @@ class Publisher:
         self._check_started()
         self.wait_anchor()
         self._sync()
-        if version < self.version:
-            raise InputError(f"anchor {version} is older than the last published version {self.version}")
+        check_anchor(version, self.version)
         kept = {}
         for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
             s = self._keep(t)
@@ -413,8 +412,7 @@ class Publisher:
         self.wait_anchor()  # it reads the kept copies this version moves
         t_wait = time.perf_counter() - t_wait
         self._sync()
-        if version <= self.version:
-            raise InputError(f"version {version} does not follow the last published version {self.version}")
+        check_follows(version, self.version)
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version, anchor_wait_seconds=t_wait)
         ulp2 = self.values == ULP2
@@ -530,7 +528,7 @@ class Publisher:
         self._advance(version, updates, history)
         self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
-        if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
+        if anchor_due(version, self.anchor_version, self.anchor_every):
             stats.anchor_started = True
             if self.background_anchors:
                 self._anchor = self._anchoring.submit(self._publish_anchor, version)

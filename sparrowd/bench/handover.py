@@ -274,7 +274,7 @@ class _Sparrow(Strategy):
         self._watch.submit(self._until_held, version)
 
     def _until_held(self, version: int) -> None:
-        from ..daemon.calls import http_call
+        from ..client import http_call
 
         token = self.w.token
         wait(lambda: all(version in http_call(f"{u}/v1/node", token)["versions"] for u in self.urls), 600,

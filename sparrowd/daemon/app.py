@@ -40,6 +40,7 @@ from aiohttp import web
 
 from .. import __version__
 from ..checkpoint import atomic_file
+from ..client import read_tokens
 from ..codec.chunk import ULP2
 from ..codec.manifest import MAX_MANIFEST
 from ..errors import FormatError, InputError, IntegrityError, SparrowError
@@ -79,7 +80,7 @@ from .membership import (
     outgoing,
 )
 from .metrics import CONTENT_TYPE, DaemonMetrics
-from .settings import Settings, read_tokens
+from .settings import Settings
 from .store import ChunkStore
 from .swarm import MAX_CHUNK, NODE_HEADER, Swarm
 from .tracker import TrackerService
