@@ -8,7 +8,8 @@ from pathlib import Path
 import sparrowd
 
 ROOT = Path(sparrowd.__file__).parent
-SDK = [ROOT / "publisher.py", ROOT / "publishing.py", ROOT / "client.py", *sorted((ROOT / "integrations").glob("*.py"))]
+SDK = [*(ROOT / f for f in ("publisher.py", "snapshot.py", "publishing.py", "client.py")),
+       *sorted((ROOT / "integrations").glob("*.py"))]
 
 
 def _imported(path: Path) -> set[str]:
