@@ -30,7 +30,8 @@ from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .errors import InputError
 
-__all__ = ["TORCH_DTYPES", "Kept", "torch_module", "host", "served", "keep", "extract", "Changes", "undo"]
+__all__ = ["TORCH_DTYPES", "Kept", "Change", "Changes", "torch_module", "host", "follower", "state", "gathered",
+           "gather_all", "served", "keep", "extract", "undo"]
 
 TORCH_DTYPES = {  # torch dtype name -> (safetensors name, same-width integer dtype name)
     "bfloat16": ("BF16", "int16"),
