@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import check_start, check_url, http_call, publish_file, published_state, tracker_status
-from sparrowd.daemon.settings import DEFAULT_ANCHOR_EVERY, DEFAULT_LISTEN, default_data_dir, load_settings, read_token
+from sparrowd.client import check_url, http_call, publish_file, published_state, read_token, tracker_status
+from sparrowd.daemon.settings import DEFAULT_LISTEN, default_data_dir, load_settings
 from sparrowd.errors import InputError, SparrowError
+from sparrowd.publishing import DEFAULT_ANCHOR_EVERY
 from sparrowd.swarm.bucket import DEFAULT_BURST
 from sparrowd.swarm.leases import ROLES, check_name
 
@@ -366,7 +367,7 @@ def cmd_status(args) -> int:
 def cmd_wait(args) -> int:
     import time
 
-    from sparrowd.daemon.calls import wait_arrival
+    from sparrowd.client import wait_arrival
 
     if args.version < 0 or (args.fraction is not None and not 0 < args.fraction <= 1):
         raise InputError("VERSION must be 0 or more, --fraction in (0, 1]")
@@ -394,87 +395,14 @@ def _count(n: int, noun: str) -> str:
 # ---------------------------------------------------------------- publish
 
 
-def _publish_anchor(src: Path, version: int, state: Path, args, token: str) -> None:
-    from sparrowd.current import model_files
-    from sparrowd.delta import diff_files
-
-    path = state / f"a{version}.sprw"
-    try:
-        diff_files(None, src, path, values=args.values, version=version,
-                   files=model_files(src) if src.is_dir() else None)
-        m, _, _ = publish_file(path, args.daemon, token)
-    finally:
-        path.unlink(missing_ok=True)
-    print(f"anchor {version} published from {src}: {_count(len(m.chunks), 'chunk')}, {m.patch_bytes} bytes")
-
-
 def _publish_checkpoint(args, token: str) -> int:
-    """Diff the checkpoint against the last one published from the state dir, publish, keep it."""
-    import shutil
+    """``--checkpoint``: the library's ``publish_checkpoint``, the state dir under the data dir by default."""
+    from sparrowd.publishing import publish_checkpoint
 
-    from sparrowd.checkpoint import atomic_dir, open_checkpoint
-    from sparrowd.delta import diff_files
-
-    if args.version is None or args.version < 0:
-        raise InputError("--checkpoint needs --version N (0 or more)")
-    if args.anchor_every < 0:
-        raise InputError("--anchor-every must be 0 (never) or more")
-    if args.init and args.anchor:
-        raise InputError("--init already publishes the base as an anchor when the daemon has nothing; "
-                         "give one of --init and --anchor")
-    src = Path(args.checkpoint)
-    if not src.exists():
-        raise InputError(f"{src}: no such checkpoint")
-    with open_checkpoint(src):  # a text file or a folder without weights is refused before anything is recorded
-        pass
-    state = Path(args.state_dir or default_data_dir() / "published").expanduser()
-    kept, record = state / "checkpoint", state / "published.json"
-
-    def keep() -> None:
-        state.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(kept, force=True) as tmp:
-            if src.is_dir():
-                shutil.copytree(src, tmp, dirs_exist_ok=True)
-            else:
-                shutil.copy2(src, tmp / src.name)
-        with atomic_file(record) as tmp:
-            Path(tmp).write_text(json.dumps({"version": args.version, "source": str(src.absolute())}) + "\n")
-
-    if args.init:
-        chain = published_state(args.daemon, token)
-        check_start(chain, args.version)
-        state.mkdir(parents=True, exist_ok=True)
-        if chain["latest"] is None:
-            _publish_anchor(src, args.version, state, args, token)
-        keep()
-        print(f"{src} recorded as base version {args.version} in {state}")
-        return 0
-    try:
-        last = json.loads(record.read_text())["version"]
-    except (OSError, ValueError, KeyError):
-        raise InputError(f"nothing published from {state} yet: record the base first with --init") from None
-    if args.anchor:
-        if args.version < last:
-            raise InputError(f"anchor {args.version} is older than the last published version {last}")
-        _publish_anchor(src, args.version, state, args, token)
-        keep()
-        return 0
-    if args.version <= last:
-        raise InputError(f"version {args.version} does not follow the last published version {last}")
-    old = kept if src.is_dir() else kept / src.name
-    patch = state / f"v{args.version}.sprw"
-    try:
-        diff_files(old, src, patch, values=args.values, version=args.version, base_version=last)
-        m, sent, new = publish_file(patch, args.daemon, token)
-    finally:
-        patch.unlink(missing_ok=True)
-    keep()  # only once the daemon took the manifest: a failed publish leaves the base as it was
-    print(f"version {m.version} (base {m.base_version}) published from {src}: {_count(len(m.chunks), 'chunk')}, "
-          f"{m.patch_bytes} bytes, {m.elements_changed} elements changed")
-    anchor = published_state(args.daemon, token)["anchor"]
-    _warn_base(m, anchor)
-    if args.anchor_every and args.version - (anchor or 0) >= args.anchor_every:
-        _publish_anchor(src, args.version, state, args, token)
+    state = args.state_dir or default_data_dir() / "published"
+    publish_checkpoint(args.checkpoint, args.version, daemon=args.daemon, token=token, state_dir=state,
+                       values=args.values, init=args.init, anchor=args.anchor, anchor_every=args.anchor_every,
+                       on_patch=_warn_base)
     return 0
 
 

@@ -10,7 +10,8 @@ from importlib import resources
 from pathlib import Path
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.settings import load_settings, read_tokens
+from sparrowd.client import read_tokens
+from sparrowd.daemon.settings import load_settings
 from sparrowd.errors import InputError, SparrowError
 from sparrowd.swarm.leases import ROLES
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from sparrowd.checkpoint import atomic_file
-from sparrowd.daemon.calls import http_call
+from sparrowd.client import http_call
 from sparrowd.daemon.settings import default_data_dir
 from sparrowd.errors import InputError
 from sparrowd.swarm.identity import is_credential_id, parse_duration

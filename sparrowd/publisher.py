@@ -51,6 +51,15 @@ version whatever the trainer's sharding; the cost is one tensor's worth of
 memory on rank 0 at a time and the gather's traffic on the trainer's
 own fast interconnect.
 
+What lives here: ``Publisher``, whose ``publish`` takes the version's
+snapshot (``sparrowd.snapshot``: gather, compare, extract) and runs the
+publish transaction on it (``_encode_patch``: encode and hand off each chunk;
+``_commit``: the manifest, then the kept copies move on, or everything moved
+is put back; ``_anchor_if_due``), and ``PublishStats``. The chain's rules
+(version order, anchor cadence) come from ``sparrowd.publishing``, shared with
+publishing a checkpoint folder; the daemon is reached through
+``sparrowd.client``. Nothing here imports ``sparrowd.daemon``.
+
 Needs torch; the rest of sparrowd does not.
 """
 
@@ -62,35 +71,33 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import blake3
-import numpy as np
 
-from .codec.bits import RawTensor, dtype_info
-from .codec.chunk import ULP, ULP2, join_ranks, rank_and_fingerprint, ranked_part, ranking
-from .codec.extract import diff_fingerprint, fingerprint
+from .client import check_start, http_call, published_state, read_token, tracker_status, wait_arrival
+from .codec.bits import RawTensor
+from .codec.chunk import ULP, ULP2
 from .codec.history import History
 from .codec.patch import DEFAULT_CHUNK_SIZE, PatchEncoder, auto_chunk_size
 from .codec.workers import cpu_threads
 from .current import model_files
-from .daemon.calls import check_start, http_call, published_state, tracker_status, wait_arrival
-from .daemon.settings import DEFAULT_ANCHOR_EVERY, read_token
 from .errors import InputError, SparrowError, StaleEnginesError
+from .publishing import DEFAULT_ANCHOR_EVERY, anchor_due, check_anchor, check_follows
+from .snapshot import (
+    TORCH_DTYPES,
+    Change,
+    Changes,
+    Kept,
+    follower,
+    gather_all,
+    host,
+    keep,
+    served,
+    state,
+    torch_module,
+    undo,
+)
 from .swarm.chain import Key
 
 __all__ = ["Publisher", "PublishStats"]
-
-_TORCH_DTYPES = {  # torch dtype name -> (safetensors name, same-width integer dtype name)
-    "bfloat16": ("BF16", "int16"),
-    "float16": ("F16", "int16"),
-    "float32": ("F32", "int32"),
-    "float64": ("F64", "int64"),
-    "int8": ("I8", "int8"),
-    "uint8": ("U8", "uint8"),
-    "int16": ("I16", "int16"),
-    "int32": ("I32", "int32"),
-    "int64": ("I64", "int64"),
-    "bool": ("BOOL", "uint8"),
-}
-
 
 @dataclass
 class PublishStats:
@@ -122,23 +129,6 @@ class PublishStats:
         return {**asdict(self), "density": self.density}
 
 
-@dataclass
-class _Tensor:
-    dtype: str  # safetensors name
-    shape: tuple[int, ...]
-    bits: object  # torch tensor, integer view, on the tensor's device
-    fp: bytes  # fingerprint of its bytes
-    mirror: np.ndarray | None = None  # host copy, for tensors compared by torch (fingerprinted here)
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is an extra
-        raise InputError("sparrowd.Publisher needs torch: pip install 'sparrowd[torch]'") from None
-    return torch
-
-
 class _Stream:
     """Chunks handed to the daemon in order as they are encoded, timed into the stats."""
 
@@ -156,64 +146,6 @@ class _Stream:
             self.stats.chunks += 1
             if self.stats.first_chunk_seconds is None:
                 self.stats.first_chunk_seconds = time.perf_counter() - self.t_start
-
-
-def _extract(torch, old, new):
-    """The changes of one flat tensor compared by torch, on their way to the host: None when it is
-    unchanged, else (positions and new values on the device; positions, old and new values as numpy
-    arrays on the host; a wait for those host arrays).
-
-    Only the count of changes waits for the device (``nonzero``); the gathered values and the
-    positions then go to page-locked host memory asynchronously, followed by an event, so the
-    caller goes on to the next tensor while they travel, and whoever reads the host arrays waits
-    for that event first. (Copies to pageable memory each waited for the device, three a tensor,
-    and ran at a fraction of the link's speed.)"""
-    idx = torch.nonzero(new != old).reshape(-1)
-    c = idx.numel()
-    if c == 0:
-        return None
-    new_vals = new[idx]
-    if not new.is_cuda:  # on the host already: numpy views, nothing to copy or wait for
-        return idx, new_vals, idx.numpy(), Publisher._host(old[idx]), Publisher._host(new_vals), _no_wait
-    width = new.element_size()
-    aligned = (c * width + 7) // 8 * 8
-    host = torch.empty(c * 8 + 2 * aligned, dtype=torch.uint8, pin_memory=True)
-    h_idx = host[: c * 8].view(torch.int64)
-    h_old = host[c * 8: c * 8 + c * width].view(new.dtype)
-    h_new = host[c * 8 + aligned: c * 8 + aligned + c * width].view(new.dtype)
-    for dst, src in ((h_idx, idx), (h_old, old[idx]), (h_new, new_vals)):
-        dst.copy_(src, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(new.device))
-    return idx, new_vals, h_idx.numpy(), Publisher._host(h_old), Publisher._host(h_new), event.synchronize
-
-
-def _no_wait() -> None:
-    pass
-
-
-def _move_mirror(mirror: np.ndarray, idx: np.ndarray, nv: np.ndarray, ov: np.ndarray, dtype: str | None,
-                 hist_pos: np.ndarray | None = None):
-    """A torch compare's host mirror brought to the new version: its fingerprint, and for ulp2
-    (``dtype`` given, a float) its ranks and its change history's classes (``hist_pos``), all in one
-    read of the mirror."""
-    mirror[idx] = nv
-    if dtype is None or not idx.size or not dtype_info(dtype).is_float:
-        return fingerprint(mirror), None
-    ranked, fp = rank_and_fingerprint(mirror, dtype, idx, ov, hist_pos)
-    return fp, ranked
-
-
-def _compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist_pos: np.ndarray | None = None):
-    """The CPU compare (the fused pass, which also brings the kept copy up to date), and for ulp2
-    (``dtype`` given, a float) the changes' exponent-class ranks in the same pass, each block of the
-    kept copy scanned before its update, while it is in cache: the class scan of the base is the
-    costliest part of an ulp2 patch. ``hist_pos``: the tensor's change-history positions, classed
-    in the same pass."""
-    classes = ranking(kept, dtype, hist_pos) if dtype is not None and dtype_info(dtype).is_float else None
-    idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True, classes=classes)
-    part = ranked_part(classes)
-    return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov, classes.hist_cls)
 
 
 def _number(value, kinds):
@@ -242,7 +174,7 @@ class Publisher:
         """``max_lag``: bounded staleness. ``publish(v)`` returns only once every live engine holds at
         least version v - max_lag (the tracker's wait), else raises ``StaleEnginesError`` after
         ``lag_timeout`` seconds, naming the engines that lag and by how much. None: no bound."""
-        torch = _torch()
+        torch = torch_module()
         if threads is None:  # the compares are memory-bound: a few threads reach a socket's bandwidth
             threads = cpu_threads(at_least=2)
         if threads < 1:
@@ -271,9 +203,9 @@ class Publisher:
         if self.model_files is not None and not self.model_files.is_dir():
             raise InputError(f"model_files {self.model_files}: not a folder (give the model's Hugging Face folder)")
         self.dtype = getattr(torch, dtype, None)
-        if self.dtype is None or not isinstance(self.dtype, torch.dtype) or dtype not in _TORCH_DTYPES:
-            raise InputError(f"served dtype {dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
-        self._last: dict[str, _Tensor] = {}
+        if self.dtype is None or not isinstance(self.dtype, torch.dtype) or dtype not in TORCH_DTYPES:
+            raise InputError(f"served dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
+        self._last: dict[str, Kept] = {}
         self.version: int | None = None
         self.anchor_version: int | None = None
         self._pending: _Pending | None = None
@@ -292,63 +224,28 @@ class Publisher:
         # their own, so that the encoder's thread only cuts; compares queued ahead do not hold them up
         self._segments = ThreadPoolExecutor(threads, thread_name_prefix="sparrowd-segments")
 
-    # ------------------------------------------------------------ inputs
-
-    @staticmethod
-    def _follower() -> bool:
-        """Under torch.distributed, ranks other than 0 only join the gathers."""
-        torch = _torch()
-        dist = torch.distributed
-        return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
-
-    def _state(self, model) -> dict:
-        torch = _torch()
-        sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
-        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise InputError("publish takes an nn.Module or a state dict of tensors")
-        return sd
-
-    @staticmethod
-    def _gathered(t):
-        """A DTensor (FSDP2) gathered whole, one tensor at a time; any other tensor as it is."""
-        full = getattr(t, "full_tensor", None)
-        return full() if full is not None and type(t).__name__ == "DTensor" else t
-
-    def _served(self, t, *, own: bool) -> _Tensor:
-        """The tensor as the engine serves it: floats cast to the served dtype, as integer bits.
-        ``own``: the result must not share memory with the model (it is kept as the last
-        published copy, and the optimizer updates the model in place)."""
-        torch = _torch()
-        t = self._gathered(t.detach())
-        if t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)  # a new tensor: owned already
-        elif own:
-            t = t.clone()
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in _TORCH_DTYPES:
-            raise InputError(f"dtype {t.dtype} cannot be published")
-        st, as_int = _TORCH_DTYPES[name]
-        bits = t.contiguous().view(getattr(torch, as_int)) if t.dtype != torch.bool else t.contiguous().to(torch.uint8)
-        return _Tensor(st, tuple(t.shape), bits.reshape(-1), b"")
+    # ------------------------------------------------------------ the snapshot (sparrowd.snapshot)
 
     def _by_torch(self, bits) -> bool:
         return self.compare == "torch" or bits.device.type != "cpu"
 
-    def _keep(self, t) -> _Tensor:
-        """A kept copy of ``t`` as served, fingerprinted; tensors compared by torch also get a host
-        mirror (one copy now, then O(changed) per version), so no later version copies them whole."""
-        s = self._served(t, own=True)
-        if self._by_torch(s.bits):
-            s.mirror = self._host(s.bits).copy()
-            s.fp = fingerprint(s.mirror)
-        else:
-            s.fp = fingerprint(self._host(s.bits))
-        return s
+    def _keep(self, t) -> Kept:
+        return keep(t, self.dtype, self._by_torch)
 
-    @staticmethod
-    def _host(bits) -> np.ndarray:
-        a = bits.cpu().numpy()
-        return a.view(f"<u{a.dtype.itemsize}")
+    def _snapshot(self, model) -> dict[str, Kept]:
+        """The model's tensors as served, gathered in name order (the order every rank gathers in),
+        checked against the kept copies: a patch carries no new, removed or reshaped tensor."""
+        sd = state(model)
+        if set(sd) != set(self._last):
+            raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor: "
+                             "publish_anchor)")
+        taken = {}
+        for name in sorted(sd):
+            old, new = self._last[name], served(sd[name], self.dtype, own=False)
+            if (old.dtype, old.shape) != (new.dtype, new.shape):
+                raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor: publish_anchor)")
+            taken[name] = new
+        return taken
 
     # ------------------------------------------------------------ the API
 
@@ -360,17 +257,17 @@ class Publisher:
         ``version`` (the trainer restarted from that version's checkpoint) goes on from it.
         Any other daemon state is an error: a patch on a base the nodes do not hold would be
         refused by every engine."""
-        if self._follower():
-            self._gather_all(model)
+        if follower():
+            gather_all(model)
             return None
         self.wait_anchor()
-        state = self._daemon_state()
-        check_start(state, version)
-        latest = state["latest"]
-        kept = {name: self._keep(t) for name, t in sorted(self._state(model).items())}  # the order ranks gather in
+        chain = self._daemon_state()
+        check_start(chain, version)
+        latest = chain["latest"]
+        kept = {name: self._keep(t) for name, t in sorted(state(model).items())}  # the order ranks gather in
         self._last, self.version, self._pending = kept, version, None
         self._history = History()  # what the nodes hold of the last patches is not known here: start afresh
-        self.anchor_version = state["anchor"]
+        self.anchor_version = chain["anchor"]
         self._unrecorded = latest is None  # the daemon knows nothing of this base until something is published
         if latest is None and anchor:
             return self._publish_anchor(version)
@@ -380,16 +277,15 @@ class Publisher:
         """Publish ``model`` whole as anchor ``version``: the latest version (a snapshot of it;
         the model must be exactly what was published) or a newer one, which may add, remove or
         reshape tensors. Later patches build on it."""
-        if self._follower():
-            self._gather_all(model)
+        if follower():
+            gather_all(model)
             return None
         self._check_started()
         self.wait_anchor()
         self._sync()
-        if version < self.version:
-            raise InputError(f"anchor {version} is older than the last published version {self.version}")
+        check_anchor(version, self.version)
         kept = {}
-        for name, t in sorted(self._state(model).items()):  # the order every rank gathers in
+        for name, t in sorted(state(model).items()):  # the order every rank gathers in
             s = self._keep(t)
             if version == self.version and (name not in self._last or s.fp != self._last[name].fp):
                 raise InputError(f"tensor {name!r} is not what version {version} published: publish the model "
@@ -404,144 +300,87 @@ class Publisher:
     def publish(self, model, version: int) -> PublishStats | None:
         """Publish ``model`` as ``version``, a patch on the last version published (module
         docstring); returns its figures (None on follower ranks)."""
-        torch = _torch()
-        if self._follower():
-            self._gather_all(model)
+        if follower():
+            gather_all(model)
             return None
         self._check_started()
         t_wait = time.perf_counter()
         self.wait_anchor()  # it reads the kept copies this version moves
         t_wait = time.perf_counter() - t_wait
         self._sync()
-        if version <= self.version:
-            raise InputError(f"version {version} does not follow the last published version {self.version}")
+        check_follows(version, self.version)
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version, anchor_wait_seconds=t_wait)
-        ulp2 = self.values == ULP2
-        prior = self._history_now() if ulp2 else None  # the change history this patch is coded against
-        enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
-                           chunk_size=self._patch_chunk_size(), history=prior, pool=self._segments)
-
-        def hist_pos(name: str) -> np.ndarray | None:
-            t = prior.get(name) if prior is not None else None
-            return None if t is None else t.positions
-
-        stream = _Stream(self, Key(version), stats, t_start)
-        sent: list[Future] = []
-        mirrors: list[Future] = []  # torch compares: host mirrors moved, fingerprinted (and ranked)
-        arrivals: list = []  # torch compares: waits for each tensor's changes to reach the host
-
-        # (host array, positions, old values): kept copies and host mirrors already moved to this
-        # version, put back if the version is not published.
-        moved: list = []
-
-        def encode(name, kept: _Tensor, layout: RawTensor, idx, ov, nv, update: list, ranked=None,
-                   mirrored: Future | None = None) -> None:
-            t0 = time.perf_counter()
-            if mirrored is not None:  # compared by torch: the host mirror was moved (and ranked) on a thread
-                update[3], ranked = mirrored.result()
-            # The values were gathered already; the encoder only needs the layout of both sides.
-            chunks = enc.add_extract(name, layout, layout, idx, kept.fp, update[3], ov, nv, ranked)
-            stats.encode_seconds += time.perf_counter() - t0
-            stream.send(chunks)
-
-        state = self._state(model)
-        if set(state) != set(self._last):
-            raise InputError("the model's tensors differ from the base's (new or removed tensors need an anchor: "
-                             "publish_anchor)")
-        updates = []  # (kept tensor, changed indices, new values or None if in place already, new fingerprint)
-        names = sorted(state)
-        served = {}
-        for name in names:
-            old, new = self._last[name], self._served(state[name], own=False)
-            if (old.dtype, old.shape) != (new.dtype, new.shape):
-                raise InputError(f"tensor {name!r} changed dtype or shape (that needs an anchor: publish_anchor)")
-            served[name] = new
-        # On the CPU the fused C pass compares, gathers, fingerprints and brings the kept copy up to
-        # date in one read; tensors go to the compare threads (the pass releases the GIL) and come back in
-        # name order.
-        cpu = {name: self._compare.submit(self._timed, _compare_and_rank, self._host(self._last[name].bits),
-                                          self._host(new.bits), new.dtype if ulp2 else None, hist_pos(name))
-               for name, new in served.items() if not self._by_torch(new.bits)}
-        try:
-            for name in names:
-                old, new = self._last[name], served[name]
-                stats.tensors += 1
-                stats.elements += new.bits.numel()
-                ranked = mirrored = None
-                if name in cpu:
-                    seconds, (idx_h, ov, nv, _, new_fp, ranked) = cpu.pop(name).result()
-                    stats.compare_seconds += seconds
-                    if idx_h.size == 0:
-                        continue  # the kept copy stays as it is
-                    moved.append((self._host(old.bits), idx_h, ov))
-                    host_new = self._host(new.bits)
-                    update = [old, idx_h, None, new_fp]
-                else:
-                    t0 = time.perf_counter()
-                    found = _extract(torch, old.bits, new.bits)
-                    stats.compare_seconds += time.perf_counter() - t0
-                    if found is None:
-                        continue
-                    idx, new_vals, idx_h, ov, nv, arrived = found
-                    arrivals.append(arrived)
-                    host_new = old.mirror
-                    update = [old, idx, new_vals, None]
-                    # The mirror moves on a compare thread, taking its new fingerprint (and for ulp2 its
-                    # class ranks) there, beside the other tensors'; recorded first, so it can be put back.
-                    moved.append((old.mirror, idx_h, ov))
-                    mirrored = self._compare.submit(self._arrived, stats, arrived, _move_mirror, old.mirror, idx_h, nv,
-                                                    ov, new.dtype if ulp2 else None, hist_pos(name))
-                    mirrors.append(mirrored)
-                updates.append(update)
-                stats.tensors_changed += 1
-                stats.elements_changed += int(idx_h.size)
-                layout = RawTensor(new.dtype, new.shape, host_new)
-                sent.append(self._pool.submit(encode, name, old, layout, idx_h, ov, nv, update, ranked, mirrored))
-            for f in sent:
-                f.result()  # errors from the worker (daemon down, refused) surface here
-            manifest, rest = enc.finish()
-            stream.send(rest)
-            body = manifest.to_bytes()
-            # The history the next patch is coded against, merged while the daemon signs this one: on
-            # the publish thread (idle now), its tensors side by side on the segment threads.
-            history = self._pool.submit(enc.next_history, self._segments) if ulp2 else enc.next_history()
-        except BaseException:
-            for f in [*sent, *cpu.values(), *mirrors]:
-                f.cancel()  # what has not started never will
-            for f in [*sent, *mirrors]:
-                if not f.cancelled():
-                    f.exception()  # wait for the one running: it may still move a mirror
-            for arrived in arrivals:
-                arrived()  # the old values the mirrors are put back with have reached the host
-            for name, f in cpu.items():  # a compare that ran has moved its kept copy
-                if not f.cancelled() and f.exception() is None:
-                    _, (idx_h, ov, *_rest) = f.result()
-                    moved.append((self._host(self._last[name].bits), idx_h, ov))
-            self._undo(moved)
-            raise
-        try:
-            self._post("/v1/publish/manifest", body)
-        except BaseException:  # an error, or an interrupt mid-request
-            # Taken or not? The next call asks the daemon, and adopts this version if it is there
-            # (or puts the kept copies back if it is not).
-            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), updates, moved, history)
-            raise
-        self._advance(version, updates, history)
+        changes, body, history = self._encode_patch(version, self._snapshot(model), stats, t_start)
+        self._commit(version, body, changes, history)
         self._last_patch_bytes = stats.patch_bytes
         stats.total_seconds = time.perf_counter() - t_start
-        if self.anchor_every and version - (self.anchor_version or 0) >= self.anchor_every:
-            stats.anchor_started = True
-            if self.background_anchors:
-                self._anchor = self._anchoring.submit(self._publish_anchor, version)
-            else:
-                a = self._publish_anchor(version)
-                stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
+        self._anchor_if_due(version, stats)
         if self.max_lag is not None:
             t0 = time.perf_counter()
             self.bound_lag(version)
             stats.lag_wait_seconds = time.perf_counter() - t0
         return stats
+
+    def _encode_patch(self, version: int, taken: dict[str, Kept], stats: PublishStats, t_start: float):
+        """The transaction's first half: each change of ``taken`` encoded on the publish thread as
+        its compare finds it, each chunk handed to the daemon as soon as it is closed. Returns the
+        changes, the manifest's bytes and the change history the next patch is coded against; on
+        any error every kept copy and mirror moved is put back before it is raised."""
+        ulp2 = self.values == ULP2
+        prior = self._history_now() if ulp2 else None  # the change history this patch is coded against
+        enc = PatchEncoder(version=version, base_version=self.version, values=self.values,
+                           chunk_size=self._patch_chunk_size(), history=prior, pool=self._segments)
+        stream = _Stream(self, Key(version), stats, t_start)
+
+        def encode(c: Change) -> None:
+            t0 = time.perf_counter()
+            if c.mirrored is not None:  # compared by torch: the host mirror was moved (and ranked) on a thread
+                c.update[3], c.ranked = c.mirrored.result()
+            # The values were gathered already; the encoder only needs the layout of both sides.
+            chunks = enc.add_extract(c.name, c.layout, c.layout, c.idx, c.kept.fp, c.update[3], c.ov, c.nv, c.ranked)
+            stats.encode_seconds += time.perf_counter() - t0
+            stream.send(chunks)
+
+        changes = Changes(self._last, taken, self._compare, self._by_torch, prior, stats)
+        sent: list[Future] = []
+        try:
+            for c in changes:
+                sent.append(self._pool.submit(encode, c))
+            for f in sent:
+                f.result()  # errors from the worker (daemon down, refused) surface here
+            manifest, rest = enc.finish()
+            stream.send(rest)
+            # The history the next patch is coded against, merged while the daemon signs this one: on
+            # the publish thread (idle now), its tensors side by side on the segment threads.
+            history = self._pool.submit(enc.next_history, self._segments) if ulp2 else enc.next_history()
+        except BaseException:
+            changes.rollback(sent)
+            raise
+        return changes, manifest.to_bytes(), history
+
+    def _commit(self, version: int, body: bytes, changes: Changes, history: History | Future) -> None:
+        """The transaction's second half: the manifest to the daemon, then the kept copies move on.
+        No reply (an error, or an interrupt mid-request): taken or not, the next call asks the daemon,
+        and adopts this version if it is there (or puts the kept copies back if it is not)."""
+        try:
+            self._post("/v1/publish/manifest", body)
+        except BaseException:
+            self._pending = _Pending(version, blake3.blake3(body).hexdigest(), changes.updates, changes.moved, history)
+            raise
+        self._advance(version, changes.updates, history)
+
+    def _anchor_if_due(self, version: int, stats: PublishStats) -> None:
+        """Every ``anchor_every`` versions, an anchor of this version follows the patch (in the
+        background with ``background_anchors``)."""
+        if not anchor_due(version, self.anchor_version, self.anchor_every):
+            return
+        stats.anchor_started = True
+        if self.background_anchors:
+            self._anchor = self._anchoring.submit(self._publish_anchor, version)
+        else:
+            a = self._publish_anchor(version)
+            stats.anchor_seconds, stats.anchor_bytes = a.total_seconds, a.patch_bytes
 
     def bound_lag(self, version: int) -> None:
         """Until every live engine holds version ``version - max_lag`` or later (``max_lag``);
@@ -613,17 +452,6 @@ class Publisher:
         if self.version is None:
             raise InputError("call Publisher.start(model, version=0) with the base first")
 
-    def _gather_all(self, model) -> None:
-        """A follower rank's part: the same gathers as rank 0, in the same (name) order."""
-        state = self._state(model)
-        for name in sorted(state):
-            self._gathered(state[name].detach())
-
-    @staticmethod
-    def _undo(moved: list) -> None:
-        for host, idx, old_values in reversed(moved):
-            host[idx] = old_values
-
     def _history_now(self) -> History:
         """The change history the rollout nodes hold at ``self.version`` (its merge may still be under way)."""
         if isinstance(self._history, Future):
@@ -641,18 +469,18 @@ class Publisher:
 
     def _sync(self) -> None:
         """Agree with the daemon on where the chain ends before building on it."""
-        state = self._daemon_state()
-        self._rollouts = _number(state.get("rollouts"), int)
-        self._uplink = _number(state.get("uplink"), (int, float))
-        self._round_trip = _number(state.get("round_trip"), (int, float))
-        latest = state["latest"]
+        chain = self._daemon_state()
+        self._rollouts = _number(chain.get("rollouts"), int)
+        self._uplink = _number(chain.get("uplink"), (int, float))
+        self._round_trip = _number(chain.get("round_trip"), (int, float))
+        latest = chain["latest"]
         if latest == self.version or (latest is None and self._unrecorded):
             if self._pending is not None:  # the daemon never took it: the mirrors go back too
-                self._undo(self._pending.moved)
+                undo(self._pending.moved)
             self._pending = None
             return
         p = self._pending
-        if p is not None and latest == p.version and state["manifest"] == p.manifest:
+        if p is not None and latest == p.version and chain["manifest"] == p.manifest:
             self._advance(p.version, p.updates, p.history)  # the daemon took it; only the reply was lost
             return
         raise InputError(f"the trainer's daemon has version {latest} as its latest, this publisher has "
@@ -679,7 +507,7 @@ class Publisher:
     def _daemon_state(self) -> dict:
         return published_state(self.daemon, self._token, timeout=self.timeout)
 
-    def _publish_anchor(self, version: int, tensors: dict[str, _Tensor] | None = None) -> PublishStats:
+    def _publish_anchor(self, version: int, tensors: dict[str, Kept] | None = None) -> PublishStats:
         """``tensors`` (the kept copies by default) whole, as anchor ``version``. The change history
         starts afresh: a new box starts from the anchor, and must decode what follows."""
         self._history = History()
@@ -696,16 +524,16 @@ class Publisher:
         for name in sorted(tensors):
             t = tensors[name]
             t0 = time.perf_counter()
-            host = t.mirror if t.mirror is not None else self._host(t.bits)  # no device copy when mirrored
+            on_host = t.mirror if t.mirror is not None else host(t.bits)  # no device copy when mirrored
             stats.to_host_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
-            chunks = enc.add(name, None, RawTensor(t.dtype, t.shape, host))
+            chunks = enc.add(name, None, RawTensor(t.dtype, t.shape, on_host))
             stats.encode_seconds += time.perf_counter() - t0
             sending.append(self._pool.submit(stream.send, chunks))
             while len(sending) > 4:
                 sending.pop(0).result()
             stats.tensors += 1
-            stats.elements += host.size
+            stats.elements += on_host.size
         stats.tensors_changed, stats.elements_changed = stats.tensors, stats.elements
         # The folder's config and tokenizer as they are now, so a box with nothing gets a loadable model.
         for name, data in (model_files(self.model_files) if self.model_files is not None else {}).items():
@@ -719,21 +547,6 @@ class Publisher:
         stats.total_seconds = time.perf_counter() - t_start
         self.last_anchor = stats
         return stats
-
-    @staticmethod
-    def _arrived(stats: PublishStats, arrived, fn, *args):
-        """``fn(*args)`` once a torch compare's changes have reached the host; the wait is counted
-        as time to the host (on a worker, beside the others)."""
-        t0 = time.perf_counter()
-        arrived()
-        stats.to_host_seconds += time.perf_counter() - t0
-        return fn(*args)
-
-    @staticmethod
-    def _timed(fn, *args, **kw):
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        return time.perf_counter() - t0, out
 
     def _post(self, path: str, data) -> dict:
         return http_call(f"{self.daemon}{path}", self._token, method="POST", data=bytes(data), timeout=self.timeout)

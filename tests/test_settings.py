@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrowd.daemon.settings import default_data_dir, load_settings, parse_hostport, read_token
+from sparrowd.client import read_token
+from sparrowd.daemon.settings import default_data_dir, load_settings, parse_hostport
 from sparrowd.errors import InputError
 from tests.helpers import sparrowd
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import atomic_file
-from ..daemon.calls import http_call
+from ..client import http_call
 from ..errors import SparrowError
 from ..units import format_bytes, parse_size
 from . import write_json

@@ -297,7 +297,7 @@ class _Sparrow(Strategy):
         self._watch.submit(self._until_held, version)
 
     def _until_held(self, version: int) -> None:
-        from ..daemon.calls import http_call
+        from ..client import http_call
 
         token = self.w.token
         wait(lambda: all(version in http_call(f"{u}/v1/node", token)["versions"] for u in self.urls), 600,
@@ -363,7 +363,7 @@ class _Churn(_Sparrow):
 
     def _join(self, t0: float) -> None:
         """The empty box: its daemon, then its server once ``DATA/current`` is ready."""
-        from ..daemon.calls import http_call
+        from ..client import http_call
         from ..localswarm import free_port
         from .vllm_server import VllmServer
 

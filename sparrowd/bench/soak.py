@@ -21,9 +21,9 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from ..client import http_call
 from ..codec.bits import RawTensor
 from ..codec.patch import encode_patch
-from ..daemon.calls import http_call
 from ..localswarm import LocalSwarm
 from . import write_json
 

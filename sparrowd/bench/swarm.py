@@ -43,10 +43,10 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import atomic_file
+from ..client import publish_file
 from ..codec.bits import RawTensor
 from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
-from ..daemon.calls import publish_file
 from ..localswarm import free_port
 from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.push import DEFAULT_PUSH

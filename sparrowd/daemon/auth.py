@@ -26,11 +26,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..client import read_tokens
 from ..errors import FormatError
 from ..swarm.identity import CREDENTIAL_PREFIX, Credential, Refused
 from .logs import Throttle, event
 from .membership import bearer
-from .settings import read_tokens
 from .swarm import NODE_HEADER
 
 __all__ = ["Tokens", "Credentials", "Gate", "loopback", "route_label",

@@ -12,7 +12,6 @@ import ipaddress
 import os
 import re
 import socket
-import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -26,13 +25,9 @@ from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
 from ..swarm.push import DEFAULT_PUSH, parse_push
 from ..units import parse_size
 
-__all__ = ["Settings", "load_settings", "parse_hostport", "read_token", "read_tokens", "default_data_dir",
-           "is_loopback",
-           "MIN_TOKEN_LEN"]
+__all__ = ["Settings", "load_settings", "parse_hostport", "default_data_dir", "is_loopback"]
 
-MIN_TOKEN_LEN = 16
 DEFAULT_LISTEN = "0.0.0.0:7070"
-DEFAULT_ANCHOR_EVERY = 20  # versions between anchors; the trainer keeps the patches since the newest
 _HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$")
 
 
@@ -336,33 +331,3 @@ def load_settings(
                              f"no authentication, so the server must listen on loopback (--host 127.0.0.1); "
                              f"--follow-vllm-remote allows another address")
     return Settings(**values)
-
-
-MAX_TOKENS = 4
-
-
-def read_tokens(path: Path) -> tuple[list[str], bool]:
-    """The tokens in a token file, one per line, and whether the file is readable by group or others.
-
-    The first line is what this node presents; every line is accepted from others. Two lines are
-    how a shared token is rotated without downtime (docs/OPERATIONS.md). A line may also hold a
-    join credential (``spw1...``) instead of the shared token."""
-    try:
-        st = os.stat(path)
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f.read(1 << 16).splitlines() if line.strip()]
-    except OSError as e:
-        raise InputError(f"token file {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"token file {path}: not text") from None
-    if not lines or len(lines) > MAX_TOKENS or any(len(t) < MIN_TOKEN_LEN or any(c.isspace() for c in t)
-                                                  for t in lines):
-        raise InputError(f"token file {path}: one to {MAX_TOKENS} lines, each one word of at least "
-                         f"{MIN_TOKEN_LEN} characters (a swarm token or a join credential)")
-    return lines, bool(st.st_mode & (stat.S_IRWXG | stat.S_IRWXO))
-
-
-def read_token(path: Path) -> tuple[str, bool]:
-    """The token this node presents (the file's first line), and whether the file is too open."""
-    tokens, too_open = read_tokens(path)
-    return tokens[0], too_open

@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..daemon.settings import read_token
+from ..client import read_token
 from ..decoded import Decoded, read_decoded
 from ..enginewire import frame, length, parse, state_fingerprint
 from ..errors import BaseMismatchError, InputError, SparrowError, VersionUnavailableError

@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..daemon.calls import http_call
+from ..client import http_call
 from ..errors import SparrowError
 from .vllm import VllmPatcher, worker_rank
 from .vllm_plugin import register_engines

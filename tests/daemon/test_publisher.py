@@ -504,7 +504,7 @@ def test_a_background_anchor_that_fails_is_raised_once_and_tried_again(cluster, 
 def test_the_torch_extract_brings_a_tensors_changes_to_the_host():
     """The torch path's extract (positions and both sides' values, copied to the host without
     waiting): for tensors of four widths, what numpy finds; None for an unchanged tensor."""
-    from sparrowd.publisher import _extract
+    from sparrowd.snapshot import extract
 
     rng = np.random.default_rng(0)
     for dtype, n, k in [(np.int16, 5000, 37), (np.int32, 333, 1), (np.uint8, 77, 0), (np.int16, 4096, 4096),
@@ -513,7 +513,7 @@ def test_the_torch_extract_brings_a_tensors_changes_to_the_host():
         new = old.copy()
         pos = np.sort(rng.choice(n, k, replace=False))
         new[pos] += 1
-        found = _extract(torch, torch.from_numpy(old), torch.from_numpy(new))
+        found = extract(torch, torch.from_numpy(old), torch.from_numpy(new))
         if k == 0:
             assert found is None
             continue
@@ -535,12 +535,12 @@ def test_a_publish_lets_go_of_its_host_buffers_before_the_next_needs_its_own(clu
     import gc
     import weakref
 
-    import sparrowd.publisher as publisher
+    import sparrowd.snapshot as snapshot
 
     cluster.trainer()
     steps: list[list] = []  # per publish, weak references to the host arrays its extracts returned
     alive_at_next: list[int] = []  # per publish after the first: the last one's arrays still alive then
-    extract = publisher._extract
+    extract = snapshot.extract
 
     def spy(torch_, old, new):
         if not steps[-1] and len(steps) > 1:  # this publish's first allocation
@@ -549,7 +549,7 @@ def test_a_publish_lets_go_of_its_host_buffers_before_the_next_needs_its_own(clu
         steps[-1].extend(weakref.ref(a) for a in (found or ())[2:5])
         return found
 
-    monkeypatch.setattr(publisher, "_extract", spy)
+    monkeypatch.setattr(snapshot, "extract", spy)
     model = {f"t{i}": torch.randn(50_000).to(torch.bfloat16) for i in range(4)}
     pub = Publisher(daemon=cluster.tracker, token_file=cluster.token_file, compare="torch", values=values)
     pub.start(model, 0)

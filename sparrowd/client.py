@@ -1,21 +1,66 @@
-"""One JSON call to a daemon with the swarm token, for the commands and the Publisher.
+"""The client side of a daemon: what a trainer, an engine or a command needs to talk to one.
+
+Here live the swarm token file's reading (``read_tokens``, ``read_token``) and
+the JSON calls to a daemon with that token (``http_call`` and the calls built
+on it: publishing a patch file, the chain's end, the tracker's status and its
+wait). The daemon imports the token reading from here too: one rule for both
+sides.
 
 Synchronous (urllib): the callers are a command line and a training loop,
 not an event loop. Every failure becomes one SparrowError line naming the
 URL: refused token, the daemon's own error text, or unreachable.
+
+Imports only ``sparrowd.errors`` and the standard library at module level
+(``delta`` and ``swarm.chain`` inside ``publish_file``), never
+``sparrowd.daemon``: the SDK (``sparrowd.publisher``,
+``sparrowd.integrations``) stands on it alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import InputError, SparrowError
+from .errors import InputError, SparrowError
 
-__all__ = ["check_url", "http_call", "tracker_status", "published_state", "check_start", "wait_arrival"]
+__all__ = ["check_url", "http_call", "publish_file", "tracker_status", "published_state", "check_start",
+           "wait_arrival", "read_tokens", "read_token", "MIN_TOKEN_LEN", "MAX_TOKENS"]
+
+MIN_TOKEN_LEN = 16
+MAX_TOKENS = 4
+
+
+def read_tokens(path: Path) -> tuple[list[str], bool]:
+    """The tokens in a token file, one per line, and whether the file is readable by group or others.
+
+    The first line is what this node presents; every line is accepted from others. Two lines are
+    how a shared token is rotated without downtime (docs/OPERATIONS.md). A line may also hold a
+    join credential (``spw1...``) instead of the shared token."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read(1 << 16).splitlines() if line.strip()]
+    except OSError as e:
+        raise InputError(f"token file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"token file {path}: not text") from None
+    if not lines or len(lines) > MAX_TOKENS or any(len(t) < MIN_TOKEN_LEN or any(c.isspace() for c in t)
+                                                  for t in lines):
+        raise InputError(f"token file {path}: one to {MAX_TOKENS} lines, each one word of at least "
+                         f"{MIN_TOKEN_LEN} characters (a swarm token or a join credential)")
+    return lines, bool(st.st_mode & (stat.S_IRWXG | stat.S_IRWXO))
+
+
+def read_token(path: Path) -> tuple[str, bool]:
+    """The token this node presents (the file's first line), and whether the file is too open."""
+    tokens, too_open = read_tokens(path)
+    return tokens[0], too_open
 
 
 def check_url(url: str, flag: str | None = None) -> str:
@@ -67,8 +112,8 @@ def http_call(url: str, token: str | None, *, method: str = "GET", timeout: floa
 def publish_file(path, daemon: str, token: str, *, timeout: float = 60.0):
     """Hand a patch file to the trainer's daemon: its chunks (checked against the manifest first),
     then its manifest. Returns (manifest, bytes the daemon newly took, whether the version is new)."""
-    from ..delta import open_patch
-    from ..swarm.chain import Key
+    from .delta import open_patch
+    from .swarm.chain import Key
 
     base = daemon.rstrip("/")
     with open_patch(path) as view:
