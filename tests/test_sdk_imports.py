@@ -39,5 +39,5 @@ def test_the_sdk_imports_nothing_from_the_daemon():
 
 
 def test_the_scan_sees_relative_imports():
-    names = _imported(ROOT / "daemon" / "app.py")
-    assert "sparrowd.daemon.settings" in names and "sparrowd.client" in names
+    names = _imported(ROOT / "daemon" / "auth.py")
+    assert "sparrowd.daemon.membership" in names and "sparrowd.client" in names
