@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     Buffer: TypeAlias = bytes | bytearray | memoryview | np.ndarray
 
 try:
-    from . import _native
+    from . import _native as _native  # (re-exported: chunk and history read bits._native)
 except ImportError:  # no compiler at install time: the numpy paths give the same bytes
     _native = None  # type: ignore[assignment]
 
@@ -328,7 +328,8 @@ def _rice_candidates(n: int, total: int) -> range:
     return range(min(MAX_RICE_K, max(0, k0 - 1)), min(MAX_RICE_K, k0 + 1) + 1)
 
 
-def ulp_codes(signs_buf: Buffer, narrow_buf: Buffer, esc_buf: Buffer, n: int, itemsize: int, *, native: bool = True) -> np.ndarray:
+def ulp_codes(signs_buf: Buffer, narrow_buf: Buffer, esc_buf: Buffer, n: int, itemsize: int, *,
+              native: bool = True) -> np.ndarray:
     """The zigzag ulp codes of ``n`` elements from their ``sign``, ``mag`` and ``esc`` streams, the
     inverse of :func:`ulp_streams`; FormatError when the streams do not fit ``n``. The C extension
     does it in one pass; without it (or ``native=False``) numpy."""
@@ -451,7 +452,8 @@ def rice_decode(unary_buf: Buffer, rem_buf: Buffer, n: int, k: int) -> np.ndarra
     return g
 
 
-def rice_positions(unary_buf: Buffer, rem_buf: Buffer, n: int, k: int, start: int, stop: int, *, native: bool = True) -> np.ndarray:
+def rice_positions(unary_buf: Buffer, rem_buf: Buffer, n: int, k: int, start: int, stop: int, *,
+                   native: bool = True) -> np.ndarray:
     """A sparse segment's positions from its Rice streams (:func:`rice_index`'s inverse): the gaps
     decoded and summed from ``start``, all inside ``[start, stop)``; FormatError otherwise. The C
     extension does it in one pass with no temporaries; without it (or ``native=False``) numpy."""
