@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from typing import TypeAlias
 
     from .bits import DType
+    from .history import History
 
     Bytes: TypeAlias = bytes | bytearray | memoryview
 
@@ -723,7 +724,7 @@ def decode_file_chunk(data: Bytes, *, expect_hash: bytes | None = None) -> tuple
 
 def decode_chunk(data: Bytes, *, expect_hash: bytes | None = None,
                  base: Mapping[str, np.ndarray] | Callable[[str], np.ndarray | None] | None = None,
-                 history: Mapping[str, TensorHistory] | Callable[[str], TensorHistory | None] | None = None
+                 history: History | Mapping[str, TensorHistory] | Callable[[str], TensorHistory | None] | None = None
                  ) -> list[Segment]:
     """Decode one chunk; checks its hash first when ``expect_hash`` is given. A file chunk
     decodes to no segments. ``base``: ``name -> flat bits`` of the base tensors (a mapping or a
