@@ -536,7 +536,7 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     )
 
 
-def encode_file_chunk(name: str, start: int, data: bytes, cctx: zstandard.ZstdCompressor) -> Chunk:
+def encode_file_chunk(name: str, start: int, data: Bytes, cctx: zstandard.ZstdCompressor) -> Chunk:
     """Bytes ``[start, start + len(data))`` of the file ``name``, as one chunk."""
     span = (name, start, start + len(data))
     head = pack({"segments": [], "file": list(span)})

@@ -97,7 +97,8 @@ def directions(codes: np.ndarray) -> np.ndarray:
     return cast(np.ndarray, (((codes.astype(np.uint64) - np.uint64(1)) & np.uint64(1)) == 0).astype(np.uint8))
 
 
-def changes_between(old: Mapping[str, RawTensor], new: Mapping[str, RawTensor]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def changes_between(old: Mapping[str, RawTensor], new: Mapping[str, RawTensor]
+                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """What :meth:`History.after` takes, from two snapshots (``name -> RawTensor``): each float
     tensor's changed positions and zigzag ulp codes (a diff; encoders and decoders have them at hand)."""
     from .bits import dtype_info, ulp_encode
@@ -154,7 +155,8 @@ class History:
                 out[name] = TensorHistory(pos, state)
         return History((version, *self.versions)[:DEPTH], out) if out else History()
 
-    def after_patch(self, manifest: Manifest, parts: Mapping[str, list[Segment]], *, pool: Executor | None = None) -> History:
+    def after_patch(self, manifest: Manifest, parts: Mapping[str, list[Segment]], *,
+                    pool: Executor | None = None) -> History:
         """The history once ``manifest``'s patch is applied, from its decoded segments (``name ->
         [Segment]``, as a decoder has them). Only ulp2 patches carry one on: after any other, and
         after a patch without a base (an anchor), the next starts afresh. ``pool``: as for
