@@ -57,7 +57,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -222,6 +222,12 @@ class SessionUnknown(SparrowError):
         self.boot = boot
 
 
+class _Revoked(Protocol):
+    """The revoked credential ids, as a check asks them (``id in revoked``): a set, a CredentialBook."""
+
+    def __contains__(self, credential_id: str, /) -> bool: ...
+
+
 class SessionKey:
     """One side's X25519 key for a session: ``public`` goes to the other side, :meth:`secret` derives
     the shared secret from the other side's public key."""
@@ -308,7 +314,7 @@ class Credential:
         return cls(c["id"], c["role"], c["region"], c["node"], float(c["iat"]),
                    None if c["exp"] is None else float(c["exp"]))
 
-    def check(self, now: float, revoked: Container[str]) -> None:
+    def check(self, now: float, revoked: _Revoked) -> None:
         if self.id in revoked:
             raise Refused("revoked", f"credential {self.id} was revoked")
         if self.expires is not None and now >= self.expires:
@@ -585,7 +591,7 @@ class Ticket:
             raise FormatError("ticket: bad key or expiry")
         return cls(c["node"], c["role"], c["region"], c["key"], c["epoch"], c["cred"], float(c["exp"]))
 
-    def check(self, now: float, revoked: Container[str]) -> None:
+    def check(self, now: float, revoked: _Revoked) -> None:
         """Refused once the ticket has expired or its credential is revoked."""
         if now >= self.expires:
             raise Refused("expired", f"the ticket of node {self.node_id!r} expired (its lease was not renewed, "
