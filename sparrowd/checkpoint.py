@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -191,7 +192,7 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    source: object | None = None
+    source: Any = None  # (a buffer, or None)
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ def diff_files(
     with ExitStack() as stack:
         a = stack.enter_context(open_checkpoint(old)) if old is not None else {}
         b = stack.enter_context(open_checkpoint(new))
-        kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+        kw: dict[str, Any] = {} if chunk_size is None else {"chunk_size": chunk_size}
         manifest, chunks = encode_patch(
             a, b, version=version, base_version=base_version, values=values, on_tensor=progress,
             meta={"producer": "sparrowd delta diff"}, files=files, **kw
