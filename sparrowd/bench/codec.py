@@ -35,6 +35,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -93,7 +94,8 @@ class BitExactError(AssertionError):
 
 
 def _build_model(torch, shape: Shape):
-    nn, F = torch.nn, torch.nn.functional
+    nn: Any = torch.nn  # (a variable: mypy takes a base class named through one as Any)
+    F = torch.nn.functional
 
     class Block(nn.Module):
         def __init__(self):
@@ -355,10 +357,10 @@ def _synthetic_pair(torch, size_mib: int, rng) -> tuple[dict[str, RawTensor], di
     return old, new, moved
 
 
-def _best_of(*fns, repeats: int = REPEATS) -> list[tuple[float, object]]:
+def _best_of(*fns, repeats: int = REPEATS) -> list[tuple[float, Any]]:
     """Best time of each function over ``repeats`` rounds, the functions taking turns in each
     round, so that a slow spell of the machine (a shared VM) falls on all of them alike."""
-    best = [(math.inf, None)] * len(fns)
+    best: list[tuple[float, Any]] = [(math.inf, None)] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
