@@ -290,7 +290,7 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
     """Sizes of one step's patch in every mode; ``ulp2`` as a chain codes it, against ``history``
     (the change history of the steps before), and also without one (``ulp2_bare``)."""
     total = sum(t.numel for t in new.values())
-    row = {"elements": total, "history": len(history.versions) if history is not None else 0}
+    row: dict[str, Any] = {"elements": total, "history": len(history.versions) if history is not None else 0}
     for mode, hist in (("ulp2", history), ("ulp2_bare", None), ("ulp", None), ("absolute", None)):
         values = mode.removesuffix("_bare")
         manifest, chunks = encode_patch(old, new, version=2, base_version=1, values=values, history=hist)
@@ -573,7 +573,7 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
         row["loss"] = losses[i]
         rows.append(row)
         history = history.after(i + 2, changes_between(old, new))  # what the chain's receivers know next
-    real = {
+    real: dict[str, Any] = {
         "model": {"parameters": nparams, "lr": lr, **described},
         "steps": rows,
         "aggregate": _aggregate(rows),
