@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Any
 
 import aiohttp
 
@@ -119,7 +120,8 @@ class VllmFollower:
         s = self.daemon.settings
         info = await self._call("GET", "weight_info")
         label = str(info.get("weight_version", ""))
-        init = {"socket": str(self.daemon.engines.path), "token_file": str(s.token_file), "engine": self.engine}
+        init: dict[str, Any] = {"socket": str(self.daemon.engines.path), "token_file": str(s.token_file),
+                                "engine": self.engine}
         if label.isdigit():  # the server's label names a sparrowd version; else its workers keep theirs (0 at first)
             init["version"] = int(label)
         await self._call("POST", "init_weight_transfer_engine", {"init_info": init})
