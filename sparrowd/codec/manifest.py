@@ -80,6 +80,20 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape is not None else 0
 
+    @property
+    def known_dtype(self) -> str:
+        """The result dtype, for an entry that has one (every op but remove)."""
+        if self.dtype is None:
+            raise ValueError(f"tensor {self.name!r} ({self.op}) has no result dtype")
+        return self.dtype
+
+    @property
+    def known_shape(self) -> tuple[int, ...]:
+        """The result shape, for an entry that has one (every op but remove)."""
+        if self.shape is None:
+            raise ValueError(f"tensor {self.name!r} ({self.op}) has no result shape")
+        return self.shape
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "name": self.name,
