@@ -112,6 +112,7 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
                 line += (f"\n      vs compare-only {row['compare_only_seconds']:.3f} s with numpy "
                          f"({row['publish_over_compare']:.2f}x; torch's compare: {t_torch:.3f} s)")
             else:
+                assert t_copy is not None  # (measured whenever the publish is not fused)
                 extract = stats.compare_seconds + stats.to_host_seconds
                 row["extract_gb_per_s"] = model_bytes / extract / 1e9
                 row["copy_gb_per_s"] = model_bytes / t_copy / 1e9
