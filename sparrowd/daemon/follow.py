@@ -96,6 +96,7 @@ class VllmFollower:
                        failures=self._failures, failed_at=self._failed_at)
             if d.target is None:
                 return d.wait
+            assert server is not None  # (decide sets a target only for an attached server)
             keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches if v <= d.target]
             for key in keys:  # decoded now, so that the pause covers the scatter only
                 await self.daemon.engines.decode(key)
@@ -157,6 +158,7 @@ class VllmFollower:
               paused_seconds=round(self.last_pause, 3))
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        assert self._session is not None, "the follower calls the server only while it runs"
         async with self._session.request(method, f"{self.url}/{path}", json=body) as r:
             text = await r.text()
             if r.status != 200:
