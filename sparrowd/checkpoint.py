@@ -138,6 +138,7 @@ def _read_shard(path: Path, writable: bool = False) -> tuple[_Shard, dict[str, R
         if e - b != numel * info.itemsize or base + e > size or b > e:
             raise FormatError(f"{what}: tensor {name!r} data offsets do not match its shape or the file")
         if numel:
+            assert mm is not None  # (its bytes lie past the header, checked above: the file has data)
             bits = np.frombuffer(mm, dtype=uint_type(info.itemsize), count=numel, offset=base + b)
         else:
             bits = np.empty(0, dtype=uint_type(info.itemsize))
