@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import overload
 
 from sparrowd.checkpoint import check_output
 from sparrowd.errors import InputError
 
 
+@overload
+def path_arg(flag: str, text: str) -> str: ...
+@overload
+def path_arg(flag: str, text: None) -> None: ...
+@overload
+def path_arg(flag: str, text: str | None) -> str | None: ...
 def path_arg(flag: str, text: str | None) -> str | None:
     """A path as given (None: not given); '' is refused, where it would quietly mean the current
     folder or the default."""

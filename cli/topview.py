@@ -12,6 +12,7 @@ tested here is what is drawn.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sparrowd.units import format_bytes
 
@@ -115,7 +116,7 @@ class TopView:
         states = {s: sum(1 for n in nodes if n.get("state") == s) for s in ("up", "joining", "stale")}
         per_region = ", ".join(f"{r} {sum(1 for n in nodes if n.get('region') == r)}" for r in self.regions())
         down = sum(n.get("rate_down", 0) or 0 for n in nodes)
-        trainer = next((n for n in nodes if n.get("role") == "trainer"), {})
+        trainer: dict[str, Any] = next((n for n in nodes if n.get("role") == "trainer"), {})
         wan = self._wan_total(snap) - self._wan_base.get(latest, self._wan_total(snap))
         lines = [
             f"sparrowd top  {self.tracker}  latest {'-' if latest is None else latest}  "

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -137,6 +138,7 @@ def _read_shard(path: Path, writable: bool = False) -> tuple[_Shard, dict[str, R
         if e - b != numel * info.itemsize or base + e > size or b > e:
             raise FormatError(f"{what}: tensor {name!r} data offsets do not match its shape or the file")
         if numel:
+            assert mm is not None  # (its bytes lie past the header, checked above: the file has data)
             bits = np.frombuffer(mm, dtype=uint_type(info.itemsize), count=numel, offset=base + b)
         else:
             bits = np.empty(0, dtype=uint_type(info.itemsize))
@@ -191,7 +193,7 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    source: object | None = None
+    source: Any = None  # (a buffer, or None)
 
     @property
     def nbytes(self) -> int:

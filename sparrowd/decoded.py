@@ -106,7 +106,7 @@ def decoded_from(manifest: Manifest, parts: dict[str, list]) -> Decoded:
         if t.op == REMOVE:
             continue
         segs = sorted(parts.get(t.name, []), key=lambda s: s.start)
-        w = dtype_info(t.dtype).itemsize
+        w = dtype_info(t.known_dtype).itemsize
         ulp = bool(segs) and is_ulp(segs[0].values)
         if t.op == FULL:
             values = np.concatenate([s.data for s in segs]) if segs else np.empty(0, f"<u{w}")
@@ -136,11 +136,11 @@ def write_decoded(d: Decoded, path: str | os.PathLike) -> None:
     for w in d.writes:
         t = by[w.name]
         if w.indices is None:
-            specs.append(TensorSpec(f"{w.name}.full", t.dtype, t.shape, w.values))
+            specs.append(TensorSpec(f"{w.name}.full", t.known_dtype, t.known_shape, w.values))
             continue
         specs.append(TensorSpec(f"{w.name}.indices", "I64", (w.indices.size,), w.indices))
-        width = dtype_info(t.dtype).itemsize
-        vdt = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}[width] if w.ulp else t.dtype
+        width = dtype_info(t.known_dtype).itemsize
+        vdt = {1: "I8", 2: "I16", 4: "I32", 8: "I64"}[width] if w.ulp else t.known_dtype
         specs.append(TensorSpec(f"{w.name}.values", vdt, (w.values.size,), w.values))
     meta = {"format": DECODED_FORMAT, "version": str(d.version),
             "base_version": "" if d.base_version is None else str(d.base_version), "values": d.values,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ def diff_files(
     with ExitStack() as stack:
         a = stack.enter_context(open_checkpoint(old)) if old is not None else {}
         b = stack.enter_context(open_checkpoint(new))
-        kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+        kw: dict[str, Any] = {} if chunk_size is None else {"chunk_size": chunk_size}
         manifest, chunks = encode_patch(
             a, b, version=version, base_version=base_version, values=values, on_tensor=progress,
             meta={"producer": "sparrowd delta diff"}, files=files, **kw
@@ -137,13 +138,13 @@ def _layout(base: Checkpoint, m: Manifest) -> dict[str, list[TensorSpec]]:
                 b = base[name]
                 specs.append(TensorSpec(name, b.dtype, b.shape, b.bits))
             elif t.op == PATCH:
-                specs.append(TensorSpec(name, t.dtype, t.shape, base[name].bits))
+                specs.append(TensorSpec(name, t.known_dtype, t.known_shape, base[name].bits))
             elif t.op == FULL:
-                specs.append(TensorSpec(name, t.dtype, t.shape, None))
+                specs.append(TensorSpec(name, t.known_dtype, t.known_shape, None))
     last = base.shards[-1].path.name
     for t in m.tensors:
         if t.op == FULL and t.name not in base:
-            files[last].append(TensorSpec(t.name, t.dtype, t.shape, None))
+            files[last].append(TensorSpec(t.name, t.known_dtype, t.known_shape, None))
     return files
 
 
@@ -176,10 +177,10 @@ def apply_file(
             for fname, specs in files.items():
                 write_safetensors(tmp / fname, specs, meta[fname])
             with ExitStack() as stack:
-                views: dict[str, np.ndarray] = {}
+                shard_views: dict[str, np.ndarray] = {}
                 for fname in files:
-                    views.update(stack.enter_context(writable_views(tmp / fname)))
-                _apply_chunks(view, views)
+                    shard_views.update(stack.enter_context(writable_views(tmp / fname)))
+                _apply_chunks(view, shard_views)
             index = {"metadata": {"total_size": sum(s.nbytes for specs in files.values() for s in specs)},
                      "weight_map": {s.name: fname for fname, specs in files.items() for s in specs}}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -206,7 +206,7 @@ def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
         c.update(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, vocab=32000)
     h, i, hd = c["hidden"], c["intermediate"], c["head_dim"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
-    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+    layer: dict[str, tuple[int, ...]] = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
              "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
@@ -214,7 +214,7 @@ def qwen3_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
     per_layer = sum(math.prod(s) for s in layer.values())
     outer = 2 * c["vocab"] * h + h
     layers = max(1, round((size_mib * (1 << 20) / 2 - outer) / per_layer))
-    shapes = {"model.embed_tokens.weight": (c["vocab"], h)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab"], h)}
     for n in range(layers):
         shapes.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
     shapes.update({"model.norm.weight": (h,), "lm_head.weight": (c["vocab"], h)})
@@ -274,6 +274,7 @@ def _run_torch(*, size_mib: int, steps: int, density: float, device: str, json_p
             if not same:
                 raise RuntimeError(f"step {step}: the engine's weights differ from the trainer's")
             s = applier.last
+            assert s is not None  # the engine holds this step: the applier has applied it
             rows.append({"step": step, "elements_changed": changed, "publish_seconds": t_publish,
                          "decoded_seconds": t_ready, "update_seconds": pause, "scatter_seconds": s.scatter_seconds,
                          "elements": s.elements})

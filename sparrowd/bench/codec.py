@@ -35,6 +35,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -93,7 +94,8 @@ class BitExactError(AssertionError):
 
 
 def _build_model(torch, shape: Shape):
-    nn, F = torch.nn, torch.nn.functional
+    nn: Any = torch.nn  # (a variable: mypy takes a base class named through one as Any)
+    F = torch.nn.functional
 
     class Block(nn.Module):
         def __init__(self):
@@ -150,6 +152,14 @@ def _batch(rng, table: np.ndarray) -> np.ndarray:
     for t in range(SEQ):
         out[:, t + 1] = table[out[:, t], pick[:, t]]
     return out
+
+
+def _applied(got: dict[str, RawTensor | None], name: str) -> RawTensor:
+    """Tensor ``name`` of ``apply_patch``'s result, which a synthetic pair (no removals) always keeps."""
+    t = got[name]
+    if t is None:
+        raise BitExactError(f"synthetic pair: tensor {name!r} was removed by apply_patch")
+    return t
 
 
 def _snapshot(torch, model) -> dict[str, RawTensor]:
@@ -288,7 +298,7 @@ def _measure_delta(old: dict[str, RawTensor], new: dict[str, RawTensor], what: s
     """Sizes of one step's patch in every mode; ``ulp2`` as a chain codes it, against ``history``
     (the change history of the steps before), and also without one (``ulp2_bare``)."""
     total = sum(t.numel for t in new.values())
-    row = {"elements": total, "history": len(history.versions) if history is not None else 0}
+    row: dict[str, Any] = {"elements": total, "history": len(history.versions) if history is not None else 0}
     for mode, hist in (("ulp2", history), ("ulp2_bare", None), ("ulp", None), ("absolute", None)):
         values = mode.removesuffix("_bare")
         manifest, chunks = encode_patch(old, new, version=2, base_version=1, values=values, history=hist)
@@ -355,10 +365,10 @@ def _synthetic_pair(torch, size_mib: int, rng) -> tuple[dict[str, RawTensor], di
     return old, new, moved
 
 
-def _best_of(*fns, repeats: int = REPEATS) -> list[tuple[float, object]]:
+def _best_of(*fns, repeats: int = REPEATS) -> list[tuple[float, Any]]:
     """Best time of each function over ``repeats`` rounds, the functions taking turns in each
     round, so that a slow spell of the machine (a shared VM) falls on all of them alike."""
-    best = [(math.inf, None)] * len(fns)
+    best: list[tuple[float, Any]] = [(math.inf, None)] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
@@ -388,7 +398,7 @@ def _throughput(torch, size_mib: int, rng) -> dict:
     (t_dec, _), (t_dec2, _) = _best_of(lambda: [decode_chunk(c.data) for c in chunks],
                                       lambda: [decode_chunk(c.data, base=bases) for c in chunks2])
     got2 = apply_patch(m2, [c.data for c in chunks2], old)
-    if any(not np.array_equal(got2[k].bits, t.bits) for k, t in new.items()):
+    if any(not np.array_equal(_applied(got2, k).bits, t.bits) for k, t in new.items()):
         raise BitExactError("synthetic pair: ulp2 differs after apply_patch")
     del got2
     t_apply = []  # the first call pays for faulting in fresh memory for the result; later ones reuse it
@@ -397,7 +407,7 @@ def _throughput(torch, size_mib: int, rng) -> dict:
         got = apply_patch(manifest, [c.data for c in chunks], old)
         t_apply.append(time.perf_counter() - t0)
         for name, t in new.items():
-            if not np.array_equal(got[name].bits, t.bits):
+            if not np.array_equal(_applied(got, name).bits, t.bits):
                 raise BitExactError(f"synthetic pair: tensor {name!r} differs after apply_patch")
         del got
     times = {"read_compare": t_read, "encode_2_threads": t_enc2, "encode_1_thread": t_enc1,
@@ -571,7 +581,7 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
         row["loss"] = losses[i]
         rows.append(row)
         history = history.after(i + 2, changes_between(old, new))  # what the chain's receivers know next
-    real = {
+    real: dict[str, Any] = {
         "model": {"parameters": nparams, "lr": lr, **described},
         "steps": rows,
         "aggregate": _aggregate(rows),

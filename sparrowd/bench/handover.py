@@ -19,6 +19,7 @@ rollout box held version ``v``, for the time on the wire.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -64,7 +65,8 @@ class Procs:
     """Child processes of one strategy, stopped together."""
 
     def __init__(self, root: Path):
-        self.root, self.procs = root, []
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
 
     def start(self, args: list[str], name: str, **kw) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "ab")
@@ -98,6 +100,7 @@ def start_wan(procs: Procs, root: Path, proxies: list[dict], cfg, blocked=()) ->
                                                "link_rate": parse_size(cfg.link_rate), "blocked": blocked}))
     p = procs.start([sys.executable, "-m", "sparrowd.bench.wan", str(root / "wan.json")], "wan",
                     stdout=subprocess.PIPE)
+    assert p.stdout is not None  # (stdout=PIPE)
     if p.stdout.readline().strip() != b"ready":
         raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
 
@@ -108,7 +111,7 @@ class FileServer:
 
     def __init__(self, folder: Path, host: str, port: int, rate: int):
         self.folder, self.host, self.port, self.rate = folder, host, port, rate
-        self._loop = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._ready = threading.Event()
 
@@ -150,8 +153,8 @@ class FileServer:
             self._ready.set()
             await asyncio.Event().wait()
 
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(main())
+        self._loop = loop = asyncio.new_event_loop()
+        loop.run_until_complete(main())
 
 
 def download(host: str, port: int, source: str, remote: str, names: list[str], dest: Path) -> int:
@@ -195,6 +198,9 @@ class Strategy:
     def start(self, model) -> None: ...
 
     def publish(self, model, version: int) -> None: ...
+
+    def ensure(self, version: int) -> float:
+        raise NotImplementedError
 
     def wan_bytes(self) -> int:
         return 0

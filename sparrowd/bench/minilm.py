@@ -24,6 +24,7 @@ import re
 import sysconfig
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -114,19 +115,20 @@ def sentences(limit: int = MAX_SENTENCES) -> list[str]:
 
 def build(torch, config: dict):
     nn, F = torch.nn, torch.nn.functional
+    Module: Any = nn.Module  # torch is passed in (imported by the caller): its classes are untyped here
     d, heads, eps = config["hidden_size"], config["num_attention_heads"], config["layer_norm_eps"]
     p_hidden, p_attn = config["hidden_dropout_prob"], config["attention_probs_dropout_prob"]
 
-    class Named(nn.Module):  # a container whose children carry the checkpoint's names
+    class Named(Module):  # a container whose children carry the checkpoint's names
         def __init__(this, /, **children):  # noqa: N805 (a child is called "self")
             super().__init__()
             for k, v in children.items():
                 setattr(this, k, v)
 
-    def dense_norm(d_in: int) -> nn.Module:
+    def dense_norm(d_in: int) -> Named:
         return Named(dense=nn.Linear(d_in, d), LayerNorm=nn.LayerNorm(d, eps=eps))
 
-    class Layer(nn.Module):
+    class Layer(Module):
         def __init__(self):
             super().__init__()
             self.attention = Named(self=Named(query=nn.Linear(d, d), key=nn.Linear(d, d), value=nn.Linear(d, d)),
@@ -148,7 +150,7 @@ def build(torch, config: dict):
             h = F.gelu(self.intermediate.dense(x))
             return self.output.LayerNorm(x + F.dropout(self.output.dense(h), p_hidden, self.training))
 
-    class Bert(nn.Module):
+    class Bert(Module):
         def __init__(self):
             super().__init__()
             self.embeddings = Named(word_embeddings=nn.Embedding(config["vocab_size"], d),

@@ -32,11 +32,20 @@ publish`` rate them) and the engine's scatter.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 __all__ = ["Assumptions", "MODELS", "PAPER", "project", "run"]
 
 MODELS = {"Qwen3-4B": 4.02e9, "Qwen3-8B": 8.19e9, "Qwen3-14B": 14.77e9}  # parameters
-PAPER = {"speedup_vs_full": (2.4, 9.5), "gap_to_ideal": 0.0891, "tokens_per_dollar": (1.21, 1.59)}
+
+
+class _Paper(TypedDict):
+    speedup_vs_full: tuple[float, float]  # throughput over full broadcast, lowest and highest
+    gap_to_ideal: float
+    tokens_per_dollar: tuple[float, float]
+
+
+PAPER: _Paper = {"speedup_vs_full": (2.4, 9.5), "gap_to_ideal": 0.0891, "tokens_per_dollar": (1.21, 1.59)}
 
 
 @dataclass

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, cast
 
 from . import sync_device, torch_device, write_json
+
+if TYPE_CHECKING:
+    from ..publisher import PublishStats
 
 TENSOR_MIB = 64
 CPU_TARGET = 1.5  # publish / bare compare, fused CPU path
@@ -72,7 +76,8 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
                   f"{model_bytes / t_copy / 1e9:.1f} GB/s")
         pub = Publisher(daemon=trainer.url, token_file=trainer.token_file, anchor_every=0, compare=compare,
                         values=values)
-        a = pub.start(model, version=0)  # the base, published whole as anchor 0
+        # the base, published whole as anchor 0 (one rank: never None)
+        a = cast("PublishStats", pub.start(model, version=0))
         print(f"   anchor 0 (the base, whole): {a.total_seconds:.2f} s, {a.patch_bytes / (1 << 20):.0f} MiB in "
               f"{a.chunks} chunks (encode {a.encode_seconds:.2f} s, hand-off {a.handoff_seconds:.2f} s)", flush=True)
         for step in range(1, steps + 1):
@@ -93,7 +98,7 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
                 row["compare_only_seconds"] = time.perf_counter() - t0
                 assert seen == changed
             del before
-            stats = pub.publish(model, version=step)
+            stats = cast("PublishStats", pub.publish(model, version=step))  # (one rank: never None)
             if stats.elements_changed != changed:
                 raise RuntimeError(f"the patch carries {stats.elements_changed} changes, the compare saw {changed}")
             row.update(stats.to_json())
@@ -107,6 +112,7 @@ def run(*, size_mib: int = 1024, steps: int = 3, density: float = 0.01, device: 
                 line += (f"\n      vs compare-only {row['compare_only_seconds']:.3f} s with numpy "
                          f"({row['publish_over_compare']:.2f}x; torch's compare: {t_torch:.3f} s)")
             else:
+                assert t_copy is not None  # (measured whenever the publish is not fused)
                 extract = stats.compare_seconds + stats.to_host_seconds
                 row["extract_gb_per_s"] = model_bytes / extract / 1e9
                 row["copy_gb_per_s"] = model_bytes / t_copy / 1e9

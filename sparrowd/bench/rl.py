@@ -49,11 +49,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint import atomic_file
 from ..units import format_bytes, parse_size
 from . import needs_vllm, write_json
 from .handover import STRATEGIES, Strategy, address, save_bf16, wait
+
+if TYPE_CHECKING:
+    from .vllm_server import VllmServer
 
 __all__ = ["RLConfig", "run"]
 
@@ -184,8 +188,9 @@ class _World:
         with atomic_file(self.token_file, private=True) as tmp:
             tmp.write_text(secrets.token_hex(24) + "\n")
         self.token = self.token_file.read_text().strip()
-        self.servers = []
-        self.spare = None  # ``churn``'s box that leaves
+        self.servers: list[VllmServer] = []
+        self.base: Path  # the base checkpoint's folder, set once the model is saved
+        self.spare: VllmServer | None = None  # ``churn``'s box that leaves
 
     @staticmethod
     def region_of(i: int) -> int:
@@ -367,11 +372,11 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
           f"generation phase ({gen:.2f} s)")
     print(f"   {'strategy':<8}{'s/step':>8}{'tokens/s':>10}{'idle':>7}{'WAN/step':>11}  split per step (generate, "
           f"train, publish, wait, pause), wire")
-    for name, s in summaries.items():
-        sp = s["split"]
-        wires = [x for x in s["wire_seconds"] if x is not None]
-        print(f"   {name:<8}{s['seconds_per_step']:8.2f}{s['tokens_per_second']:10.1f}"
-              f"{100 * s['rollout_idle_fraction']:6.0f}%{format_bytes(s['wan_bytes_per_step']):>11}  "
+    for name, summary in summaries.items():
+        sp = summary["split"]
+        wires = [x for x in summary["wire_seconds"] if x is not None]
+        print(f"   {name:<8}{summary['seconds_per_step']:8.2f}{summary['tokens_per_second']:10.1f}"
+              f"{100 * summary['rollout_idle_fraction']:6.0f}%{format_bytes(summary['wan_bytes_per_step']):>11}  "
               f"{sp['generate']:.2f}, {sp['train']:.2f}, {sp['publish']:.2f}, {sp['wait']:.2f}, {sp['pause']:.2f}; "
               f"wire {min(wires):.2f}-{max(wires):.2f} s")
     out = {"config": asdict(cfg), "model_bytes": model_bytes, "full_copy_over_generation": full_copy / gen,

@@ -17,14 +17,16 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
 
 from ..client import http_call
 from ..codec.bits import RawTensor
+from ..codec.manifest import Manifest
 from ..codec.patch import encode_patch
-from ..localswarm import LocalSwarm
+from ..localswarm import LocalDaemon, LocalSwarm
 from . import write_json
 
 TTL = "1.5"  # short leases: the tracker hears of each new version within half a second
@@ -51,7 +53,9 @@ def run(*, nodes: int = 32, regions: int = 3, versions: int = 50, patch_kib: int
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     names = [f"r{i}" for i in range(regions)]
-    rows, samples, manifests = [], [], {}
+    rows: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
+    manifests: dict[int, Manifest] = {}
     killed = restarted = 0
     t_all = time.monotonic()
     print(f"sparrowd bench soak: {nodes} daemons in {regions} regions on loopback, {versions} versions of "
@@ -72,7 +76,7 @@ def run(*, nodes: int = 32, regions: int = 3, versions: int = 50, patch_kib: int
                             "fds_max": max(f[1] for f in figs)})
 
         sample("start")
-        down: list[tuple[float, object]] = []  # (restart at, daemon)
+        down: list[tuple[float, LocalDaemon]] = []  # (restart at, daemon)
         for v in range(1, versions + 1):
             size = patch_kib << 10
             data = np_rng.integers(0, 256, size, dtype=np.uint8)
@@ -130,8 +134,8 @@ def run(*, nodes: int = 32, regions: int = 3, versions: int = 50, patch_kib: int
         for d in rollouts:
             for v in kept:
                 for i, entry in enumerate(manifests[v].chunks):
-                    data = (d.data_dir / "versions" / str(v) / "chunks" / f"{i}.chunk").read_bytes()
-                    bad += blake3.blake3(data).digest() != entry.hash
+                    stored = (d.data_dir / "versions" / str(v) / "chunks" / f"{i}.chunk").read_bytes()
+                    bad += blake3.blake3(stored).digest() != entry.hash
         if bad:
             raise RuntimeError(f"{bad} stored chunks do not match their manifests")
     times = [r["seconds_to_all"] for r in rows]

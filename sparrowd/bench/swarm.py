@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,8 @@ def _cpu_seconds(procs: list[subprocess.Popen]) -> float:
 
 class _Procs:
     def __init__(self, root: Path):
-        self.root, self.procs = root, []
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
 
     def start(self, *args: str, name: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "wb")
@@ -159,7 +161,10 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
     n = len(manifest.chunks)
     tracker = HttpTrackerClient(trainer, token)
     keys = [NodeKey(Ed25519PrivateKey.generate()) for _ in range(clients)]
-    trainer_id, epochs, tickets, every = None, [], [], 1.0
+    trainer_id: str | None = None
+    epochs: list[int] = []
+    tickets: list[str] = []
+    every = 1.0
 
     async def renew() -> None:
         while True:
@@ -172,6 +177,7 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
     async def client(k: int, session) -> None:
         hdr = {REGION_HEADER: "star"}
         have: set[int] = set()
+        assert trainer_id is not None  # every client joined, and learnt it, before the clients start
         while len(have) < n:
             hdr.update(peer_headers(keys[k], f"star-{k}", trainer_id, tickets[k], epochs[k], time.time()))
             msg = {"node_id": f"star-{k}", "region": "star", "after": -1, "wait": 0,
@@ -208,7 +214,8 @@ async def _star(trainer: str, token: str, version: int, manifest, clients: int, 
                     for k in range(clients)]
         t0 = time.monotonic()
         pulls = asyncio.gather(*(client(k, sessions[k]) for k in range(clients)))
-        done, _ = await asyncio.wait([pulls, renewing], return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [pulls, renewing]
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if pulls not in done:  # a renewal failed: every client would be refused from then on
             pulls.cancel()
             renewing.result()  # raises why
@@ -276,20 +283,21 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         auto = auto_chunk_size(size, nodes, send_rate=rates["trainer"], round_trip=rtt if regions > 1 else None)
         _write_patch(p, v, size, auto if chunk == "auto" else parse_size(chunk), rng)
         patches.append(p)
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         proxies = [{"listen": [t_proxy, port], "target": [t_host, port], "region": 0}]
         listen = []
         for i in range(nodes):
             r, j = i % regions, i // regions
             host = _addr(r, 0, j)
-            p = free_port(host)
-            listen.append((host, p))
-            proxies.append({"listen": [_addr(r, 1, j), p], "target": [host, p], "region": r})
+            node_port = free_port(host)
+            listen.append((host, node_port))
+            proxies.append({"listen": [_addr(r, 1, j), node_port], "target": [host, node_port], "region": r})
         (root / "wan.json").write_text(json.dumps({"proxies": proxies, "rtt": rtt, "link_rate": rates["link"]}))
         wan_proc = subprocess.Popen([sys.executable, "-m", "sparrowd.bench.wan", str(root / "wan.json")],
                                     stdout=subprocess.PIPE, stderr=open(root / "wan.log", "wb"))
         procs.procs.append(wan_proc)
+        assert wan_proc.stdout is not None  # (stdout=PIPE)
         if wan_proc.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"the WAN emulator did not start; see {root / 'wan.log'}")
         procs.start("run", "--role", "trainer", "--region", region_names[0], "--listen", f"{t_host}:{port}",
@@ -297,10 +305,10 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
                     str(token_file), "--node-id", "trainer", "--upload-rate", str(rates["trainer"]),
                     "--wan-upload-rate", str(rates["wan"]), "--log-level", log_level, *limits, name="trainer")
         _wait(lambda: (root / "trainer" / "daemon.json").exists(), 30, "the trainer")
-        for i, (host, p) in enumerate(listen):
+        for i, (host, node_port) in enumerate(listen):
             r, j = i % regions, i // regions
-            procs.start("run", "--role", "rollout", "--region", region_names[r], "--listen", f"{host}:{p}",
-                        "--advertise", f"{_addr(r, 1, j)}:{p}", "--data-dir", str(root / f"n{i}"),
+            procs.start("run", "--role", "rollout", "--region", region_names[r], "--listen", f"{host}:{node_port}",
+                        "--advertise", f"{_addr(r, 1, j)}:{node_port}", "--data-dir", str(root / f"n{i}"),
                         "--token-file", str(token_file), "--node-id", f"n{i}", "--tracker", tracker,
                         "--upload-rate", str(rates["node"]), "--wan-upload-rate", str(rates["wan"]),
                         "--current", "off",
@@ -310,7 +318,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
         _wait(lambda: len(_status(direct, token)["nodes"]) == nodes + 1, 60, "every node to join")
         time.sleep(settle)  # a swarm that has just formed is still opening its connections
         node_urls = [json.loads((root / f"n{i}" / "daemon.json").read_text())["url"] for i in range(nodes)]
-        up_before, wan_before = 0.0, 0
+        up_before, wan_before = 0.0, 0.0
         everyone = [direct] + node_urls
         served_before = requests_served(everyone, token)
 
@@ -351,7 +359,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
             wan = sum(metric(u, token, 'sparrowd_bytes_total{direction="down",region_class="other"}')
                       for u in node_urls)
             bound = m.patch_bytes / rates["trainer"] + (rtt if regions > 1 else 0.0)
-            row = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
+            row: dict[str, Any] = {"version": m.version, "patch_bytes": m.patch_bytes, "chunks": len(m.chunks),
                    "seconds": elapsed, "trainer_sent_one_copy_seconds": trainer_done, "lower_bound_seconds": bound,
                    "time_over_bound": elapsed / bound,
                    "trainer_upload_over_patch": (up - up_before) / m.patch_bytes,

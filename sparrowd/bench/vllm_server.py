@@ -58,6 +58,7 @@ class VllmServer:
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
+        assert self.proc is not None, "wait_ready before start"
         while True:
             if self.proc.poll() is not None:
                 raise SparrowError(f"vllm serve exited ({self.proc.returncode}): {self.log_tail()}")

@@ -26,15 +26,22 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..errors import FormatError
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # What the codec reads bytes from (np.frombuffer's own list, less what it never gets).
+    Buffer: TypeAlias = bytes | bytearray | memoryview | np.ndarray
+
 try:
-    from . import _native
+    from . import _native as _native  # (re-exported: chunk and history read bits._native)
 except ImportError:  # no compiler at install time: the numpy paths give the same bytes
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 
 def native_source_stale() -> bool:
@@ -139,11 +146,11 @@ def dtype_info(name: str) -> DType:
 
 
 def uint_type(itemsize: int) -> np.dtype:
-    return _UINT[itemsize]
+    return cast(np.dtype, _UINT[itemsize])
 
 
 def sint_type(itemsize: int) -> np.dtype:
-    return _SINT[itemsize]
+    return cast(np.dtype, _SINT[itemsize])
 
 
 def _sign_shift(a: np.ndarray) -> int:
@@ -156,7 +163,7 @@ def order_key(bits: np.ndarray) -> np.ndarray:
     sign = bits >> t(_sign_shift(bits))
     # sign 1 -> flip every bit; sign 0 -> flip only the sign bit.
     mask = (sign * t(np.iinfo(bits.dtype).max)) | t(1 << _sign_shift(bits))
-    return bits ^ mask
+    return cast(np.ndarray, bits ^ mask)
 
 
 def order_unkey(key: np.ndarray) -> np.ndarray:
@@ -164,18 +171,18 @@ def order_unkey(key: np.ndarray) -> np.ndarray:
     t = key.dtype.type
     top = key >> t(_sign_shift(key))  # 1 for non-negative floats
     mask = ((t(1) - top) * t(np.iinfo(key.dtype).max)) | t(1 << _sign_shift(key))
-    return key ^ mask
+    return cast(np.ndarray, key ^ mask)
 
 
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Signed -> unsigned, small magnitudes to small codes: 0,-1,1,-2 -> 0,1,2,3."""
     u = uint_type(d.dtype.itemsize)
-    return ((d << d.dtype.type(1)) ^ (d >> d.dtype.type(_sign_shift(d)))).view(u)
+    return cast(np.ndarray, ((d << d.dtype.type(1)) ^ (d >> d.dtype.type(_sign_shift(d)))).view(u))
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     t = z.dtype.type
-    return ((z >> t(1)) ^ (t(0) - (z & t(1)))).view(sint_type(z.dtype.itemsize))
+    return cast(np.ndarray, ((z >> t(1)) ^ (t(0) - (z & t(1)))).view(sint_type(z.dtype.itemsize)))
 
 
 def ulp_encode(old: np.ndarray, new: np.ndarray, *, native: bool = True) -> np.ndarray:
@@ -232,12 +239,12 @@ def ulp_add(old: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 def rotl1(bits: np.ndarray) -> np.ndarray:
     t = bits.dtype.type
-    return (bits << t(1)) | (bits >> t(_sign_shift(bits)))
+    return cast(np.ndarray, (bits << t(1)) | (bits >> t(_sign_shift(bits))))
 
 
 def rotr1(bits: np.ndarray) -> np.ndarray:
     t = bits.dtype.type
-    return (bits >> t(1)) | (bits << t(_sign_shift(bits)))
+    return cast(np.ndarray, (bits >> t(1)) | (bits << t(_sign_shift(bits))))
 
 
 def to_planes(a: np.ndarray, planes: int | None = None) -> np.ndarray:
@@ -252,7 +259,7 @@ def to_planes(a: np.ndarray, planes: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(b.reshape(-1, w)[:, :p].T)
 
 
-def from_planes(buf, n: int, itemsize: int, planes: int | None = None) -> np.ndarray:
+def from_planes(buf: Buffer, n: int, itemsize: int, planes: int | None = None) -> np.ndarray:
     """Inverse of :func:`to_planes`: ``n`` unsigned integers of ``itemsize`` bytes."""
     p = itemsize if planes is None else planes
     src = np.frombuffer(buf, dtype=np.uint8)
@@ -278,7 +285,7 @@ class RawTensor:
     shape: tuple[int, ...]
     bits: np.ndarray
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         info = dtype_info(self.dtype)
         if self.bits.ndim != 1 or self.bits.dtype != uint_type(info.itemsize):
             raise ValueError(f"RawTensor bits must be 1-D {uint_type(info.itemsize)}, "
@@ -321,7 +328,8 @@ def _rice_candidates(n: int, total: int) -> range:
     return range(min(MAX_RICE_K, max(0, k0 - 1)), min(MAX_RICE_K, k0 + 1) + 1)
 
 
-def ulp_codes(signs_buf, narrow_buf, esc_buf, n: int, itemsize: int, *, native: bool = True) -> np.ndarray:
+def ulp_codes(signs_buf: Buffer, narrow_buf: Buffer, esc_buf: Buffer, n: int, itemsize: int, *,
+              native: bool = True) -> np.ndarray:
     """The zigzag ulp codes of ``n`` elements from their ``sign``, ``mag`` and ``esc`` streams, the
     inverse of :func:`ulp_streams`; FormatError when the streams do not fit ``n``. The C extension
     does it in one pass; without it (or ``native=False``) numpy."""
@@ -342,7 +350,7 @@ def ulp_codes(signs_buf, narrow_buf, esc_buf, n: int, itemsize: int, *, native: 
     t = mag.dtype.type
     with np.errstate(over="ignore"):
         mag[esc_mask] = esc + t(ESCAPE)
-        return (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1)
+        return cast(np.ndarray, (mag << t(1)) + np.unpackbits(signs, count=n).astype(mag.dtype) + t(1))
 
 
 def rice_k(g: np.ndarray) -> int:
@@ -387,10 +395,10 @@ def _pack_fields(r: np.ndarray, k: int) -> np.ndarray:
         m = (n + 7) // 8
         grp = np.zeros(m * 8, dtype=np.uint64)
         grp[:n] = r
-        grp = grp.reshape(m, 8)
+        grp2 = grp.reshape(m, 8)
         word = np.zeros(m, dtype=np.uint64)
         for j in range(8):
-            word |= grp[:, j] << np.uint64(k * (7 - j))
+            word |= grp2[:, j] << np.uint64(k * (7 - j))
         out = word.astype(">u8").view(np.uint8).reshape(m, 8)[:, 8 - k :].reshape(-1)
         return out[: (n * k + 7) // 8].copy()
     nb = (k + 7) // 8
@@ -427,7 +435,7 @@ def rice_encode(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.packbits(unary), rem
 
 
-def rice_decode(unary_buf, rem_buf, n: int, k: int) -> np.ndarray:
+def rice_decode(unary_buf: Buffer, rem_buf: Buffer, n: int, k: int) -> np.ndarray:
     """Inverse of :func:`rice_encode`; raises FormatError on malformed streams."""
     if not 0 <= k <= MAX_RICE_K:
         raise FormatError(f"Rice parameter {k} out of range")
@@ -444,7 +452,8 @@ def rice_decode(unary_buf, rem_buf, n: int, k: int) -> np.ndarray:
     return g
 
 
-def rice_positions(unary_buf, rem_buf, n: int, k: int, start: int, stop: int, *, native: bool = True) -> np.ndarray:
+def rice_positions(unary_buf: Buffer, rem_buf: Buffer, n: int, k: int, start: int, stop: int, *,
+                   native: bool = True) -> np.ndarray:
     """A sparse segment's positions from its Rice streams (:func:`rice_index`'s inverse): the gaps
     decoded and summed from ``start``, all inside ``[start, stop)``; FormatError otherwise. The C
     extension does it in one pass with no temporaries; without it (or ``native=False``) numpy."""
@@ -516,7 +525,7 @@ def class_lo(base: np.ndarray, start: int, stop: int, shift: int, mask: int, *, 
 def _classes(base: np.ndarray, lo_i: int, hi_i: int, shift: int, mask: int, lo: int) -> np.ndarray:
     t = base.dtype.type
     e = ((base[lo_i:hi_i] >> t(shift)) & t(mask)).astype(np.int64) - lo
-    return np.clip(e, 0, NCLASS - 1).astype(np.uint8)
+    return cast(np.ndarray, np.clip(e, 0, NCLASS - 1).astype(np.uint8))
 
 
 CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of the scans' 256-element blocks)
@@ -524,7 +533,7 @@ CENSUS = 1 << 16  # elements between the rows of a class census (a multiple of t
 
 def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shift: int, mask: int, lo: int,
                old: np.ndarray | None = None, *, every: int = CENSUS, native: bool = True, widest: int = -1,
-               hasher=None, hist_pos: np.ndarray | None = None, hist_cls: np.ndarray | None = None
+               hasher: object | None = None, hist_pos: np.ndarray | None = None, hist_cls: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass over ``base[start:stop)`` (flat bits). For sorted positions ``indices`` (all in the
     range): each one's class and its rank among the elements of that class in ``[start, p)``; and the
@@ -555,7 +564,7 @@ def class_scan(base: np.ndarray, start: int, stop: int, indices: np.ndarray, shi
     local = np.asarray(indices, np.int64) - start
     if old is not None:
         c[local] = _classes(np.asarray(old, base.dtype), 0, n, shift, mask, lo)
-    if hist_pos is not None:  # the old side's classes, as the C scan takes them
+    if hist_pos is not None and hist_cls is not None:  # the old side's classes, as the C scan takes them
         hist_cls[:] = c[np.asarray(hist_pos, np.int64) - start]
     order = np.argsort(c, kind="stable")  # a radix sort for 8-bit keys
     inverse = np.empty(c.size, np.int64)
@@ -655,7 +664,7 @@ MAX_ULP2_K = 40  # the largest gap parameter a class may have
 
 
 def class_sort(cls: np.ndarray, rank: np.ndarray, codes: np.ndarray, offset: np.ndarray | None = None, *,
-               native: bool = True) -> tuple[np.ndarray, list, np.ndarray]:
+               native: bool = True) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
     """What :func:`ulp2_pack` takes, from a segment's changes in position order: their classes,
     their ranks (less ``offset[class]`` when given: each class's count before the segment) and
     their codes. Returns the ranks class by class (ascending within each), the table
@@ -671,15 +680,16 @@ def class_sort(cls: np.ndarray, rank: np.ndarray, codes: np.ndarray, offset: np.
     order = np.argsort(cls, kind="stable")  # class by class; positions (and ranks) ascend within each
     ranks = (rank - off[cls])[order]
     counts = np.bincount(cls, minlength=NCLASS)
-    table, f = [], 0
+    rows: list[list[int]] = []
+    f = 0
     for c in np.flatnonzero(counts).tolist():
         n = int(counts[c])
         gaps = np.diff(ranks[f:f + n], prepend=-1) - 1
         if np.any(gaps < 0):
             raise ValueError("class_sort: ranks must ascend within each class")
-        table.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
+        rows.append([c, n, min(rice_k(gaps.astype(np.uint64)), MAX_ULP2_K)])
         f += n
-    return ranks, table, codes[order]
+    return ranks, rows, codes[order]
 
 
 def _needs_native(what: str) -> None:
@@ -736,7 +746,7 @@ def ulp2_rows_pack(flags: np.ndarray, ctx: np.ndarray) -> bytes:
     return _native.ulp2_rows_pack(np.ascontiguousarray(flags, np.uint8), np.ascontiguousarray(ctx, np.uint8))
 
 
-def ulp2_rows_unpack(data, ctx: np.ndarray) -> np.ndarray:
+def ulp2_rows_unpack(data: Buffer, ctx: np.ndarray) -> np.ndarray:
     """The inverse of :func:`ulp2_rows_pack`: the rows' flags (bool); FormatError on a bad stream."""
     _needs_native("decoding")
     flags = np.empty(ctx.size, np.uint8)
@@ -755,7 +765,7 @@ def ulp2_context() -> bytearray:
     return _native.ulp2_context()
 
 
-def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray, hctx: np.ndarray, hdir: np.ndarray,
+def ulp2_pack(ranks: np.ndarray, table: list[list[int]], codes: np.ndarray, hctx: np.ndarray, hdir: np.ndarray,
               again: np.ndarray, again_codes: np.ndarray, state: bytearray | None = None) -> bytes:
     """The coded stream of an ulp2 segment (docs/FORMAT.md): ``table`` is ``[[class, count, k], ...]``
     for the classes with changes outside the history (the stream carries it), ``ranks`` those
@@ -772,7 +782,7 @@ def ulp2_pack(ranks: np.ndarray, table: list, codes: np.ndarray, hctx: np.ndarra
     return _native.ulp2_pack(*args) if state is None else _native.ulp2_pack(*args, state)
 
 
-def ulp2_unpack(data, span: int, n: int, itemsize: int, hctx: np.ndarray, hdir: np.ndarray,
+def ulp2_unpack(data: Buffer, span: int, n: int, itemsize: int, hctx: np.ndarray, hdir: np.ndarray,
                 state: bytearray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The inverse of :func:`ulp2_pack` for a segment of ``n`` changes: the count of each of the 16
     classes, the ranks (each below ``span``) and codes of the changes outside the history, and

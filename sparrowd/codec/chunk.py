@@ -49,7 +49,9 @@ A chunk is named by the BLAKE3 hash of its compressed bytes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
 
 import blake3
 import numpy as np
@@ -84,6 +86,19 @@ from .bits import (
     ulp_streams,
 )
 from .history import DOWN, MASKS, TensorHistory
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .bits import DType
+    from .history import History
+
+    Bytes: TypeAlias = bytes | bytearray | memoryview
+
+    # What rank_changes gives for a part of a tensor: (lo, cls, rank, census).
+    RankPart: TypeAlias = tuple[int, np.ndarray, np.ndarray, np.ndarray]
+    # What an ulp2 segment's coded stream codes (bits.ulp2_pack's arguments but the state).
+    Coding: TypeAlias = tuple[np.ndarray, list[list[int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 __all__ = [
     "Segment",
@@ -121,7 +136,7 @@ SPARSE, DENSE = "sparse", "dense"
 MAX_CHUNK_RAW = 256 << 20
 
 
-def chunk_hash(data) -> bytes:
+def chunk_hash(data: Bytes) -> bytes:
     return blake3.blake3(data).digest()
 
 
@@ -181,7 +196,7 @@ class Ranked:
         """Each class's count of elements in ``[0, x)``."""
         row = x // CENSUS
         a = row * CENSUS
-        counts = self.census[row].copy()
+        counts: np.ndarray = self.census[row].copy()
         if a < x:
             i, j = np.searchsorted(self.indices, [a, x])
             old = None if self.old is None else self.old[i:j]
@@ -190,8 +205,8 @@ class Ranked:
 
 
 def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
-                 start: int = 0, stop: int | None = None, *, hasher=None, hist_pos: np.ndarray | None = None,
-                 hist_cls: np.ndarray | None = None) -> tuple:
+                 start: int = 0, stop: int | None = None, *, hasher: object | None = None,
+                 hist_pos: np.ndarray | None = None, hist_cls: np.ndarray | None = None) -> RankPart:
     """Scan ``base[start:stop)`` (a whole tensor, or a part starting at a multiple of ``CENSUS``) for
     the classes and ranks of its changed ``indices`` (all inside the part); :func:`join_ranks` puts
     a tensor's parts together. ``old``: as for :class:`Ranked`; ``hasher``, ``hist_pos`` and
@@ -204,7 +219,7 @@ def rank_changes(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndar
 
 
 def ranked(base: np.ndarray, dtype: str, indices: np.ndarray, old: np.ndarray | None = None,
-           hist_pos: np.ndarray | None = None, *, hasher=None) -> Ranked:
+           hist_pos: np.ndarray | None = None, *, hasher: object | None = None) -> Ranked:
     """The :class:`Ranked` of a whole tensor's changes (:func:`rank_changes`), with the classes of
     its change history's entries ``hist_pos`` (``Ranked.hist_cls``) taken in the same scan.
     ``hasher``: as for ``class_scan``."""
@@ -237,14 +252,14 @@ def ranking(base: np.ndarray, dtype: str, hist_pos: np.ndarray | None = None) ->
                       hist_pos=hist_pos)
 
 
-def ranked_part(classes: ClassRanks | None) -> tuple | None:
+def ranked_part(classes: ClassRanks | None) -> RankPart | None:
     """A :func:`ranking` the diff filled in, as :func:`rank_changes` gives it (None if it had no changes)."""
     if classes is None or classes.cls is None:
         return None
-    return classes.lo, classes.cls, classes.rank, classes.census
+    return classes.lo, classes.cls, cast(np.ndarray, classes.rank), cast(np.ndarray, classes.census)
 
 
-def join_ranks(parts: list[tuple], indices: np.ndarray, old: np.ndarray | None = None,
+def join_ranks(parts: list[RankPart], indices: np.ndarray, old: np.ndarray | None = None,
                hist_cls: np.ndarray | None = None) -> Ranked:
     """One :class:`Ranked` from the :func:`rank_changes` of a tensor's consecutive parts."""
     if len(parts) == 1:
@@ -296,7 +311,7 @@ def segment_streams(kind: str, values: str, itemsize: int, rows: bool = False) -
     return idx + vals
 
 
-def _encode_values(seg: Segment, info) -> list[np.ndarray]:
+def _encode_values(seg: Segment, info: DType) -> list[np.ndarray]:
     if seg.values == ULP:
         return ulp_streams(seg.data)
     bits = rotl1(seg.data) if info.is_float else seg.data
@@ -343,7 +358,8 @@ def _row_contexts(start: int, stop: int, length: int, hist: TensorHistory | None
     return ctx
 
 
-def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts, offs) -> TensorHistory | None:
+def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts: np.ndarray,
+             offs: np.ndarray) -> TensorHistory | None:
     """The history entries in ``rows``, at their places in the rows laid end to end."""
     if hist is None or not hist.positions.size:
         return hist
@@ -357,18 +373,18 @@ def _in_rows(hist: TensorHistory | None, length: int, rows: np.ndarray, starts, 
 def _segment_old(seg: Segment) -> np.ndarray | None:
     """Where the segment's base already holds the new bits at its changes (a kept copy the diff
     brought up to date): the old bits there, which its ranks were taken with; else None."""
-    r = seg.ranked
-    if r.old is None or not seg.indices.size:
+    r, indices = cast(Ranked, seg.ranked), cast(np.ndarray, seg.indices)
+    if r.old is None or not indices.size:
         return None
-    k = int(np.searchsorted(r.indices, seg.indices[0]))  # the segment's changes: a run of the tensor's
-    return r.old[k:k + seg.indices.size]
+    k = int(np.searchsorted(r.indices, indices[0]))  # the segment's changes: a run of the tensor's
+    return r.old[k:k + indices.size]
 
 
 def _bernoulli_bits(n: int, k: int) -> float:
     if n <= 0 or k <= 0 or k >= n:
         return 0.0
     p = k / n
-    return -n * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return cast(float, -n * (p * np.log2(p) + (1 - p) * np.log2(1 - p)))
 
 
 def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
@@ -377,7 +393,8 @@ def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
     length, start, stop = seg.row, seg.start, seg.stop
     if length <= 0 or not seg.count or (stop - 1) // length - start // length + 1 < ROW_MODE_MIN_ROWS:
         return None
-    rows = np.unique(seg.indices // length)
+    indices = cast(np.ndarray, seg.indices)  # an ulp2 segment is sparse
+    rows = np.unique(indices // length)
     hist = seg.history.within(start, stop) if seg.history is not None else None
     ctx = _row_contexts(start, stop, length, hist)
     flags = np.zeros(ctx.size, np.uint8)
@@ -389,10 +406,10 @@ def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
     rows_bits = sum(_bernoulli_bits(int((ctx == c).sum()), int(flags[ctx == c].sum())) for c in (0, 1))
     if rows_bits + _bernoulli_bits(total, seg.count) >= ROW_MODE_GAIN * _bernoulli_bits(stop - start, seg.count):
         return None
-    r, old = seg.ranked, _segment_old(seg)
-    base = _compacted(seg.base, starts, lens, offs)
-    k = np.searchsorted(rows, seg.indices // length)
-    idx = offs[k] + (seg.indices - starts[k])
+    r, old = cast(Ranked, seg.ranked), _segment_old(seg)
+    base = _compacted(cast(np.ndarray, seg.base), starts, lens, offs)
+    k = np.searchsorted(rows, indices // length)
+    idx = offs[k] + (indices - starts[k])
     shift, mask = exponent_field(seg.dtype)
     ranked = Ranked(r.lo, *class_scan(base, 0, total, idx, shift, mask, r.lo, old), idx, old)
     inner = Segment(seg.name, seg.dtype, SPARSE, ULP2, 0, total, seg.data, idx, base, ranked,
@@ -400,7 +417,7 @@ def _row_mode(seg: Segment) -> tuple[Segment, bytes] | None:
     return inner, ulp2_rows_pack(flags, ctx)
 
 
-def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
+def _prepare_ulp2(seg: Segment) -> tuple[int, Coding, bytes | None]:
     """``class_lo`` of an ulp2 segment, what :func:`~.bits.ulp2_pack` codes, and in row mode the rows
     stream: the expensive part, done as segments arrive; the coding itself waits for the chunk (its
     contexts carry from one segment to the next)."""
@@ -418,8 +435,8 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
     if hist is not None and hist.positions.size:
         # Changes of history elements are coded as such; the others' ranks count no history element.
         hctx, hdir, flags, again_codes, rank, cls, codes = ulp2_history(
-            seg.base, seg.dtype, r.lo, seg.indices, cls, rank, codes, _segment_old(seg), hist.positions, hist.state,
-            hist.cls)
+            seg.base, seg.dtype, r.lo, cast(np.ndarray, seg.indices), cls, rank, codes, _segment_old(seg),
+            hist.positions, hist.state, hist.cls)
     else:
         hctx = hdir = flags = np.empty(0, np.uint8)
         again_codes = codes[:0]
@@ -427,25 +444,27 @@ def _prepare_ulp2(seg: Segment) -> tuple[int, tuple, bytes | None]:
     return r.lo, (rank, table, codes, hctx, hdir, flags, again_codes), None
 
 
-def _encode_segment(seg: Segment) -> tuple[dict, list[np.ndarray], tuple | None]:
+def _encode_segment(seg: Segment) -> tuple[dict[str, Any], list[np.ndarray], Coding | None]:
     info = dtype_info(seg.dtype)
     if seg.data.dtype != uint_type(info.itemsize):
         raise ValueError(f"segment {seg.name}: data must be {uint_type(info.itemsize)}")
     blobs: list[np.ndarray] = []
     k = 0
-    lo = coding = rows = None
+    lo: int | None = None
+    coding: Coding | None = None
+    rows: bytes | None = None
     if seg.values == ULP2:
         lo, coding, rows = _prepare_ulp2(seg)
         if rows is not None:  # the rows stream goes first; the coded stream joins it when the chunk closes
             blobs.append(np.frombuffer(rows, np.uint8))
     elif seg.kind == SPARSE:
-        k, unary, rem = rice_index(seg.indices, seg.start)
+        k, unary, rem = rice_index(cast(np.ndarray, seg.indices), seg.start)
         blobs += [unary, rem]
     elif seg.count != seg.stop - seg.start:
         raise ValueError(f"dense segment {seg.name}: {seg.count} values for range of {seg.stop - seg.start}")
     if seg.values != ULP2:
         blobs += _encode_values(seg, info)
-    header = {
+    header: dict[str, Any] = {
         "name": seg.name,
         "dtype": seg.dtype,
         "kind": seg.kind,
@@ -469,9 +488,9 @@ class EncodedSegment:
     with what its coded stream codes instead (``coding``), coded when the chunk is laid out."""
 
     segment: Segment
-    header: dict
-    blobs: list
-    coding: tuple | None = None
+    header: dict[str, Any]
+    blobs: list[np.ndarray]
+    coding: Coding | None = None
 
 
 def encode_segment(seg: Segment) -> EncodedSegment:
@@ -494,7 +513,9 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     """A chunk of ``segments``, in order; ulp2 streams not yet coded (:func:`code_segment`) are
     coded here, from fresh contexts (then all of the chunk's must be uncoded)."""
     encoded = [s if isinstance(s, EncodedSegment) else encode_segment(s) for s in segments]
-    body, headers, state = [], [], None
+    body: list[tuple[int, int, Any]] = []  # (stream rank, segment, blob: an array)
+    headers: list[dict[str, Any]] = []
+    state: bytearray | None = None
     for i, e in enumerate(encoded):
         if e.coding is not None:  # the chunk's ulp2 segments in order, each from the contexts the last left
             state = ulp2_context() if state is None else state
@@ -515,7 +536,7 @@ def encode_chunk(segments: list[Segment | EncodedSegment], cctx: zstandard.ZstdC
     )
 
 
-def encode_file_chunk(name: str, start: int, data, cctx: zstandard.ZstdCompressor) -> Chunk:
+def encode_file_chunk(name: str, start: int, data: Bytes, cctx: zstandard.ZstdCompressor) -> Chunk:
     """Bytes ``[start, start + len(data))`` of the file ``name``, as one chunk."""
     span = (name, start, start + len(data))
     head = pack({"segments": [], "file": list(span)})
@@ -545,7 +566,7 @@ def _take(buf: memoryview, pos: int, n: int, what: str) -> tuple[memoryview, int
     return buf[pos : pos + n], pos + n
 
 
-def _check_segment(h: dict) -> tuple[str, ...]:
+def _check_segment(h: dict[str, Any]) -> tuple[str, ...]:
     """Validate a segment header; returns the streams of its blobs."""
     fields(h, _SEGMENT, what="chunk segment")
     info = dtype_info(h["dtype"])
@@ -571,7 +592,8 @@ def _check_segment(h: dict) -> tuple[str, ...]:
     return streams
 
 
-def _decode_ulp2(h: dict, blobs: list[memoryview], base, history, state: bytearray) -> Segment:
+def _decode_ulp2(h: dict[str, Any], blobs: list[memoryview], base: Callable[[str], np.ndarray | None] | None,
+                 history: Callable[[str], TensorHistory | None] | None, state: bytearray) -> Segment:
     name, start, stop = h["name"], h["start"], h["stop"]
     w = dtype_info(h["dtype"]).itemsize
     bits = base(name) if base is not None else None
@@ -596,8 +618,8 @@ def _decode_ulp2(h: dict, blobs: list[memoryview], base, history, state: bytearr
     return Segment(name, h["dtype"], SPARSE, ULP2, start, stop, data, starts[k] + (indices - offs[k]))
 
 
-def _decode_ulp2_range(h: dict, blob, bits: np.ndarray, start: int, stop: int, hist: TensorHistory | None,
-                       state: bytearray) -> tuple[np.ndarray, np.ndarray]:
+def _decode_ulp2_range(h: dict[str, Any], blob: memoryview, bits: np.ndarray, start: int, stop: int,
+                       hist: TensorHistory | None, state: bytearray) -> tuple[np.ndarray, np.ndarray]:
     """The changed positions in ``bits[start:stop)`` and their codes, from an ulp2 coded stream."""
     n = h["count"]
     shift, mask = exponent_field(h["dtype"])
@@ -611,20 +633,23 @@ def _decode_ulp2_range(h: dict, blob, bits: np.ndarray, start: int, stop: int, h
                                     hist.positions if hist is not None else None)
     data = grouped[perm]
     if again_codes.size:  # the changes of history elements join the others in position order
-        indices = np.concatenate([indices, hist.positions[again.astype(bool)]])
+        indices = np.concatenate([indices, cast(TensorHistory, hist).positions[again.astype(bool)]])
         data = np.concatenate([data, again_codes])
         order = np.argsort(indices, kind="stable")
         indices, data = indices[order], data[order]
     return indices, data
 
 
-def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, state=None) -> Segment:
+def _decode_segment(h: dict[str, Any], blobs: list[memoryview],
+                    base: Callable[[str], np.ndarray | None] | None = None,
+                    history: Callable[[str], TensorHistory | None] | None = None,
+                    state: bytearray | None = None) -> Segment:
     info = dtype_info(h["dtype"])
     w = info.itemsize
     kind, values, start, stop, n = h["kind"], h["values"], h["start"], h["stop"], h["count"]
     name = h["name"]
     if values == ULP2:
-        return _decode_ulp2(h, blobs, base, history, state)
+        return _decode_ulp2(h, blobs, base, history, cast(bytearray, state))
     indices = None
     if kind == SPARSE:
         try:
@@ -646,7 +671,7 @@ def _decode_segment(h: dict, blobs: list[memoryview], base=None, history=None, s
     return Segment(name, h["dtype"], kind, values, start, stop, data, indices)
 
 
-def check_chunk_frame(data) -> int:
+def check_chunk_frame(data: Bytes) -> int:
     """The cheap part of decoding: a zstd frame declaring a sane content size (returned)."""
     try:
         size = zstandard.frame_content_size(data)
@@ -657,7 +682,7 @@ def check_chunk_frame(data) -> int:
     return size
 
 
-def _open_chunk(data, expect_hash: bytes | None) -> tuple[dict, memoryview, int]:
+def _open_chunk(data: Bytes, expect_hash: bytes | None) -> tuple[dict[str, Any], memoryview, int]:
     """Hash check, decompression and header: (header, decompressed bytes, body offset)."""
     if expect_hash is not None and chunk_hash(data) != expect_hash:
         raise IntegrityError(f"chunk {expect_hash.hex()[:16]}: hash mismatch (corrupt or wrong chunk)")
@@ -675,7 +700,7 @@ def _open_chunk(data, expect_hash: bytes | None) -> tuple[dict, memoryview, int]
     return head, buf, pos
 
 
-def _file_span(head: dict) -> tuple[str, int, int] | None:
+def _file_span(head: dict[str, Any]) -> tuple[str, int, int] | None:
     span = head.get("file")
     if span is None:
         return None
@@ -685,7 +710,7 @@ def _file_span(head: dict) -> tuple[str, int, int] | None:
     return span[0], span[1], span[2]
 
 
-def decode_file_chunk(data, *, expect_hash: bytes | None = None) -> tuple[tuple[str, int, int], memoryview]:
+def decode_file_chunk(data: Bytes, *, expect_hash: bytes | None = None) -> tuple[tuple[str, int, int], memoryview]:
     """A file chunk's ``(name, start, stop)`` and bytes (FormatError for a tensor chunk)."""
     head, buf, pos = _open_chunk(data, expect_hash)
     span = _file_span(head)
@@ -697,7 +722,10 @@ def decode_file_chunk(data, *, expect_hash: bytes | None = None) -> tuple[tuple[
     return span, body
 
 
-def decode_chunk(data, *, expect_hash: bytes | None = None, base=None, history=None) -> list[Segment]:
+def decode_chunk(data: Bytes, *, expect_hash: bytes | None = None,
+                 base: Mapping[str, np.ndarray] | Callable[[str], np.ndarray | None] | None = None,
+                 history: History | Mapping[str, TensorHistory] | Callable[[str], TensorHistory | None] | None = None
+                 ) -> list[Segment]:
     """Decode one chunk; checks its hash first when ``expect_hash`` is given. A file chunk
     decodes to no segments. ``base``: ``name -> flat bits`` of the base tensors (a mapping or a
     callable), needed by ulp2 segments only; ``history``: the change history (a
@@ -715,7 +743,7 @@ def decode_chunk(data, *, expect_hash: bytes | None = None, base=None, history=N
         for j, (st, ln) in enumerate(zip(_check_segment(h), h["blobs"])):
             order.append((_RANK[st], i, j, ln))
     order.sort()
-    blobs: list[list] = [[None] * len(h["blobs"]) for h in headers]
+    blobs: list[list[Any]] = [[None] * len(h["blobs"]) for h in headers]
     for _, i, j, ln in order:
         blobs[i][j], pos = _take(buf, pos, ln, f"blob {j} of segment {i}")
     if pos != len(buf):

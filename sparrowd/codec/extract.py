@@ -20,6 +20,8 @@ BLAKE3 and manifests are signed elsewhere.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import xxhash
 
@@ -28,7 +30,7 @@ from .bits import NCLASS, ClassRanks
 try:
     from . import _native
 except ImportError:  # no compiler at install time: the numpy path gives the same result
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 __all__ = ["diff_bits", "diff_values", "diff_fingerprint", "split_ranges", "fingerprint", "fp_equal",
            "SHORT_FP", "BLOCK_WORDS", "PART_ELEMENTS"]
@@ -41,7 +43,7 @@ def fingerprint(bits: np.ndarray) -> bytes:
     """Fingerprint of a tensor's bytes (16 bytes, xxh3-128)."""
     if bits.size == 0:
         return xxhash.xxh3_128(b"").digest()
-    return xxhash.xxh3_128(memoryview(np.ascontiguousarray(bits)).cast("B")).digest()
+    return xxhash.xxh3_128(np.ascontiguousarray(bits).data.cast("B")).digest()
 
 
 SHORT_FP = 8  # format 2 manifests carry each fingerprint's first 8 bytes
@@ -56,9 +58,12 @@ def fp_equal(computed: bytes | None, stored: bytes | None) -> bool:
     return n >= SHORT_FP and computed[:n] == stored[:n]
 
 
-def _diff_words(ow, nw, lo: int, hi: int, per_word: int, lane) -> tuple[list, list, list]:
+def _diff_words(ow: np.ndarray, nw: np.ndarray, lo: int, hi: int, per_word: int, lane: np.dtype
+                ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Changed positions in words ``[lo, hi)``, with their old and new bits (gathered while hot)."""
-    idx, olds, news = [], [], []
+    idx: list[np.ndarray] = []
+    olds: list[np.ndarray] = []
+    news: list[np.ndarray] = []
     mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=bool)
     for s in range(lo, hi, BLOCK_WORDS):
         e = min(s + BLOCK_WORDS, hi)
@@ -110,8 +115,8 @@ def _diff_native(
             break
         cap *= 2
         outs = [np.concatenate([x[:count], np.empty(cap - count, x.dtype)]) for x in outs]
-    fo = _native.digest(ho) if hash_old else None
-    fn = _native.digest(hn) if hash_new else None
+    fo = _native.digest(ho) if ho is not None else None  # (a hasher exactly where one was asked for)
+    fn = _native.digest(hn) if hn is not None else None
     if classes is not None and state[1]:
         census[-1] = state[2:]
         classes.cls, classes.rank, classes.census = outs[3][:count], outs[4][:count], census
@@ -139,7 +144,9 @@ def diff_fingerprint(
         if update_old:
             old[idx] = nv
         return idx, ov, nv, fo, fingerprint(new)
-    return _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hash_old, True, update_old, classes)
+    idx, ov, nv, fo, fn = _diff_native(np.ascontiguousarray(old), np.ascontiguousarray(new), hash_old, True,
+                                       update_old, classes)
+    return idx, ov, nv, fo, cast(bytes, fn)  # hash_new=True: never None
 
 
 def diff_values(
@@ -171,20 +178,22 @@ def diff_values(
         return idx, ov, nv
     per_word = 8 // old.dtype.itemsize
     done = (old.size // per_word) * per_word
-    idx, olds, news = [], [], []
+    idxs: list[np.ndarray] = []
+    olds: list[np.ndarray] = []
+    news: list[np.ndarray] = []
     if done:
-        idx, olds, news = _diff_words(
+        idxs, olds, news = _diff_words(
             old[:done].view(np.uint64), new[:done].view(np.uint64), 0, done // per_word, per_word, old.dtype
         )
     if done < old.size:
         tail = np.flatnonzero(old[done:] != new[done:]) + done
-        idx.append(tail)
+        idxs.append(tail)
         olds.append(old[tail])
         news.append(new[tail])
-    if not idx:
+    if not idxs:
         empty = np.empty(0, old.dtype)
         return np.empty(0, np.int64), empty, empty
-    out = np.concatenate(idx).astype(np.int64, copy=False)
+    out = np.concatenate(idxs).astype(np.int64, copy=False)
     if lo:
         out += lo
     return out, np.concatenate(olds), np.concatenate(news)

@@ -20,9 +20,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from .bits import RawTensor
+    from .chunk import Segment
+    from .manifest import Manifest
 
 __all__ = ["DEPTH", "MASKS", "History", "TensorHistory", "directions", "changes_between"]
 
@@ -88,15 +94,16 @@ def _aged(old: TensorHistory, idx: np.ndarray, codes: np.ndarray) -> tuple[np.nd
 
 def directions(codes: np.ndarray) -> np.ndarray:
     """Whether each zigzag ulp code moved its element down (uint8 0 or 1)."""
-    return (((codes.astype(np.uint64) - np.uint64(1)) & np.uint64(1)) == 0).astype(np.uint8)
+    return cast(np.ndarray, (((codes.astype(np.uint64) - np.uint64(1)) & np.uint64(1)) == 0).astype(np.uint8))
 
 
-def changes_between(old: Mapping, new: Mapping) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def changes_between(old: Mapping[str, RawTensor], new: Mapping[str, RawTensor]
+                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """What :meth:`History.after` takes, from two snapshots (``name -> RawTensor``): each float
     tensor's changed positions and zigzag ulp codes (a diff; encoders and decoders have them at hand)."""
     from .bits import dtype_info, ulp_encode
 
-    out = {}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, n in new.items():
         o = old.get(name)
         if o is not None and o.shape == n.shape and o.dtype == n.dtype and dtype_info(n.dtype).is_float:
@@ -124,8 +131,8 @@ class History:
         for name in sorted(self.tensors):
             t = self.tensors[name]
             h.update(name.encode() + b"\0" + int(t.positions.size).to_bytes(8, "little"))
-            h.update(memoryview(np.ascontiguousarray(t.positions, "<i8")).cast("B"))
-            h.update(memoryview(np.ascontiguousarray(t.state, np.uint8)).cast("B"))
+            h.update(np.ascontiguousarray(t.positions, "<i8").data.cast("B"))
+            h.update(np.ascontiguousarray(t.state, np.uint8).data.cast("B"))
         return h.digest()
 
     def after(self, version: int, changes: Mapping[str, tuple[np.ndarray, np.ndarray]],
@@ -148,14 +155,16 @@ class History:
                 out[name] = TensorHistory(pos, state)
         return History((version, *self.versions)[:DEPTH], out) if out else History()
 
-    def after_patch(self, manifest, parts: Mapping[str, list], *, pool: Executor | None = None) -> History:
+    def after_patch(self, manifest: Manifest, parts: Mapping[str, list[Segment]], *,
+                    pool: Executor | None = None) -> History:
         """The history once ``manifest``'s patch is applied, from its decoded segments (``name ->
         [Segment]``, as a decoder has them). Only ulp2 patches carry one on: after any other, and
         after a patch without a base (an anchor), the next starts afresh. ``pool``: as for
         :meth:`after`."""
         if manifest.values != "ulp2" or manifest.base_version is None:
             return History()
-        changes, reset = {}, []
+        changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        reset: list[str] = []
         for t in manifest.tensors:
             segs = sorted(parts.get(t.name, []), key=lambda s: s.start)
             if t.op != "patch" or (segs and segs[0].values != "ulp2"):

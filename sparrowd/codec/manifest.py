@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import zstandard
 
@@ -79,7 +80,21 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape) if self.shape is not None else 0
 
-    def to_wire(self) -> dict:
+    @property
+    def known_dtype(self) -> str:
+        """The result dtype, for an entry that has one (every op but remove)."""
+        if self.dtype is None:
+            raise ValueError(f"tensor {self.name!r} ({self.op}) has no result dtype")
+        return self.dtype
+
+    @property
+    def known_shape(self) -> tuple[int, ...]:
+        """The result shape, for an entry that has one (every op but remove)."""
+        if self.shape is None:
+            raise ValueError(f"tensor {self.name!r} ({self.op}) has no result shape")
+        return self.shape
+
+    def to_wire(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "op": self.op,
@@ -103,8 +118,8 @@ class ChunkEntry:
     segments: tuple[tuple[str, int, int, int], ...] | None
     file: tuple[str, int, int] | None = None  # a file chunk: (file name, start, stop)
 
-    def to_wire(self, listed: bool = True) -> dict:
-        out = {"hash": self.hash, "size": self.size, "raw_size": self.raw_size}
+    def to_wire(self, listed: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"hash": self.hash, "size": self.size, "raw_size": self.raw_size}
         if listed or self.file is not None:
             out["segments"] = [list(s) for s in self.segments or ()]
         if self.file is not None:
@@ -118,7 +133,7 @@ class FileEntry:
     size: int
     hash: bytes  # BLAKE3-256 of the content
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "hash": self.hash}
 
 
@@ -130,7 +145,7 @@ class Manifest:
     chunk_size: int
     tensors: tuple[TensorEntry, ...]
     chunks: tuple[ChunkEntry, ...]
-    meta: dict = field(default_factory=dict)  # free-form str -> str, e.g. the producer
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form str -> str, e.g. the producer
     files: tuple[FileEntry, ...] = ()  # non-tensor files (anchors), sorted by name
     # format 2: the change history the ulp2 segments are coded against, as (the versions its patches
     # produced, newest first; its 8-byte fingerprint), or None (codec.history)
@@ -182,7 +197,7 @@ class Manifest:
         return zstandard.ZstdCompressor(level=9).compress(raw) if self.values == ULP2 else raw
 
     @classmethod
-    def from_bytes(cls, data) -> "Manifest":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Manifest":
         if bytes(data[:4]) == ZSTD_MAGIC:  # format 2 (a msgpack map never starts with this byte)
             try:
                 size = zstandard.frame_content_size(data)
@@ -268,7 +283,7 @@ class Manifest:
 _SHAPE_ERR = "shape must be a list of non-negative integers"
 
 
-def _history_from_wire(h, values: str) -> tuple[tuple[int, ...], bytes] | None:
+def _history_from_wire(h: Any, values: str) -> tuple[tuple[int, ...], bytes] | None:
     if h is None:
         return None
     h = fields(h, {"versions": List, "fp": Bytes}, what="manifest history")
@@ -280,7 +295,7 @@ def _history_from_wire(h, values: str) -> tuple[tuple[int, ...], bytes] | None:
     return tuple(versions), bytes(h["fp"])
 
 
-def _shape(v, what):
+def _shape(v: Any, what: str) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
@@ -288,7 +303,7 @@ def _shape(v, what):
     return tuple(v)
 
 
-def _tensor_from_wire(t) -> TensorEntry:
+def _tensor_from_wire(t: Any) -> TensorEntry:
     fields(
         t,
         {
@@ -329,14 +344,14 @@ def _tensor_from_wire(t) -> TensorEntry:
     )
 
 
-def _file_from_wire(f) -> FileEntry:
+def _file_from_wire(f: Any) -> FileEntry:
     fields(f, {"name": Str, "size": NonNegInt, "hash": Bytes}, what="manifest file")
     if len(f["hash"]) != 32 or f["size"] > MAX_FILE:
         raise FormatError(f"manifest file {f['name']!r}: needs a 32-byte hash and at most {MAX_FILE} bytes")
     return FileEntry(check_file_name(f["name"]), f["size"], f["hash"])
 
 
-def _chunk_from_wire(c, unlisted: bool) -> ChunkEntry:
+def _chunk_from_wire(c: Any, unlisted: bool) -> ChunkEntry:
     """A chunk entry; ``unlisted`` (format 2): a tensor chunk's segments are not listed."""
     fields(c, {"hash": Bytes, "size": NonNegInt, "raw_size": NonNegInt, "segments": Opt(List)},
            what="manifest chunk")

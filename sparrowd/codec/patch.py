@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import blake3
 import numpy as np
@@ -53,6 +54,11 @@ from .extract import SHORT_FP, diff_bits, diff_fingerprint, diff_values, fingerp
 from .history import History
 from .manifest import FULL, MAX_FILE, PATCH, REMOVE, ChunkEntry, FileEntry, Manifest, TensorEntry, check_file_name
 from .workers import Workers, urgent
+
+if TYPE_CHECKING:
+    from .chunk import EncodedSegment, RankPart
+
+T = TypeVar("T")
 
 __all__ = [
     "PatchEncoder",
@@ -167,12 +173,13 @@ class PatchEncoder:
         self._chunks: list[ChunkEntry] = []
         self._files: dict[str, FileEntry] = {}
         self._pool = pool
-        self._pending: list[Future] = []  # segments encoded as they arrive; a flush lays out and compresses
+        # segments encoded as they arrive; a flush lays out and compresses
+        self._pending: list[Future[EncodedSegment]] = []
         self._pending_est = 0.0  # estimated raw bytes pending
         # With a pool, chunks close on it too: up to `lag` of them in flight, settled in order. A chunk's
         # cut depends on the compressed sizes of the chunks before it only up to `lag` back, with a pool
         # or without, so the output depends neither on timing nor on the pool.
-        self._inflight: deque[tuple[Future, float]] = deque()
+        self._inflight: deque[tuple[Future[Chunk], float]] = deque()
         self._coder: _ChunkCoder | None = None  # ulp2 with a pool: codes the current chunk's streams
         if history is not None and values != ULP2:
             raise InputError("a change history is for ulp2 patches only")
@@ -197,6 +204,7 @@ class PatchEncoder:
         if old is None and new is None:
             raise InputError(f"tensor {name!r}: neither side given")
         if new is None:
+            old = cast(RawTensor, old)  # (not both None)
             self._tensors[name] = TensorEntry(name, REMOVE, None, None, self._fp(fingerprint(old.bits)), None)
             self._reset.add(name)
             return []
@@ -238,7 +246,7 @@ class PatchEncoder:
                                           int(indices.size))
         if mode != ULP2:
             return self._push(Segment(name, new.dtype, SPARSE, mode, 0, new.numel, data, indices))
-        self._moved[name] = (indices, data)
+        cast("dict[str, tuple[np.ndarray, np.ndarray]]", self._moved)[name] = (indices, data)  # (None once finished)
         # ulp2 codes positions by the base's exponent classes: the base's bits, and its bits at the changed
         # positions as given (a kept copy may already hold the new ones there).
         hist = self.history.get(name) if self.history is not None else None
@@ -267,7 +275,7 @@ class PatchEncoder:
             return []
         return self._push(Segment(name, new.dtype, DENSE, ABSOLUTE, 0, new.numel, new.bits))
 
-    def add_file(self, name: str, data) -> list[Chunk]:
+    def add_file(self, name: str, data: bytes | bytearray | memoryview) -> list[Chunk]:
         """Add one of the model's non-tensor files (``config.json``, the tokenizer): its chunks,
         each at most ``chunk_size`` bytes of it."""
         if self._finished:
@@ -314,7 +322,7 @@ class PatchEncoder:
             self._pending_est += head.count * per
             out += self._flush()
 
-    def _encode(self, seg: Segment) -> Future:
+    def _encode(self, seg: Segment) -> Future[EncodedSegment]:
         if self._pool is None:
             return _done(encode_segment(seg))
         encoded = urgent(self._pool, encode_segment, seg)
@@ -403,11 +411,12 @@ class _ChunkCoder:
 
     def __init__(self, pool: Executor):
         self._pool, self._state = pool, ulp2_context()
-        self._line: deque[tuple[Future, Future]] = deque()  # (encoded, coded), in chunk order
+        # (encoded, coded), in chunk order
+        self._line: deque[tuple[Future[EncodedSegment], Future[EncodedSegment]]] = deque()
         self._lock, self._running = threading.Lock(), False
 
-    def add(self, encoded: Future) -> Future:
-        coded: Future = Future()
+    def add(self, encoded: Future[EncodedSegment]) -> Future[EncodedSegment]:
+        coded: Future[EncodedSegment] = Future()
         with self._lock:
             self._line.append((encoded, coded))
         if encoded.done():  # here, on the caller's thread: leave the coding to the pool
@@ -433,16 +442,16 @@ class _ChunkCoder:
                 coded.set_exception(exc)
 
 
-def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Future:
+def _when_done(pool: Executor, deps: list[Future[Any]], fn: Callable[..., T], *args: Any) -> Future[T]:
     """``fn(*args)`` as a job on ``pool`` queued once every future in ``deps`` is done (from their
     callbacks), so that no worker ever waits on a job queued behind it; it fails at once, with the
     first failure among ``deps``, if any failed."""
-    out: Future = Future()
+    out: Future[T] = Future()
     lock = threading.Lock()
     # The callbacks stay on ``deps`` after they ran: they reach the work only through ``job``, which
     # ``run`` empties, so that no cycle (future -> callback -> futures) keeps the segments, and the
     # buffers they view, alive until the garbage collector finds it.
-    job = {"deps": list(deps), "call": (fn, args), "left": len(deps)}
+    job: dict[str, Any] = {"deps": list(deps), "call": (fn, args), "left": len(deps)}
 
     def run() -> None:
         waited, (f, a) = job.pop("deps"), job.pop("call")
@@ -453,7 +462,7 @@ def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Futur
         except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits for ``out``
             out.set_exception(exc)
 
-    def ready(_: Future | None) -> None:
+    def ready(_: Future[Any] | None) -> None:
         with lock:
             job["left"] -= 1
             if job["left"] > 0:
@@ -474,13 +483,14 @@ def _when_done(pool: Executor, deps: list[Future], fn: Callable, *args) -> Futur
     return out
 
 
-def _close_chunk(pending: list[Future], cctx: zstandard.ZstdCompressor | None, level: int = DEFAULT_LEVEL) -> Chunk:
+def _close_chunk(pending: list[Future[EncodedSegment]], cctx: zstandard.ZstdCompressor | None,
+                 level: int = DEFAULT_LEVEL) -> Chunk:
     """A chunk from its segments as they are encoded (on a pool: with a compressor of its own)."""
     return encode_chunk([f.result() for f in pending], cctx if cctx is not None else _compressor(level))
 
 
-def _done(value) -> Future:
-    done: Future = Future()
+def _done(value: T) -> Future[T]:
+    done: Future[T] = Future()
     done.set_result(value)
     return done
 
@@ -493,12 +503,13 @@ def _split(seg: Segment, k: int) -> tuple[Segment, Segment]:
             Segment(seg.name, seg.dtype, DENSE, seg.values, seg.start, cut, seg.data[:k]),
             Segment(seg.name, seg.dtype, DENSE, seg.values, cut, seg.stop, seg.data[k:]),
         )
-    cut = int(seg.indices[k - 1]) + 1
+    indices = cast(np.ndarray, seg.indices)  # a sparse segment's
+    cut = int(indices[k - 1]) + 1
     r = (None, None) if seg.ranked is None else seg.ranked.split(k)
     return (
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], seg.indices[:k], seg.base, r[0],
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, seg.start, cut, seg.data[:k], indices[:k], seg.base, r[0],
                 seg.history, seg.row),
-        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], seg.indices[k:], seg.base, r[1],
+        Segment(seg.name, seg.dtype, SPARSE, seg.values, cut, seg.stop, seg.data[k:], indices[k:], seg.base, r[1],
                 seg.history, seg.row),
     )
 
@@ -507,7 +518,9 @@ def _same_layout(a: RawTensor | None, b: RawTensor | None) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
 
 
-def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None, hist_pos: np.ndarray | None = None):
+def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None, hist_pos: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bytes | None, bytes], RankPart | None,
+                           np.ndarray | None]:
     """A worker's job: diff and fingerprint a whole tensor, and for ulp2 (``rank_dtype``) rank the
     changes within their classes in the same pass, block by block while each is in cache (and class
     the change history's entries, ``hist_pos``, there too)."""
@@ -517,7 +530,8 @@ def _diff_whole(old: np.ndarray, new: np.ndarray, rank_dtype: str | None, hist_p
 
 
 def _diff_part(old: np.ndarray, new: np.ndarray, lo: int, hi: int, rank_dtype: str | None,
-               hist_pos: np.ndarray | None = None):
+               hist_pos: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, RankPart | None, np.ndarray | None]:
     """The same for the part ``[lo, hi)`` of a large tensor (no fingerprints: they need the whole;
     ``hist_pos`` from ``lo``)."""
     classes = ranking(old, rank_dtype, hist_pos) if rank_dtype else None
@@ -561,10 +575,11 @@ def encode_patch(
         enc = PatchEncoder(version=version, base_version=base_version, values=values, chunk_size=chunk_size,
                            meta=meta, pool=pool, history=history)
 
-        def submit(name: str) -> tuple[str, list[Future] | None]:
+        def submit(name: str) -> tuple[str, list[Future[Any]] | None]:
             o, n = old.get(name), new.get(name)
             if not _same_layout(o, n):
                 return name, None
+            o, n = cast(RawTensor, o), cast(RawTensor, n)  # (both there)
             rank = n.dtype if values == ULP2 and dtype_info(n.dtype).is_float else None
             hist = history.get(name) if rank and history is not None else None
             ranges = split_ranges(n.numel)
@@ -591,6 +606,7 @@ def encode_patch(
                 if on_tensor:
                     on_tensor(name, changed)
                 continue
+            o, n = cast(RawTensor, o), cast(RawTensor, n)  # parts: both there, of the same layout
             res = [p.result() for p in parts]
             if len(res) == 1:
                 (idx, ov, nv, fps, part, hist_cls), = res
@@ -609,7 +625,7 @@ def encode_patch(
                                         else np.concatenate(hist_cls))
             changed = int(idx.size)
             if changed:
-                chunks += enc.add_extract(name, o, n, idx, *fps, ov, nv, ranked)
+                chunks += enc.add_extract(name, o, n, idx, *cast("tuple[bytes, bytes]", fps), ov, nv, ranked)
             if on_tensor:
                 on_tensor(name, changed)
         for name, data in sorted((files or {}).items()):
@@ -633,7 +649,8 @@ def check_base(manifest: Manifest, base: Mapping[str, RawTensor]) -> None:
             raise BaseMismatchError(f"tensor {t.name!r}: missing from the base")
         if t.op == PATCH and (b.dtype != t.dtype or b.shape != t.shape):
             raise BaseMismatchError(
-                f"tensor {t.name!r}: base is {b.dtype}{list(b.shape)}, patch expects {t.dtype}{list(t.shape)}"
+                f"tensor {t.name!r}: base is {b.dtype}{list(b.shape)}, patch expects {t.dtype}"
+                f"{list(cast('tuple[int, ...]', t.shape))}"
             )
         if not fp_equal(fingerprint(b.bits), t.base_fp):
             raise BaseMismatchError(f"tensor {t.name!r}: base fingerprint differs (wrong base version?)")
@@ -646,7 +663,7 @@ def new_targets(manifest: Manifest, base: Mapping[str, RawTensor]) -> dict[str, 
         if t.op == PATCH:
             out[t.name] = np.array(base[t.name].bits, copy=True)
         elif t.op == FULL:
-            out[t.name] = np.zeros(t.numel, dtype=uint_type(dtype_info(t.dtype).itemsize))
+            out[t.name] = np.zeros(t.numel, dtype=uint_type(dtype_info(cast(str, t.dtype)).itemsize))
     return out
 
 
@@ -727,5 +744,7 @@ def apply_patch(
                        targets)
     check_result(manifest, targets)
     return {
-        t.name: None if t.op == REMOVE else RawTensor(t.dtype, t.shape, targets[t.name]) for t in manifest.tensors
+        t.name: None if t.op == REMOVE
+        else RawTensor(cast(str, t.dtype), cast("tuple[int, ...]", t.shape), targets[t.name])
+        for t in manifest.tensors
     }

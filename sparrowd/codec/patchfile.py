@@ -18,11 +18,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import blake3
 
 from ..errors import FormatError, IntegrityError
 from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from mmap import mmap
 
 __all__ = ["PatchView", "parse_patch", "patch_header", "FILE_MAGIC", "HEADER_SIZE"]
 
@@ -58,7 +62,7 @@ class PatchView:
                 raise IntegrityError(f"chunk {i} ({entry.hash.hex()[:16]}): hash mismatch, the patch is corrupt")
 
 
-def parse_patch(buf, *, what: str = "patch") -> PatchView:
+def parse_patch(buf: bytes | bytearray | memoryview | mmap, *, what: str = "patch") -> PatchView:
     mv = memoryview(buf).cast("B")
     if len(mv) < HEADER_SIZE:
         raise FormatError(f"{what}: too short to be a sparrowd patch ({len(mv)} bytes)")

@@ -20,8 +20,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from typing import Any, ParamSpec, TypeVar
 
 __all__ = ["Workers", "urgent", "cpu_threads"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+_Job = tuple["Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 MAX_THREADS = 8  # threads a pool of sparrowd's takes by default, at most: memory-bound work gains little beyond
 
@@ -36,8 +41,8 @@ class Workers(Executor):
     in the order it came. Shutting down lets queued jobs finish (none is cancelled)."""
 
     def __init__(self, n: int, name: str = "sparrowd-worker"):
-        self._urgent: deque = deque()
-        self._jobs: deque = deque()
+        self._urgent: deque[_Job] = deque()
+        self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
@@ -45,14 +50,15 @@ class Workers(Executor):
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         return self._put(self._jobs, fn, args, kwargs)
 
-    def submit_urgent(self, fn: Callable, /, *args, **kwargs) -> Future:
+    def submit_urgent(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         return self._put(self._urgent, fn, args, kwargs)
 
-    def _put(self, queue: deque, fn: Callable, args, kwargs) -> Future:
-        f: Future = Future()
+    def _put(self, queue: deque[_Job], fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> Future[T]:
+        f: Future[T] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -89,7 +95,7 @@ class Workers(Executor):
                     t.join()
 
 
-def urgent(pool: Executor, fn: Callable, /, *args, **kwargs) -> Future:
+def urgent(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
     """``fn(*args, **kwargs)`` on ``pool``, ahead of its queued jobs where it is :class:`Workers`."""
     submit = getattr(pool, "submit_urgent", None) or pool.submit
     return submit(fn, *args, **kwargs)

@@ -15,10 +15,12 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import atomic_dir
+from ..codec.manifest import Manifest
 from ..current import build_folder, update_folder
 from ..errors import InputError, SparrowError
 from ..swarm.chain import Key, producible
 from ..swarm.signing import Verifier, load_or_create_key
+from ..swarm.versions import VersionState
 from .store import ChunkStore
 
 __all__ = ["checkout", "describe"]
@@ -41,6 +43,12 @@ def _open(data_dir: Path) -> ChunkStore:
     if not (data_dir / "versions").is_dir():
         raise InputError(f"{data_dir}: not a sparrowd data dir (no versions/ in it)")
     return ChunkStore(data_dir, readonly=True)
+
+
+def _manifest(vs: VersionState) -> Manifest:
+    """The manifest of a version a plan is made of: every such version is whole, so its manifest is in."""
+    assert vs.manifest is not None, f"{vs.key} is in a plan without its manifest"
+    return vs.manifest
 
 
 def describe(plan: dict[int, tuple[int, list[int]]]) -> str:
@@ -70,7 +78,8 @@ def checkout(data_dir: str | os.PathLike, out: str | os.PathLike, version: int |
                          f"{describe(plan)} (a version needs an anchor at or before it and every patch after that)")
     anchor, patches = plan[version]
     steps = [Key(anchor, True)] + [Key(v) for v in patches]
-    total = sum(held[k].total for k in steps)
+    manifests = {k: _manifest(held[k]) for k in steps}
+    total = sum(len(manifests[k].chunks) for k in steps)
     done = 0
 
     def reader(key: Key):
@@ -88,14 +97,14 @@ def checkout(data_dir: str | os.PathLike, out: str | os.PathLike, version: int |
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out, force=force) as tmp:
-        build_folder(tmp, held[steps[0]].manifest, reader(steps[0]), progress=step)
-        done += held[steps[0]].total
+        build_folder(tmp, manifests[steps[0]], reader(steps[0]), progress=step)
+        done += len(manifests[steps[0]].chunks)
         fd, journal = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".journal", dir=out.parent)
         os.close(fd)
         try:
             for key in steps[1:]:
-                update_folder(tmp, held[key].manifest, reader(key), Path(journal), progress=step)
-                done += held[key].total
+                update_folder(tmp, manifests[key], reader(key), Path(journal), progress=step)
+                done += len(manifests[key].chunks)
         finally:
             Path(journal).unlink(missing_ok=True)
     return version

@@ -185,6 +185,7 @@ class GuardedRunner(web.AppRunner):
     async def _make_server(self) -> Server:
         server = await super()._make_server()
         server.__class__ = _GuardedServer  # the same object, its protocol factory and hooks guarded
+        assert isinstance(server, _GuardedServer)  # (what the line above made it; tells the type checker)
         server.guard = self.guard
         return server
 

@@ -82,14 +82,32 @@ class Partial:
     def blocks(self) -> int:
         return -(-self.size // self.block) if self.block else 0
 
+    @property
+    def _block(self) -> int:
+        """The block size, where the chunk has blocks (as every caller of this knows it does)."""
+        assert self.block is not None, f"{self.what} has no block size"
+        return self.block
+
+    @property
+    def _hashes(self) -> bytes:
+        """The block hashes, where the chunk has them (as every caller of this knows it does)."""
+        assert self.hashes is not None, f"{self.what} has no block hashes"
+        return self.hashes
+
+    @property
+    def _checked(self) -> np.ndarray:
+        """Each block checked, by index, of a chunk taken in stripes (``stripe``)."""
+        assert self.checked is not None, f"{self.what} is not taken in stripes"
+        return self.checked
+
     def stripe_size(self, stripe: tuple[int, int]) -> int:
-        return stripe_size(self.size, self.block, *stripe)
+        return stripe_size(self.size, self._block, *stripe)
 
     def has_block(self, b: int) -> bool:
         """Whether block ``b`` has checked out (and may be served on)."""
         if self.checked is not None:
             return bool(self.checked[b])
-        return min((b + 1) * self.block, self.size) <= self.ready
+        return min((b + 1) * self._block, self.size) <= self.ready
 
     async def wait_block(self, b: int) -> None:
         """Return once block ``b`` has checked out, or the fetch failed."""
@@ -117,13 +135,14 @@ class Partial:
         self.got += n
         if self.hashes is None:
             return
-        end = self.got if self.got == self.size else self.got - self.got % self.block
+        block = self._block
+        end = self.got if self.got == self.size else self.got - self.got % block
         if end <= self.ready:
             return
         mv = memoryview(self.buf)
         try:
-            for o in range(self.ready, end, self.block):
-                b, stop = o // self.block, min(o + self.block, self.size)
+            for o in range(self.ready, end, block):
+                b, stop = o // block, min(o + block, self.size)
                 if blake3.blake3(mv[o:stop]).digest(length=BLOCK_HASH) != \
                         self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
                     raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
@@ -142,13 +161,15 @@ class Partial:
             raise IntegrityError(f"{self.what}: stripe {s} of {n} is longer than signed")
         src, done = memoryview(piece), 0
         staged = self._staged.setdefault(stripe, bytearray())
+        block, hashes, checked = self._block, self._hashes, self._checked
         try:
             while done < m:
-                j, off = divmod(at + done, self.block)
+                j, off = divmod(at + done, block)
                 b = s + j * n
-                start = b * self.block
-                length = min(self.block, self.size - start)
+                start = b * block
+                length = min(block, self.size - start)
                 take = min(m - done, length - off)
+                whole: memoryview | bytearray
                 if off == 0 and take == length:
                     whole = src[done : done + take]  # the block in one piece
                 else:
@@ -158,19 +179,19 @@ class Partial:
                         continue
                     whole = staged
                 if blake3.blake3(whole).digest(length=BLOCK_HASH) != \
-                        self.hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
+                        hashes[b * BLOCK_HASH : (b + 1) * BLOCK_HASH]:
                     raise IntegrityError(f"{self.what}: block {b} does not match its signed hash")
-                if not self.checked[b]:  # (checked already: another stripe brought it)
+                if not checked[b]:  # (checked already: another stripe brought it)
                     self.buf[start : start + length] = whole
-                    self.checked[b] = True
+                    checked[b] = True
                 staged.clear()
                 done += take  # (a bad block's bytes are not counted in: the stripe is not whole)
         finally:
             self.fed_at = time.monotonic()
             self.stripe_got[stripe] = at + done
             self.got += done
-            missing = np.flatnonzero(~self.checked)
-            self.ready = self.size if not len(missing) else int(missing[0]) * self.block
+            missing = np.flatnonzero(~checked)
+            self.ready = self.size if not len(missing) else int(missing[0]) * block
             self._pulse()
 
     def stripe_whole(self, stripe: tuple[int, int]) -> bool:
@@ -179,7 +200,7 @@ class Partial:
     def holds_stripe(self, stripe: tuple[int, int]) -> bool:
         """Whether stripe ``stripe`` is being taken here already, or every block of it has checked out."""
         s, n = stripe
-        return stripe in self.stripe_got or bool(self.checked[s::n].all())
+        return stripe in self.stripe_got or bool(self._checked[s::n].all())
 
     def drop_stripe(self, stripe: tuple[int, int]) -> None:
         """A stripe's stream ended short: forget it, so that another pusher's copy may be taken."""

@@ -153,13 +153,19 @@ class EngineServer:
         """Serve each connection. Until its hello it counts only among the ``MAX_UNGREETED`` newest,
         for ``HELLO_TIMEOUT`` at most: silent connections cannot keep an engine out."""
         loop = asyncio.get_running_loop()
+        sock = self._sock
+        assert sock is not None  # (start binds it before it starts this loop)
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, _ = await loop.sock_accept(sock)
             conn.setblocking(False)
             if len(self._ungreeted) >= MAX_UNGREETED:
                 self._ungreeted.pop(next(iter(self._ungreeted))).cancel()
             t = self._spawn(self._serve(conn), "engine-conn")
-            t.add_done_callback(lambda _, c=conn: c.close())  # closed even if cancelled before it ran
+
+            def close(_: asyncio.Task, c: socket.socket = conn) -> None:
+                c.close()  # closed even if cancelled before it ran
+
+            t.add_done_callback(close)
             self._ungreeted[conn] = t
             await asyncio.sleep(0)  # it reads a hello already sent before the next accept may close it
 

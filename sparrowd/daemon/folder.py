@@ -140,6 +140,7 @@ class FolderKeeper:
         """Start the empty current folder from the local base, once the patches held tell which version
         it is (their base fingerprints, or ``--base-version``); a folder that is no base of theirs is
         refused with one line naming the first tensor that differs. True when adopted."""
+        assert self.base is not None  # (adopted only where a base is set)
         patches = [vs.manifest for k, vs in self.swarm.versions.items() if not k.anchor and vs.manifest is not None]
         tried = (self.base, len(patches))
         if not patches or self._base_refused == tried:

@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -106,6 +107,7 @@ class VllmFollower:
                        failures=self._failures, failed_at=self._failed_at)
             if d.target is None:
                 return d.wait
+            assert server is not None  # (decide sets a target only for an attached server)
             keys = ([Key(anchor, True)] if anchor is not None else []) + [Key(v) for v in patches if v <= d.target]
             for key in keys:  # decoded now, so that the pause covers the scatter only
                 await self.engines.decode(key)
@@ -129,7 +131,8 @@ class VllmFollower:
     async def _attach(self) -> None:
         info = await self._call("GET", "weight_info")
         label = str(info.get("weight_version", ""))
-        init = {"socket": str(self.engines.path), "token_file": str(self.token_file), "engine": self.engine}
+        init: dict[str, Any] = {"socket": str(self.engines.path), "token_file": str(self.token_file),
+                                "engine": self.engine}
         if label.isdigit():  # the server's label names a sparrowd version; else its workers keep theirs (0 at first)
             init["version"] = int(label)
         await self._call("POST", "init_weight_transfer_engine", {"init_info": init})
@@ -165,6 +168,7 @@ class VllmFollower:
               paused_seconds=round(self.last_pause, 3))
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        assert self._session is not None, "the follower calls the server only while it runs"
         async with self._session.request(method, f"{self.url}/{path}", json=body) as r:
             text = await r.text()
             if r.status != 200:

@@ -27,6 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import aiohttp
 
@@ -190,7 +191,7 @@ def _error_field(body: bytes, name: str) -> str | None:
     return value[:64] if isinstance(value, str) else None
 
 
-def _is_hex(text: str | None, length: int) -> bool:
+def _is_hex(text: str | None, length: int) -> TypeGuard[str]:
     return text is not None and len(text) == length and all(c in "0123456789abcdef" for c in text)
 
 
@@ -406,7 +407,9 @@ class Membership:
         """Renewals from now on are sealed with the session secret (an HMAC the tracker checks in
         microseconds) rather than signed; a tracker that offered no session gets signatures."""
         theirs = reply.get("kx")
-        self._secret = kx.secret(theirs, self.me["node_id"], self.state.epoch) if isinstance(theirs, bytes) \
+        epoch = self.state.epoch
+        assert epoch is not None  # (_take has just set it from the same reply)
+        self._secret = kx.secret(theirs, self.me["node_id"], epoch) if isinstance(theirs, bytes) \
             and len(theirs) == 32 else None
 
     def want_peers(self) -> None:

@@ -79,6 +79,7 @@ class ChunkStore:
             return None
         try:
             for f in sig_files:
+                assert verifier is not None  # (statements without a verifier returned above)
                 vs.add(Signed.from_bytes(f.read_bytes()), verifier)
         except (SparrowError, OSError) as e:
             event(log, logging.ERROR, "dropping a stored object that no longer verifies", object=str(vs.key),

@@ -410,11 +410,11 @@ class TrackerService:
             event(log, logging.WARNING, "lease expired", node_id=n.node_id, region=n.region, epoch=n.epoch)
         while self._credential_ends and self._credential_ends[0][0] <= now:
             _, node_id, epoch = heapq.heappop(self._credential_ends)
-            n = self.table.get(node_id, now)
-            if n is not None and n.epoch == epoch:
+            node = self.table.get(node_id, now)
+            if node is not None and node.epoch == epoch:
                 self.table.leave(node_id, epoch, now)
                 self.identities.end_session(node_id)
-                gone.append(n)
+                gone.append(node)
                 b = self.identities.get(node_id)
                 event(log, logging.WARNING, "lease ended: its credential expired", node_id=node_id,
                       credential=b.credential if b else None, epoch=epoch)

@@ -20,7 +20,7 @@ class TokenBucket:
     _tokens: float = 0.0
     _last: float | None = None
 
-    def take(self, now: float, n: int) -> float:
+    def take(self, now: float, n: float) -> float:
         """Spend ``n`` bytes; returns how long to wait before sending them (0 if at once)."""
         if not self.rate:
             return 0.0

@@ -36,7 +36,7 @@ class PeerBudget:
     bytes: TokenBucket = field(default_factory=lambda: TokenBucket(BYTE_RATE, burst=BYTE_BURST))
     choked_until: float = float("-inf")
     banned_until: float = float("-inf")
-    strikes: deque = field(default_factory=deque)
+    strikes: deque[float] = field(default_factory=deque)
 
     def spend(self, now: float, cpu: float, nbytes: int) -> str | None:
         """Charge one exchange; returns "choked" or "banned" when this one overdrew the budget."""
@@ -65,7 +65,7 @@ class PeerBudget:
 class Budgets:
     """Every peer's budget, by node id."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._by_peer: dict[str, PeerBudget] = {}
 
     def of(self, node_id: str) -> PeerBudget:

@@ -211,8 +211,8 @@ def unproducible(held: Mapping[Key, Obj], based: set[int], decoded: set[int], fo
             reach.add(cur)
     if base in reach or (folder is not None and folder >= base):
         return None
-    while base in patches and patches[base] is not None and patches[base] < base:
-        base = patches[base]  # the chain's start: what the node lacks is the base the held patches lead from
+    while base in patches and (prev := patches[base]) is not None and prev < base:
+        base = prev  # the chain's start: what the node lacks is the base the held patches lead from
     if not keeps_folder:
         why = (f"v{target}: ulp2 needs base {base} in a current folder, which this node does not keep: "
                f"start it with --current on and --base, or publish an anchor")

@@ -57,9 +57,10 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -189,19 +190,19 @@ class NodeKey:
 # ------------------------------------------------------------------ tracker messages
 
 
-def seal(key: NodeKey, op: str, msg: dict) -> dict:
+def seal(key: NodeKey, op: str, msg: dict[str, Any]) -> dict[str, Any]:
     """A tracker message, signed: what the node sends (the tracker opens it with :func:`open_sealed`)."""
     body = pack(msg)
     return {"msg": body, "sig": key.sign(_TRACKER_DOMAIN + op.encode() + b"\x00" + body)}
 
 
-def open_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
+def open_sealed(sealed: Any, op: str, *, max_len: int) -> tuple[dict[str, Any], bytes, bytes]:
     """The message inside a sealed one, its bytes and signature; the signature is checked by the
     caller, who knows which key must have made it (:meth:`Identities.check_signature`)."""
     return _open(sealed, op, max_len, "sig", 64)
 
 
-def _open(sealed, op: str, max_len: int, seal_field: str, size: int) -> tuple[dict, bytes, bytes]:
+def _open(sealed: Any, op: str, max_len: int, seal_field: str, size: int) -> tuple[dict[str, Any], bytes, bytes]:
     env = fields(sealed, {"msg": Bytes, seal_field: Bytes}, what=op)
     if len(env[seal_field]) != size:
         raise FormatError(f"{op}: {'signature' if seal_field == 'sig' else seal_field} must be {size} bytes")
@@ -221,11 +222,17 @@ class SessionUnknown(SparrowError):
         self.boot = boot
 
 
+class _Revoked(Protocol):
+    """The revoked credential ids, as a check asks them (``id in revoked``): a set, a CredentialBook."""
+
+    def __contains__(self, credential_id: str, /) -> bool: ...
+
+
 class SessionKey:
     """One side's X25519 key for a session: ``public`` goes to the other side, :meth:`secret` derives
     the shared secret from the other side's public key."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._key = X25519PrivateKey.generate()
         self.public = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -241,13 +248,13 @@ def _mac(secret: bytes, op: str, body: bytes) -> bytes:
     return hmac.new(secret, _TRACKER_DOMAIN + op.encode() + b"\x00" + body, hashlib.sha256).digest()
 
 
-def seal_session(secret: bytes, op: str, msg: dict) -> dict:
+def seal_session(secret: bytes, op: str, msg: dict[str, Any]) -> dict[str, Any]:
     """A tracker message sealed with the session secret (:func:`open_session_sealed` opens it)."""
     body = pack(msg)
     return {"msg": body, "mac": _mac(secret, op, body)}
 
 
-def open_session_sealed(sealed, op: str, *, max_len: int) -> tuple[dict, bytes, bytes]:
+def open_session_sealed(sealed: Any, op: str, *, max_len: int) -> tuple[dict[str, Any], bytes, bytes]:
     """The message inside a session-sealed one, its bytes and MAC (checked by
     :meth:`Identities.check_mac`)."""
     return _open(sealed, op, max_len, "mac", 32)
@@ -283,7 +290,7 @@ class Credential:
     expires: float | None
 
     @classmethod
-    def issue(cls, sign, *, role: str, region: str | None, node: str | None, now: float,
+    def issue(cls, sign: Callable[[bytes], bytes], *, role: str, region: str | None, node: str | None, now: float,
               lifetime: float | None) -> tuple["Credential", str]:
         """A new credential and its text; ``sign`` is the trainer's signing function."""
         c = cls(secrets.token_hex(_CREDENTIAL_ID_BYTES), role, region, node, now,
@@ -307,13 +314,13 @@ class Credential:
         return cls(c["id"], c["role"], c["region"], c["node"], float(c["iat"]),
                    None if c["exp"] is None else float(c["exp"]))
 
-    def check(self, now: float, revoked) -> None:
+    def check(self, now: float, revoked: _Revoked) -> None:
         if self.id in revoked:
             raise Refused("revoked", f"credential {self.id} was revoked")
         if self.expires is not None and now >= self.expires:
             raise Refused("expired", f"credential {self.id} expired")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "role": self.role, "region": self.region, "node": self.node,
                 "issued": self.issued, "expires": self.expires}
 
@@ -351,8 +358,8 @@ class IdentityStore(Protocol):
     def save_binding(self, b: Binding) -> None: ...
     def load_bindings(self) -> list[Binding]: ...
     def forget_binding(self, node_id: str) -> None: ...
-    def save_credential(self, record: dict) -> None: ...
-    def load_credentials(self) -> list[dict]: ...
+    def save_credential(self, record: dict[str, Any]) -> None: ...
+    def load_credentials(self) -> list[dict[str, Any]]: ...
 
 
 class CredentialBook:
@@ -360,17 +367,17 @@ class CredentialBook:
 
     def __init__(self, store: IdentityStore | None = None):
         self._store = store
-        self._records: dict[str, dict] = {}
+        self._records: dict[str, dict[str, Any]] = {}
         if store is not None:
             for r in store.load_credentials():
                 self._records[r["id"]] = r
 
-    def add(self, c: Credential) -> dict:
+    def add(self, c: Credential) -> dict[str, Any]:
         r = {**c.to_json(), "revoked_at": None}
         self._save(r)
         return r
 
-    def revoke(self, credential_id: str, now: float) -> dict:
+    def revoke(self, credential_id: str, now: float) -> dict[str, Any]:
         r = self._records.get(credential_id)
         if r is None:
             raise Refused("unknown", f"no credential {credential_id!r} was issued by this trainer")
@@ -394,10 +401,10 @@ class CredentialBook:
         r = self._records.get(credential_id)
         return r is not None and r["revoked_at"] is not None
 
-    def records(self) -> list[dict]:
+    def records(self) -> list[dict[str, Any]]:
         return sorted(self._records.values(), key=lambda r: (r["issued"], r["id"]))
 
-    def _save(self, r: dict) -> None:
+    def _save(self, r: dict[str, Any]) -> None:
         self._records[r["id"]] = r
         if self._store is not None:
             self._store.save_credential(r)
@@ -562,7 +569,7 @@ class Ticket:
     credential: str | None
     expires: float
 
-    def text(self, sign) -> str:
+    def text(self, sign: Callable[[bytes], bytes]) -> str:
         """The header value: base64url(claims) "." base64url(signature); ``sign`` is the trainer's."""
         claims = pack({"node": self.node_id, "role": self.role, "region": self.region, "key": self.key,
                        "epoch": self.epoch, "cred": self.credential, "exp": self.expires})
@@ -584,7 +591,7 @@ class Ticket:
             raise FormatError("ticket: bad key or expiry")
         return cls(c["node"], c["role"], c["region"], c["key"], c["epoch"], c["cred"], float(c["exp"]))
 
-    def check(self, now: float, revoked) -> None:
+    def check(self, now: float, revoked: _Revoked) -> None:
         """Refused once the ticket has expired or its credential is revoked."""
         if now >= self.expires:
             raise Refused("expired", f"the ticket of node {self.node_id!r} expired (its lease was not renewed, "

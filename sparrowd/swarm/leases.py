@@ -27,8 +27,9 @@ import bisect
 import hashlib
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import InputError, SparrowError
 
@@ -95,7 +96,7 @@ class Node:
     bytes_up_wan: int = 0
     bytes_down_wan: int = 0
     progress: tuple[int, int, int] | None = None  # version in flight: (version, chunks held, chunks known)
-    current: dict | None = None  # its current-version folder: {"state", "version"} (None: kept off)
+    current: dict[str, Any] | None = None  # its current-version folder: {"state", "version"} (None: kept off)
     error: str | None = None  # what keeps the node from working, as it reported it (a full disk, say)
     peers: int = 0  # peers in its swarm, as it reported
 
@@ -123,7 +124,8 @@ class LeaseTable:
         self.ttl = float(ttl)
         self._store = store
         self._nodes: dict[str, Node] = {}
-        self._all, self._regions = _Index(), {}  # node ids, all and by region: peers() samples them
+        self._all = _Index()  # node ids, all and by region: peers() samples them
+        self._regions: dict[str, _Index] = {}
         self._trainers = _Index()  # every peer list names them
         self._ranked: dict[str, list[tuple[bytes, str]]] = {}  # rollouts by region, by gateway score
         self._meta = _Meta()
@@ -167,12 +169,12 @@ class LeaseTable:
         progress: tuple[int, int, int] | None = None,
         error: str | None = None,
         peers: int | None = None,
-        current: dict | None = None,
+        current: dict[str, Any] | None = None,
     ) -> Node:
         """Extend a live lease and record what the node reports; LeaseGone if it is not live."""
         node = self._live(node_id, epoch, now)
         dt = now - node.renewed_at
-        changes: dict = {"renewed_at": now, "expires_at": now + self.ttl}
+        changes: dict[str, Any] = {"renewed_at": now, "expires_at": now + self.ttl}
         if versions is not None:
             if len(versions) > MAX_VERSIONS_REPORTED:
                 raise InputError(f"at most {MAX_VERSIONS_REPORTED} versions may be reported")
@@ -314,7 +316,7 @@ class LeaseTable:
     def latest_version(self) -> int | None:
         return self._meta.latest_version
 
-    def snapshot(self, now: float, *, tracker: dict | None = None) -> dict:
+    def snapshot(self, now: float, *, tracker: dict[str, Any] | None = None) -> dict[str, Any]:
         """The status snapshot (``sparrowd status --json``, ``sparrowd top``); see docs/STATUS.md."""
         nodes = self.live(now)
         held = [v for n in nodes for v in n.versions]
@@ -388,7 +390,7 @@ class LeaseTable:
 class _Index:
     """A set of node ids with O(1) add, remove and access by position (for sampling)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.items: list[str] = []
         self._pos: dict[str, int] = {}
 
@@ -422,7 +424,7 @@ def _gateway_score(node: Node) -> bytes:
     return head_score(node.region, node.node_id)
 
 
-def _sample(items: list[str], k: int, pick, rng: random.Random) -> list[Node]:
+def _sample(items: list[str], k: int, pick: Callable[[str], Node | None], rng: random.Random) -> list[Node]:
     """Up to ``k`` of ``items`` for which ``pick`` gives a node, uniformly at random, in random order:
     draws of a quarter more than ``k`` (O(k)) while most qualify, a pass over all when few do (a
     node's region is in the global list too, but it only asks that list when its region has fewer
@@ -447,7 +449,7 @@ def node_state(n: Node, now: float, ttl: float) -> str:
     return "up"
 
 
-def _node_view(n: Node, now: float, ttl: float) -> dict:
+def _node_view(n: Node, now: float, ttl: float) -> dict[str, Any]:
     return {
         "node_id": n.node_id,
         "role": n.role,

@@ -73,7 +73,7 @@ class Signed:
         return pack({"kind": self.kind, "version": self.version, "body": self.body, "sig": self.sig})
 
     @classmethod
-    def from_bytes(cls, data, *, what: str = "signed statement") -> "Signed":
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, what: str = "signed statement") -> "Signed":
         m = fields(unpack(data, what=what, max_len=MAX_SIGNED), _SIGNED, what=what)
         if m["kind"] not in _KINDS:
             raise FormatError(f"{what}: unknown kind {m['kind']!r}")

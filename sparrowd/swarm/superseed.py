@@ -48,8 +48,9 @@ Pure: ``offer(now, peer, holds, held_by)`` returns what to show that peer.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
+from typing import cast
 
 __all__ = ["CROSS_BUDGET", "SuperSeed", "far_first_copies", "first_copies_near"]
 
@@ -203,7 +204,7 @@ class SuperSeed:
                     self.capped_at = now if self.capped_at is None else self.capped_at
                     room = 0 if now - max(self.capped_at, self.home_at) < self.home_wait else len(new)
                 new = new[:room]
-            for c in (new + sorted(lost, key=self.given_at.get))[:want]:
+            for c in (new + sorted(lost, key=cast(Callable[[int], float], self.given_at.get)))[:want]:
                 before = self.owner.get(c)
                 if before is not None and before != peer:
                     self.assigned.get(before, set()).discard(c)  # it is this peer's to fetch now

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import blake3
@@ -65,7 +66,7 @@ def block_for(chunk: int) -> int:
     return b
 
 
-def block_hashes(data, block: int = BLOCK) -> bytes:
+def block_hashes(data: bytes | bytearray | memoryview, block: int = BLOCK) -> bytes:
     """The BLAKE3 (``BLOCK_HASH`` bytes) of each ``block``-byte block of a chunk, concatenated."""
     mv = memoryview(data)
     return b"".join(blake3.blake3(mv[o : o + block]).digest(length=BLOCK_HASH) for o in range(0, len(mv), block))
@@ -217,12 +218,12 @@ class VersionState:
             if m.version != self.version:
                 raise IntegrityError(f"manifest says version {m.version}, signed as {self.version}")
             check_kind(m, self.anchor)
-            refs = {i: ChunkRef(c.hash, c.size) for i, c in enumerate(m.chunks)}
-            extra = [i for i in self.chunks if i not in refs]
+            listed = {i: ChunkRef(c.hash, c.size) for i, c in enumerate(m.chunks)}
+            extra = [i for i in self.chunks if i not in listed]
             if extra:
                 raise IntegrityError(f"version {self.version}: chunk {extra[0]} was announced "
                                      "but is not in the manifest")
-            new = self._merge(refs)
+            new = self._merge(listed)
             self.manifest = m
         self.statements.append(s)
         self._sigs.add(s.sig)
@@ -249,7 +250,7 @@ def check_kind(m: Manifest, anchor: bool) -> None:
         raise FormatError(f"version {m.version}: a patch must name its base version (a full snapshot is an anchor)")
 
 
-def to_bitmap(indices, n: int) -> bytes:
+def to_bitmap(indices: Iterable[int], n: int) -> bytes:
     """A have-map: bit i (big-endian within bytes) set when chunk i is held."""
     return _to_bitmap_cached(frozenset(indices), n) if n <= _CACHED_CHUNKS else _to_bitmap(indices, n)
 
@@ -262,7 +263,7 @@ def from_bitmap(data: bytes, limit: int = MAX_CHUNKS_PER_VERSION) -> frozenset[i
     return _from_bitmap_cached(data) if len(data) * 8 <= _CACHED_CHUNKS else _from_bitmap(data)
 
 
-def _to_bitmap(indices, n: int) -> bytes:
+def _to_bitmap(indices: Iterable[int], n: int) -> bytes:
     bits = np.zeros(n, dtype=bool)
     idx = np.fromiter((i for i in indices if 0 <= i < n), dtype=np.int64)
     bits[idx] = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Arrival", "arrival"]
 
@@ -29,12 +30,12 @@ class Arrival:
     missing: list[str]  # the nodes that count and do not yet
     needed: int  # how many must have it
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"done": self.done, "version": self.version, "reached": self.reached, "missing": self.missing,
                 "needed": self.needed}
 
 
-def arrival(nodes: Iterable[dict], version: int, *, applied: bool = False, engines: bool = False,
+def arrival(nodes: Iterable[dict[str, Any]], version: int, *, applied: bool = False, engines: bool = False,
             names: Iterable[str] | None = None, fraction: float | None = None) -> Arrival:
     """``nodes``: the snapshot's node views (docs/STATUS.md)."""
     live = {n["node_id"]: n for n in nodes if n.get("state") != "stale" and n.get("role") != "trainer"}
