@@ -252,7 +252,8 @@ def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions():
     """A relay's uploads to its own region and to other regions are separate lanes (the daemon's
     ``_lane``): with both same-region slots busy, a crosser from another region is served at once,
     and each lane admits while at most ``QUEUE_ADMIT`` requests wait in it."""
-    from sparrowd.bench.sim import QUEUE_ADMIT, RELAY_CONCURRENT, Req
+    from sparrowd.bench.sim import Req
+    from sparrowd.swarm.policy import QUEUE_ADMIT, RELAY_CONCURRENT
 
     sim = Sim(Config(nodes=32, regions=4, patch=2 * MB, versions=1, seed=0))
     sim.publish()

@@ -119,9 +119,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..codec.patch import auto_chunk_size
-from ..daemon.swarm import (
-    MIN_RATE,
-    QUEUE_ADMIT,
+from ..swarm import serving
+from ..swarm.choker import Choker, ChokerPeer
+from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
+from ..swarm.picker import STRIPE_WAIT, PeerView, Picker, recount, slots_for_rate, stripes_stopped
+from ..swarm.policy import (
+    CHOKE_EVERY,
+    OPTIMISTIC_EVERY,
+    PLAN_EVERY,
     RELAY_CONCURRENT,
     SEED_CONCURRENT,
     SEED_PER_PEER,
@@ -129,9 +134,6 @@ from ..daemon.swarm import (
     UPLOAD_SLOTS,
     UPLOADS_PER_PEER,
 )
-from ..swarm.choker import Choker, ChokerPeer
-from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, LeaseTable, renew_interval
-from ..swarm.picker import STRIPE_WAIT, PeerView, Picker, recount, slots_for_rate, stripes_stopped
 from ..swarm.push import (
     DEFAULT_PUSH,
     PushPeer,
@@ -146,16 +148,14 @@ from ..swarm.push import (
     tree_timing,
 )
 from ..swarm.rate import Rate
-from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
+from ..swarm.superseed import SuperSeed
 from ..swarm.versions import block_for
 from ..units import format_bytes, format_rate
 from . import cross_region_over, ratio_text
 
 MB = 1 << 20
 CONCURRENT = {True: SEED_CONCURRENT, False: RELAY_CONCURRENT}  # chunks a node sends at once, by trainer or not
-PLAN_EVERY = 0.25  # the daemon's scheduler also runs this often with nothing new
 TICK_EVERY = 10.0  # seconds of wall time between progress lines of a long simulation
-CHOKE_EVERY = 1.0  # the trainer's choke decisions
 
 
 @dataclass
@@ -298,7 +298,7 @@ class Node:
         self.counted_known: frozenset[str] = frozenset()  # the region's peers known when counted was decided
         self.gateways: list[str] = []
         self.picker = Picker(node_id, self.rname, rng=random.Random(rng.random()))
-        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0, rng=random.Random(rng.random()))
+        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=OPTIMISTIC_EVERY, rng=random.Random(rng.random()))
         self.unchoked: set[str] = set()
         # Upload lanes (the daemon's ``_lane``): a relay's uploads to other regions (True) and to its own
         # (False) are admitted, queued and served apart; the trainer's are all one lane (False).
@@ -427,56 +427,44 @@ class Sim:
         k = x.known.get(y.id)
         return bool(x.have - k.have) if k is not None else bool(x.have)
 
-    def choking_active(self, x: Node) -> bool:
-        return len(x.known) > x.choker.slots
+    def slots(self, x: Node) -> serving.Slots:
+        """The trainer's upload slots (``serving.Slots``): every peer it knows counts as live, and the
+        near ones still short of the version as wanting."""
+        return serving.Slots(x.choker, x.unchoked, lambda p: self.by_id[p].region == x.region, len(x.known),
+                             self.near_trainer, self.cfg.regions, self.near_wanting)
 
     @staticmethod
     def lane(x: Node, y: Node) -> bool:
-        return not x.trainer and x.region != y.region
+        return serving.lane(x.trainer, x.region, y.region)
 
     def may_download(self, x: Node, y: Node) -> bool:
         if not x.trainer:
-            return len(x.queue[self.lane(x, y)]) < QUEUE_ADMIT  # a relay admits by its lane's queue depth
-        return not self.choking_active(x) or x.choker.admit(x.unchoked, y.id, reserved=self.near(x, y)[1])
+            return serving.relay_admits(len(x.queue[self.lane(x, y)]))
+        return self.slots(x).admits(y.id, y.region != x.region)
 
     def owed(self, x: Node, y: Node) -> frozenset[int]:
-        """As the daemon's ``_owed``: the chunks the trainer's super-seeding gave y and y lacks, shown
-        and served to it whatever x's choker says."""
-        if x.superseed is None:
-            return frozenset()
         k = x.known.get(y.id)
-        return x.superseed.given_to(y.id) - (k.have if k is not None else set())
-
-    def near(self, x: Node, y: Node) -> tuple[int, int]:
-        """As the daemon's ``_near``: the trainer's own region's peers it may serve now, and, facing a
-        peer of another region, the free slots it keeps for those still short of the version."""
-        unchoked = sum(1 for i in x.unchoked if self.by_id[i].region == x.region)
-        return x.choker.near_room(x.unchoked, unchoked, self.near_wanting, far=y.region != x.region)
+        return serving.owed(x.superseed, y.id, k.have if k is not None else set())
 
     def choked_for(self, x: Node, y: Node) -> bool:
         """The ``choked`` flag of x's exchange reply to y."""
         if not x.trainer:
-            return len(x.queue[self.lane(x, y)]) >= QUEUE_ADMIT
-        if self.wants(x, y):
-            return not self.may_download(x, y) and not self.owed(x, y)
-        return self.choking_active(x) and y.id not in x.unchoked
+            return not serving.relay_admits(len(x.queue[self.lane(x, y)]))
+        return serving.trainer_chokes(self.slots(x), y.id, y.region != x.region, wants=self.wants(x, y),
+                                      owes=lambda: bool(self.owed(x, y)))
 
     def shown(self, x: Node, y: Node) -> set[int]:
         """What x shows y of the version: all it holds, or for the trainer its super-seed offer."""
         if not x.trainer:
             return x.have
-        if not self.may_download(x, y):
-            return self.owed(x, y) & x.have
-        k = x.known[y.id]
-        trusted = bool(k.have) or not any(x.held_by.values())
-        near = self.near_trainer
-        servable = self.near(x, y)[0] if self.choking_active(x) else near  # as the daemon's ``_shown``
-        far = y.region != x.region
-        home = first_copies_near(len(self.sizes), self.cfg.regions, near, servable,
-                                 quick=self.cfg.patch / self.cfg.trainer_rate < self.cfg.rtt)  # as ``Swarm._quick``
-        return x.superseed.offer(self.now, y.id, k.have, x.held_by, trusted=trusted,
-                                 peers=near if home else len(x.known), fresh=not far or not home, far=far,
-                                 far_most=far_first_copies(len(self.sizes), self.cfg.regions, near)) & x.have
+        k = x.known.get(y.id)
+        have = k.have if k is not None else set()
+        n = len(self.sizes)
+        delay = self.cfg.rtt / 2 if self.cfg.regions > 1 else None  # as the daemons measure it: between regions
+        return serving.trainer_shows(
+            x.have, self.slots(x), x.superseed, self.now, y.id, have, x.held_by, far=y.region != x.region,
+            announced=n, total=n, super_seed=True, trusted=serving.trusted(bool(have), any(x.held_by.values())),
+            quick=serving.quick(self.sizes[0], n, self.cfg.trainer_rate, delay))
 
     def choke(self, x: Node) -> None:
         peers = [ChokerPeer(pid, self.wants(x, k.node), rate_from=k.rate.rate(self.now),
@@ -1075,8 +1063,7 @@ class Sim:
                                              [(pid, k.held) for pid, k in y.known.items()
                                               if k.node.region == y.region and not k.node.trainer])
         trusted = {p for p in y.counted if p in y.known and not y.known[p].stalled}
-        gateways = [g for g in y.gateways if g == y.id or (g in y.known and not y.known[g].stalled)]
-        region_nodes = gateways or [y.id, *trusted]  # Swarm._crossers
+        region_nodes = serving.crossers(y.id, y.gateways, lambda g: g in y.known and not y.known[g].stalled, trusted)
         # (the chunk's signed send time, as the trainer's daemon times it, where it signs one: ``Swarm._send_time``)
         y.picker.pace(self.chunk_size, self.cfg.wan_rtt,
                       self.chunk_size / self.cfg.trainer_rate if self.cfg.timed_tree else None)
@@ -1117,7 +1104,8 @@ class Sim:
             y.fetching.setdefault(q.index, {})[x.id] = r
             y.partial.setdefault(q.index, r)  # the first request for a chunk feeds what the node relays
             if not r.whole:  # (requests for whole chunks are not held to the timeout here: they always move)
-                self.at(now + 5.0 + r.size / MIN_RATE, self.timed_out, r)
+                send = r.size / self.cfg.trainer_rate if self.cfg.timed_tree else None  # its signed send time
+                self.at(now + serving.stream_timeout(r.size, send), self.timed_out, r)
             y.known[x.id].inflight += 1
             self.note("asked", r)
             self.at(now + self.owd(y, x), self.request_arrives, r)

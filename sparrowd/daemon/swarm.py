@@ -76,6 +76,7 @@ from ..codec.chunk import check_chunk_frame
 from ..codec.manifest import Manifest
 from ..errors import FormatError, IntegrityError, SparrowError
 from ..schema import Bool, Bytes, Int, List, NonNegInt, Opt, Str, fields, pack, unpack
+from ..swarm import serving
 from ..swarm.bucket import DEFAULT_BURST, TokenBucket
 from ..swarm.budget import Budgets
 from ..swarm.chain import Key, advance, retained, wanted
@@ -91,6 +92,33 @@ from ..swarm.identity import (
     make_proof,
 )
 from ..swarm.picker import PeerView, Picker, recount, slots_for_rate, stripes_stopped
+from ..swarm.policy import (
+    CHOKE_EVERY,
+    DISCOVERY_EVERY,
+    EXCHANGE_WAIT,
+    LIVE_EVERY,
+    LIVE_WITHIN,
+    MIN_RATE,
+    NOT_YET_RETRY,
+    OPTIMISTIC_EVERY,
+    PLAN_EVERY,
+    PUSH_CLAIM,
+    PUSH_STATEMENT_WAIT,
+    PUSH_TRIES,
+    PUSHES_TAKEN,
+    QUEUE_ADMIT,
+    QUICK_PACE,
+    QUICK_REPLIES,
+    RELAY_CONCURRENT,
+    ROW_EVERY,
+    SEED_CONCURRENT,
+    SEED_PER_PEER,
+    SEED_SINGLE_FROM,
+    STORE_PAUSE_MAX,
+    STRIPED_TAKEN,
+    UPLOAD_SLOTS,
+    UPLOADS_PER_PEER,
+)
 from ..swarm.push import (
     RATE_HEADER,
     STRIPE_HEADER,
@@ -108,8 +136,9 @@ from ..swarm.push import (
     tree_timing,
 )
 from ..swarm.rate import Rate
+from ..swarm.serving import Slots, store_pause, stream_timeout
 from ..swarm.signing import Signed, Signer, Verifier, announce_kind, manifest_kind
-from ..swarm.superseed import SuperSeed, far_first_copies, first_copies_near
+from ..swarm.superseed import SuperSeed
 from ..swarm.versions import (
     BLOCK_HASH,
     MAX_TREE_US,
@@ -128,7 +157,9 @@ from .cutthrough import Partial
 from .logs import Throttle, event
 from .store import ChunkStore
 
-__all__ = ["Swarm", "MSGPACK", "MAX_CHUNK", "NODE_HEADER", "REGION_HEADER"]
+__all__ = ["Swarm", "MSGPACK", "MAX_CHUNK", "NODE_HEADER", "REGION_HEADER", "MIN_RATE", "QUEUE_ADMIT",
+           "RELAY_CONCURRENT", "SEED_PER_PEER", "SEED_SINGLE_FROM", "STORE_PAUSE_MAX", "UPLOAD_SLOTS", "store_pause",
+           "stream_timeout"]
 
 log = logging.getLogger("sparrowd.swarm")
 
@@ -146,28 +177,8 @@ STATEMENT_HEADER, STATEMENT_HEADER_MAX = "X-Sparrowd-Statement", 6144
 # On a push: the other peers the pusher sends the same chunk to, comma-separated; the receiver does
 # not push it to them (siblings fed by the same sender). Ignored past ALSO_HEADER_MAX characters.
 ALSO_HEADER, ALSO_HEADER_MAX = "X-Sparrowd-Also", 2048
-QUICK_REPLIES, QUICK_PACE = 5, 0.25  # early exchange replies in a row with nothing new: then poll that peer
-# at most every QUICK_PACE seconds
-EXCHANGE_WAIT = 5.0
 PIECE = 256 << 10
-MIN_RATE = 128 << 10  # a chunk's stream times out after 5 s plus its size at this rate (``stream_timeout``)
-UPLOADS_PER_PEER = 8
-UPLOAD_SLOTS = 8  # peers the trainer unchokes at once (one of them the optimistic unchoke)
-QUEUE_ADMIT = 1  # a relay refuses requests (503, "choked") while this many wait in their lane
-DISCOVERY_EVERY = 1.0  # seconds between early renewals for a peer list that knows a new asker
-SEED_CONCURRENT, RELAY_CONCURRENT = 2, 2  # uploads served at once; more requests wait their turn
-SEED_PER_PEER = SuperSeed.per_peer  # chunks the trainer assigns a peer at a time (3 measured no faster)...
-SEED_SINGLE_FROM = SuperSeed.single_from  # ...but one, once this many peers keep its upload slots busy
-STORE_PAUSE_MAX = 10.0  # the longest fetching waits after a chunk could not be stored
-PUSHES_TAKEN = 4  # pushed chunks a node receives at once (each buffers a chunk; more are declined)
-STRIPED_TAKEN = 16  # chunks a node receives in stripes at once, apart (a patch's chunks cross side by side)
-PUSH_CLAIM = 1.0  # seconds a peer's word that it is pushing a chunk here keeps this node from asking for it,
-# beyond the round trip to that peer
-PUSH_STATEMENT_WAIT = 0.5  # seconds a push may wait for the chunk's signed statement to arrive here
 NO_HASHES = "no signed block hashes for that chunk here yet"
-NOT_YET_RETRY = 0.1  # seconds before asking again a peer that does not know this node yet (503)
-ROW_EVERY = 1.0  # seconds between the trainer's early renewals that report its uploads
-PUSH_TRIES = 4  # a push the receiver refuses as from a node it does not know yet goes again this often in all
 
 
 class NotYet(SparrowError):
@@ -176,11 +187,6 @@ class NotYet(SparrowError):
     formed every node meets these, and marking the peer stalled kept its neighbours from counting
     on it to cross for the first version (``bench swarm``, 8 nodes: a third of a region's chunks
     crossed twice)."""
-
-
-def store_pause(failures: int) -> float:
-    """Seconds fetching pauses after ``failures`` chunks in a row could not be stored: 1, 2, 4, 8, 10, 10..."""
-    return min(STORE_PAUSE_MAX, 2.0 ** max(0, min(failures, 32) - 1))
 
 
 _EXCHANGE_REQ = {"node_id": Str, "region": Str, "after": Int, "wait": Opt(Int), "versions": List,
@@ -314,7 +320,7 @@ class Swarm:
         self._taking: set[asyncio.Task] = set()  # pushes being received
         self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes (``STRIPED_TAKEN``)
         self.picker = Picker(daemon.node_id, daemon.settings.region)
-        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=5.0)
+        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=OPTIMISTIC_EVERY)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
         # Per version: the region's peers counted on, and those known when that was decided (recount).
@@ -737,68 +743,44 @@ class Swarm:
             m.want_peers()
 
     def _shown(self, remote: Remote, vs: VersionState) -> set[int]:
-        """What this node shows a peer of a version: all it holds, or the super-seed's offer."""
+        """What this node shows a peer of a version: all it holds, or the super-seed's offer
+        (``serving.trainer_shows``)."""
         if self.signer is None:
             return vs.have
-        if not self._may_download(remote):
-            return set(self._owed(remote, vs.key) & vs.have)  # no new assignments to a peer that cannot fetch them now
-        if not self.daemon.settings.super_seed:  # peers that cannot reach each other: everyone gets everything
-            return vs.have
-        ss = self.superseed.get(vs.key)
-        if ss is None:
-            return set()
-        ss.grow(len(vs.chunks))
-        # Assignments go to peers that show chunks in their have-maps (a member that never fetches
-        # gets none to sit on), once any peer does.
-        trusted = any(remote.have.values()) or not self._showing
-        live, near, regions, _ = self._live()
-        servable = self._near(remote)[0] if self._choking_active() else near
-        # Before the manifest (chunks go out as they are published) the count is the chunks announced
-        # so far: taken as unknown, a one-chunk version's only chunk went to whoever asked first, in any
-        # region (2 of 6 first versions on 16 daemons crossed 1.33x (R-1) x patch).
-        chunks = vs.total if vs.total is not None else len(vs.chunks)
-        far = remote.region != self.daemon.settings.region
-        home = first_copies_near(chunks, regions, near, servable, quick=self._quick(vs))
-        # While first copies stay near, only the near peers take them: counted by them, a region of
-        # two is given two chunks a peer at a time, and the trainer's uplink no longer waits between
-        # one chunk and the next request (``SuperSeed.offer``).
-        return ss.offer(time.monotonic(), remote.node_id, remote.have.get(vs.key, set()),
-                        self.held_by.get(vs.key, {}), trusted=trusted, peers=near if home else live,
-                        fresh=not far or not home, far=far,
-                        far_most=far_first_copies(chunks, regions, near)) & vs.have
+        return serving.trainer_shows(
+            vs.have, self._slots(), self.superseed.get(vs.key), time.monotonic(), remote.node_id,
+            remote.have.get(vs.key, frozenset()), self.held_by.get(vs.key, {}),
+            far=remote.region != self.daemon.settings.region, announced=len(vs.chunks), total=vs.total,
+            super_seed=self.daemon.settings.super_seed,
+            trusted=serving.trusted(any(remote.have.values()), bool(self._showing)), quick=self._quick(vs))
 
     def _quick(self, vs: VersionState) -> bool:
-        """Whether the trainer sends this version in less than a round trip between regions (its
-        upload limit and the median delay its peers measured; its size taken as its chunk count, once
-        the manifest gives it, else the chunks announced so far, times one chunk's size: every
-        exchange the trainer answers asks, so no walk over a large version's chunks):
-        ``first_copies_near``'s ``quick``. Without an upload limit the trainer does not know its
-        rate, and says no."""
-        delay, first = self.delay(), next(iter(vs.chunks.values()), None)
-        if not self.up.rate or not delay or first is None:
-            return False
-        return first.size * (vs.total or len(vs.chunks)) / self.up.rate < 2 * delay
+        """Whether the trainer sends this version in less than a round trip between regions
+        (``serving.quick``): its size taken as its chunk count (the manifest's, else the chunks
+        announced so far) times its first chunk's size, so no walk over a large version's chunks."""
+        first = next(iter(vs.chunks.values()), None)
+        return serving.quick(None if first is None else first.size, vs.total or len(vs.chunks), self.up.rate,
+                             self.delay())
+
+    def _slots(self) -> Slots:
+        """The trainer's upload slots as they stand (``serving.Slots``)."""
+        here = self.daemon.settings.region
+        live, near, regions, wanting = self._live()
+        return Slots(self.choker, self.unchoked,
+                     lambda p: (r := self.remotes.get(p)) is not None and r.region == here,
+                     live, near, regions, wanting)
 
     def _owed(self, remote: Remote, key: Key) -> frozenset[int]:
-        """The chunks of ``key`` super-seeding gave ``remote`` and it may still fetch: the trainer shows
-        and serves them to it even where its choker would refuse it now. The choker starts once more
-        peers are live than it has upload slots; in a swarm forming, peers given first copies before
-        that were refused them after it (HTTP 503, "choked"), never having been unchoked, so never
-        choked either (which hands their assignments to others), and the chunk reached nobody until
-        ``claim_within`` (3 s) had passed: 2.1x and 7.2x the bound in two first versions of 2 MiB to
-        16 daemons in 8 regions (``bench swarm``), the trainer's copy sent 2-4 s late. Those its
-        have-map shows it holds are not owed any more."""
-        ss = self.superseed.get(key)
-        return ss.given_to(remote.node_id) - remote.have.get(key, frozenset()) if ss is not None else frozenset()
+        """The chunks of ``key`` super-seeding gave ``remote`` and it may still fetch (``serving.owed``)."""
+        return serving.owed(self.superseed.get(key), remote.node_id, remote.have.get(key, frozenset()))
 
     def _owes(self, remote: Remote) -> bool:
         """Whether ``remote`` is owed a chunk (``_owed``) of any version."""
         return any(self._owed(remote, k) for k in self.superseed)
 
     def _may_fetch(self, remote: Remote, key: Key, index: int) -> bool:
-        """Whether ``remote``'s request for chunk ``index`` of ``key`` is served now (else 503,
-        "choked"): the choker admits it, or the chunk is one super-seeding gave it (``_owed``)."""
-        return self._may_download(remote) or index in self._owed(remote, key)
+        """Whether ``remote``'s request for chunk ``index`` of ``key`` is served now (else 503, "choked")."""
+        return serving.may_fetch(self._may_download(remote), index, self._owed(remote, key))
 
     def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
         """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers
@@ -871,11 +853,11 @@ class Swarm:
             if pushing := {i for (p, o, i) in self.pushing_to if p == remote.node_id and o == k}:
                 e["pushing"] = to_bitmap(pushing, n)
             out.append(e)
-        if self.signer is None or self._wants(remote):
-            # a relay's lane, or the trainer's free slot for a peer that wants (or one given a chunk)
-            choked = not self._may_download(remote) and not self._owes(remote)
+        if self.signer is None:
+            choked = not self._may_download(remote)  # its lane's queue (a relay owes nothing)
         else:
-            choked = self._choking_active() and remote.node_id not in self.unchoked
+            choked = serving.trainer_chokes(self._slots(), remote.node_id, remote.region != self.daemon.settings.region,
+                                    wants=self._wants(remote), owes=lambda: self._owes(remote))
         reply = {"gen": self.gen, "versions": out, "choked": choked,
                  "cut_through": self._relays_partials()}
         if (t := self.daemon.tracker) is not None:
@@ -896,10 +878,10 @@ class Swarm:
         at most once a second, and again when a version begins: the trainer asks on
         every exchange it answers, and every node of the swarm polls it."""
         now = time.monotonic()
-        if now - self._live_at >= 1.0:
+        if now - self._live_at >= LIVE_EVERY:
             self._live_at = now
             here = self.daemon.settings.region
-            live = [r for r in self.remotes.values() if now - r.last_seen < 30]
+            live = [r for r in self.remotes.values() if now - r.last_seen < LIVE_WITHIN]
             near = [r for r in live if r.region == here]
             self._live_regions = {r.region for r in live}
             delays = [r.delay for r in live if r.delay is not None]
@@ -908,47 +890,24 @@ class Swarm:
                                 sum(1 for r in near if self._wants(r)))
         return self._live_count
 
-    def _choking_active(self) -> bool:
-        return self._live()[0] > self.choker.slots
-
     def _wants(self, remote: Remote) -> bool:
         """Whether this node holds a chunk the peer lacks (as far as its last exchange told)."""
         return any(vs.have - remote.have.get(k, frozenset()) for k, vs in self.versions.items())
 
     def _may_download(self, remote: Remote) -> bool:
-        """A relay serves whoever asks while few requests wait for its uplink: every member is
-        authenticated and works for the same run, so tit-for-tat buys nothing, and choking cost the
-        most in the tail, where a node that has just received a rare chunk must hand it on to
-        whoever lacks it, most urgently its region's crosser (``sparrowd bench sim``: 6 MiB to 16
-        nodes, 1.83x the bound with relays choking, 1.46x without). The trainer keeps its choker:
-        super-seeding hands its first copies to the peers it unchokes, or given a slot left free
-        since the last decision (``Choker.admit``)."""
+        """Whether this node serves ``remote`` now: a relay while few requests wait in its lane
+        (``serving.relay_admits``), the trainer as its slots admit (``serving.Slots.admits``)."""
         if self.signer is None:
-            lane = self._lane(remote)
-            if self._waiting[lane] < QUEUE_ADMIT:
+            which = self._lane(remote)
+            if serving.relay_admits(self._waiting[which]):
                 return True
-            self._told_choked[lane] = True  # woken when the lane has room again
+            self._told_choked[which] = True  # woken when the lane has room again
             return False
-        if not self._choking_active():
-            return True
-        return self.choker.admit(self.unchoked, remote.node_id, reserved=self._near(remote)[1])
-
-    def _near(self, remote: Remote) -> tuple[int, int]:
-        """The trainer's own region's peers it may serve now, and, facing a peer of another region, the
-        free slots it keeps for those of them that want a chunk, as first copies start there
-        (``Choker.near_room``)."""
-        here = self.daemon.settings.region
-        unchoked = sum(1 for p in self.unchoked if (r := self.remotes.get(p)) is not None and r.region == here)
-        return self.choker.near_room(self.unchoked, unchoked, self._live()[3], far=remote.region != here)
+        return self._slots().admits(remote.node_id, remote.region != self.daemon.settings.region)
 
     def _lane(self, remote: Remote) -> bool:
-        """A relay's upload lane for this peer: True for another region. Uploads across regions are held
-        by the WAN limit and those inside by what it leaves of the uplink, so each lane has its own
-        slots and its own queue: a chunk sent to a neighbour does not hold up the crossers of other
-        regions, who wait for the same chunk, while the WAN sits idle (``sparrowd bench sim``, 6 MiB:
-        16 nodes 1.44x -> 1.22x the bound, 100 nodes 1.72x -> 1.33x, with ``QUEUE_ADMIT`` 1). The
-        trainer has one lane: its choker and super-seeding decide whom it serves."""
-        return self.signer is None and remote.region != self.daemon.settings.region
+        """This node's upload lane for ``remote`` (``serving.lane``)."""
+        return serving.lane(self.signer is not None, self.daemon.settings.region, remote.region)
 
     def _chunk_request(self, request: web.Request) -> tuple[Key, int, Remote] | web.Response:
         """``/v1/swarm/chunk/{key}/{index}``'s object, chunk and peer, or the refusal to send."""
@@ -1102,7 +1061,7 @@ class Swarm:
             now = time.monotonic()
             peers = []
             for r in self.remotes.values():
-                if now - r.last_seen > 30:
+                if now - r.last_seen > LIVE_WITHIN:
                     continue
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, self._wants(r), rate_from=p.rate.rate(now) if p else 0.0,
@@ -1120,7 +1079,7 @@ class Swarm:
                 self.unchoked = unchoked
                 await self.notify()  # peers waiting in an exchange learn their new choke state now
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rechoke.wait(), 1.0)
+                await asyncio.wait_for(self._rechoke.wait(), CHOKE_EVERY)
             self._rechoke.clear()
 
     # ------------------------------------------------------------ fetching side
@@ -1386,7 +1345,7 @@ class Swarm:
     async def _scheduler(self) -> None:
         while True:
             try:
-                async with asyncio.timeout(0.25):  # not wait_for: see changed()
+                async with asyncio.timeout(PLAN_EVERY):  # not wait_for: see changed()
                     await self._changed.wait()
             except TimeoutError:
                 pass
@@ -1496,15 +1455,12 @@ class Swarm:
         task.add_done_callback(done)
 
     def _crossers(self, trusted: set[str]) -> list[str]:
-        """The nodes that share this region's cross-region fetches, as this node sees them: itself
-        and the neighbours it counts on; in a region larger than a peer list shows, the gateways
-        the tracker names (the same for every node of the region), less those that held this
-        node back."""
-        me = self.daemon.node_id
+        """The nodes that share this region's cross-region fetches, as this node sees them
+        (``serving.crossers``): the gateways the tracker names, less those that held this node back,
+        else itself and the neighbours it counts on."""
         m = self.daemon.membership
-        gateways = [g for g in (m.state.gateways if m is not None else ())
-                    if g == me or (g in self.peers and not self.peers[g].stalled)]
-        return gateways or [me, *trusted]
+        return serving.crossers(self.daemon.node_id, m.state.gateways if m is not None else [],
+                        lambda g: g in self.peers and not self.peers[g].stalled, trusted)
 
     def _neighbours(self) -> list[tuple[str, int]]:
         """The region's peers and the chunks each has shown holding, for ``recount``: a node counts on
@@ -2098,17 +2054,6 @@ class _Served:
     declared (None: not said)."""
 
     rate: float | None
-
-
-def stream_timeout(size: int, send: float | None) -> float:
-    """Seconds a chunk's stream of ``size`` bytes (asked for or pushed) may take before it is given up:
-    5 s plus its size at ``MIN_RATE``, or, where that is longer, ``UPLOAD_SLOTS`` times ``send``, the
-    chunk's time at the trainer's uplink (its signed tree timing): the trainer's slots share that
-    uplink, so over slow links its streams to first holders run at an eighth of it (the trainer at
-    200 KiB/s, chunks of 340 KiB: requests to it timed out at 7.7 s and were asked again from the
-    start, its uplink idle meanwhile)."""
-    slow = UPLOAD_SLOTS * send if send is not None and send > 0 else 0.0
-    return 5.0 + max(size / MIN_RATE, slow)
 
 
 def _send_time(vs: VersionState, index: int | None = None) -> float | None:
