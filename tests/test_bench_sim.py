@@ -254,7 +254,8 @@ def test_a_relays_neighbours_do_not_hold_up_the_crossers_of_other_regions():
     """A relay's uploads to its own region and to other regions are separate lanes (the daemon's
     ``_lane``): with both same-region slots busy, a crosser from another region is served at once,
     and each lane admits while at most ``QUEUE_ADMIT`` requests wait in it."""
-    from sparrowd.bench.sim import QUEUE_ADMIT, RELAY_CONCURRENT, Req
+    from sparrowd.bench.sim import Req
+    from sparrowd.swarm.policy import QUEUE_ADMIT, RELAY_CONCURRENT
 
     sim = Sim(Config(nodes=32, regions=4, patch=2 * MB, versions=1, seed=0))
     sim.publish()
@@ -462,9 +463,9 @@ def test_a_chunk_crosses_into_regions_of_one_node_in_stripes_near_the_bound(patc
 def test_a_long_simulation_says_how_far_it_has_come(monkeypatch):
     """``tick`` reports, as a run goes, the version, the simulated time into it and how many of the
     live nodes hold it (``bench sim`` printed nothing for the 2.6 minutes of its 1,000-node run)."""
-    import sparrowd.bench.sim as sim_module
+    import sparrowd.bench.sim.core as sim_core
 
-    monkeypatch.setattr(sim_module, "TICK_EVERY", 0.0)
+    monkeypatch.setattr(sim_core, "TICK_EVERY", 0.0)
     ticks, rows = [], []
     Sim(Config(nodes=8, regions=2, patch=1 * MB, versions=2, seed=0)).run(
         progress=rows.append, tick=lambda *a: ticks.append(a))

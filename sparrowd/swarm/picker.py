@@ -50,19 +50,10 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount", "slots_for_rate", "ENDGAME_AFTER",
-           "SLOW_CHUNKS", "CROSS_GRACE", "CROSS_RATE"]
+from .policy import CROSS_GRACE, CROSS_RATE, ENDGAME_AFTER, SLOW_CHUNKS, STRIPE_WAIT
 
-# Seconds a chunk's request is out before the endgame asks a second peer too (``sparrowd bench sim``,
-# 8 regions, six seeds: asked at once, a 0.25 MiB patch crossed into each region twice and took 2.87x
-# the bound at 100 nodes; after 2 s, once, in 2.26x; 64 MiB, whose 2 MiB chunks take about a second
-# each, was no slower). A request that stalls has timeouts of its own besides.
-ENDGAME_AFTER = 2.0
-CROSS_GRACE = 3.0  # seconds a region's designated crosser has to start a chunk's crossing...
-CROSS_RATE = 256 << 10  # ...and then to move it at this rate, the slowest cross-region rate it is waited for
-SLOW_CHUNKS = 2  # the waits cover this many times a chunk's sending at the trainer's uplink, where that is longer
-STRIPE_WAIT = 1.0  # seconds a chunk arriving in stripes waits for its next stripe before it is asked for whole,
-# beyond the round trip between regions (its stripes come from all of them)
+__all__ = ["PeerView", "Request", "Picker", "count_on", "designated", "recount", "slots_for_rate", "ENDGAME_AFTER",
+           "SLOW_CHUNKS", "CROSS_GRACE", "CROSS_RATE", "STRIPE_WAIT"]
 
 
 def stripes_stopped(now: float, fed_at: float, round_trip: float, *, failed: bool = False,

@@ -83,15 +83,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .picker import _score, designated
+from .policy import CROSSINGS, DEFAULT_PUSH
 
 __all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "STRIPE_HEADER", "PushPeer", "StripePlan", "parse_push",
            "parse_stripe", "push_heads", "push_targets", "region_tree", "relay_fanout", "stream_rate",
            "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "stripes_handed_on", "tree_timing"]
 
-DEFAULT_PUSH = (2, 2)  # (local, cross) pushes a relay sends of each chunk (``--push``)
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
 STRIPE_HEADER = "X-Sparrowd-Stripe"  # a push that carries one stripe of a chunk: "s/n" (stripe_plan)
-CROSSINGS = 2  # crossings a head takes in a timed region tree: one as the chunk arrives, one once whole
 
 
 @dataclass(frozen=True)

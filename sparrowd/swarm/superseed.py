@@ -52,6 +52,8 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import cast
 
+from .policy import CROSS_BUDGET, SEED_PER_PEER, SEED_SINGLE_FROM
+
 __all__ = ["CROSS_BUDGET", "SuperSeed", "far_first_copies", "first_copies_near"]
 
 
@@ -80,9 +82,6 @@ def first_copies_near(chunks: int | None, regions: int, near: int, servable: int
     return servable >= min(chunks, 2) and (chunks == 1 or quick or 2 * near >= regions - 1)
 
 
-CROSS_BUDGET = 0.1  # what first copies given into other regions may add to the (R-1) x patch that crosses
-
-
 def far_first_copies(chunks: int | None, regions: int, near: int) -> int | None:
     """The most first copies of a version's ``chunks`` the seed gives peers of other regions, where
     ``first_copies_near`` does not keep them all near: each such chunk must cross back into the
@@ -99,8 +98,8 @@ def far_first_copies(chunks: int | None, regions: int, near: int) -> int | None:
 @dataclass
 class SuperSeed:
     chunks: int
-    per_peer: int = 2
-    single_from: int = 3  # with this many peers or more, each is given one chunk at a time
+    per_peer: int = SEED_PER_PEER
+    single_from: int = SEED_SINGLE_FROM  # with this many peers or more, each is given one chunk at a time
     regive_after: float = 30.0
     claim_within: float = 3.0
     rng: random.Random = field(default_factory=random.Random)

@@ -213,7 +213,8 @@ def test_a_node_times_the_round_trip_without_the_handshake_of_a_new_connection(c
 
 
 def test_fetching_pauses_longer_after_each_chunk_that_could_not_be_stored():
-    from sparrowd.daemon.swarm import STORE_PAUSE_MAX, store_pause
+    from sparrowd.swarm.policy import STORE_PAUSE_MAX
+    from sparrowd.swarm.serving import store_pause
     pauses = [store_pause(n) for n in range(1, 8)]
     assert pauses[:4] == [1.0, 2.0, 4.0, 8.0]
     assert pauses == sorted(pauses) and max(pauses) == STORE_PAUSE_MAX

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparrowd.bench.swarm import _write_patch
-from sparrowd.daemon.swarm import QUEUE_ADMIT, RELAY_CONCURRENT
+from sparrowd.swarm.policy import QUEUE_ADMIT, RELAY_CONCURRENT
 from tests.daemon.harness import Member, wait_for
 from tests.daemon.patches import held, publish
 

@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 
 from sparrowd.codec.patchfile import parse_patch
-from sparrowd.daemon.swarm import MIN_RATE, UPLOAD_SLOTS, stream_timeout
+from sparrowd.swarm.policy import MIN_RATE, UPLOAD_SLOTS
+from sparrowd.swarm.serving import stream_timeout
 from tests import members
 from tests.daemon.harness import free_port, get, status, wait_for
 from tests.daemon.patches import check_store, held, manifests, publish, write_chain

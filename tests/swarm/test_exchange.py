@@ -515,7 +515,7 @@ def test_a_page_of_statements_stops_at_its_count_or_its_bytes_but_always_moves_o
 
 def test_a_peer_keeps_what_it_was_given_until_it_is_choked_or_the_chunk_goes_to_another():
     """``given_to``: the assignments the trainer shows and serves a peer even once its choker would
-    refuse it (``Swarm._owed``). They last until the peer is choked (``forget``, its unclaimed ones
+    refuse it (``serving.owed``). They last until the peer is choked (``forget``, its unclaimed ones
     only) or the chunk, unasked for past ``claim_within``, goes to another peer."""
     s = SuperSeed(2, per_peer=1, claim_within=3.0, regive_after=30.0, rng=random.Random(0))
     (a,) = s.offer(0.0, "a", set(), {})
@@ -547,7 +547,7 @@ def test_a_seed_with_many_peers_gives_each_one_chunk_at_a_time():
     assert len(ss.offer(1.0, "a", {next(iter(ss.assigned["a"]))}, {}, peers=16)) == 1  # the next once it holds it
     # The daemon's and the simulator's: three peers are enough (three near peers of 12 rollouts in 4
     # regions took 2 MiB in 1.17x the bound two a peer, 1.10x one); two are not.
-    from sparrowd.daemon.swarm import SEED_PER_PEER, SEED_SINGLE_FROM
+    from sparrowd.swarm.policy import SEED_PER_PEER, SEED_SINGLE_FROM
     seed = SuperSeed(8, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM)
     assert [len(seed.offer(0.0, p, set(), {}, peers=3)) for p in "abc"] == [1, 1, 1]
     assert [len(seed.offer(0.0, p, set(), {}, peers=2)) for p in "de"] == [2, 2]

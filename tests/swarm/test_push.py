@@ -399,20 +399,38 @@ def test_a_manifest_after_the_last_chunk_completes_the_version_like_the_chunk_wo
     assert completed == [vs]
 
 
+def _slots(live, near, regions, *, slots=8, unchoked=None):
+    """The trainer's upload slots (``serving.Slots``) with ``live`` peers heard from, ``near`` of them in
+    its region "eu" (all wanting a chunk), in ``regions`` regions."""
+    from sparrowd.swarm.choker import Choker
+    from sparrowd.swarm.serving import Slots
+
+    return Slots(Choker(slots=slots), set() if unchoked is None else unchoked, lambda p: p.startswith("e"),
+                 live, near, regions, near)
+
+
+def _shown(vs, slots, ss, peer, region, have=frozenset()):
+    """``serving.trainer_shows`` as the trainer in region "eu" calls it."""
+    import time
+
+    from sparrowd.swarm.serving import trainer_shows
+
+    return trainer_shows(vs.have, slots, ss, time.monotonic(), peer, have, {}, far=region != "eu",
+                         announced=len(vs.chunks), total=vs.total, super_seed=True, trusted=True, quick=False)
+
+
 def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_trainers_region():
     """Chunks go out as they are published, before the manifest: the trainer's super-seed then
     counts the chunks announced so far (``first_copies_near``). Taken as unknown, a one-chunk
     version's only chunk went to whoever asked first, in any region, and crossed once more than
     (R-1) times."""
-    from types import SimpleNamespace
-
     import blake3
     import numpy as np
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from sparrowd.daemon.swarm import Remote, Swarm, _superseed
-    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.policy import SEED_PER_PEER, SEED_SINGLE_FROM
     from sparrowd.swarm.signing import Signer, Verifier, announce_kind
+    from sparrowd.swarm.superseed import SuperSeed
     from sparrowd.swarm.versions import ChunkRef, VersionState, announce_body, block_for, block_hashes
 
     data = np.random.default_rng(0).bytes(256 << 10)
@@ -425,102 +443,76 @@ def test_before_its_manifest_a_one_chunk_versions_first_copy_stays_in_the_traine
     vs.add(announce, Verifier(signer.public))
     vs.have.add(0)  # published; the manifest has not come
     assert vs.total is None
-    me = SimpleNamespace(signer=signer, _may_download=lambda r: True, superseed={Key(1, False): _superseed(1)},
-                         daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
-                         _showing=0, held_by={}, _live=lambda: (6, 3, 3, 3), _choking_active=lambda: False,
-                         _near=lambda r: (3, 3), _quick=lambda vs: False)
-    assert Swarm._shown(me, Remote("u1", "us"), vs) == set()  # another region's peer: not a first copy
-    assert Swarm._shown(me, Remote("e1", "eu"), vs) == {0}
-    assert Swarm._shown(me, Remote("u1", "us"), vs) == set()
+    ss, slots = SuperSeed(1, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM), _slots(6, 3, 3)
+    assert _shown(vs, slots, ss, "u1", "us") == set()  # another region's peer: not a first copy
+    assert _shown(vs, slots, ss, "e1", "eu") == {0}
+    assert _shown(vs, slots, ss, "u1", "us") == set()
 
 
 def test_while_first_copies_stay_near_the_trainer_paces_them_by_its_near_peers():
     """With 4 or more live peers the trainer gives each one chunk at a time, counting on the
     others' requests to keep its uplink busy between a peer's chunk and its next request. While
     ``first_copies_near`` keeps the first copies in its region, only the near peers take them: two
-    near peers of 6 (8 rollouts in 4 regions) were given one chunk at a time, and the uplink waited
-    between each chunk and the next request (``bench sim``: 6 MiB 1.06x the bound, 1.01x paced by
-    the near peers; 8 MiB over links 25x faster 1.51x, 1.11x). Each near peer now gets two."""
+    near peers of 6 (8 rollouts in 4 regions) given one chunk at a time left the uplink waiting
+    between each chunk and the next request. Each near peer gets two."""
     import random
     from types import SimpleNamespace
 
-    from sparrowd.daemon.swarm import SEED_PER_PEER, SEED_SINGLE_FROM, Remote, Swarm
-    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.policy import SEED_PER_PEER, SEED_SINGLE_FROM
     from sparrowd.swarm.superseed import SuperSeed
 
-    key = Key(1, False)
-
     def trainer(live, near, regions):
-        vs = SimpleNamespace(key=key, have=set(range(6)), chunks=[None] * 6, total=6)
-        me = SimpleNamespace(signer=object(), _may_download=lambda r: True,
-                             superseed={key: SuperSeed(6, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM,
-                                                       rng=random.Random(0))},
-                             daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
-                             _showing=0, held_by={}, _live=lambda: (live, near, regions, near),
-                             _choking_active=lambda: False, _near=lambda r: (near, 0), _quick=lambda vs: False)
-        return me, vs
+        vs = SimpleNamespace(have=set(range(6)), chunks=[None] * 6, total=6)
+        ss = SuperSeed(6, per_peer=SEED_PER_PEER, single_from=SEED_SINGLE_FROM, rng=random.Random(0))
+        return vs, _slots(live, near, regions), ss
 
     assert SEED_PER_PEER == 2 and SEED_SINGLE_FROM <= 6
-    me, vs = trainer(6, 2, 4)  # two near peers and two in each of three other regions: first copies near
-    assert len(Swarm._shown(me, Remote("e1", "eu"), vs)) == 2
-    assert len(Swarm._shown(me, Remote("e2", "eu"), vs)) == 2
-    assert Swarm._shown(me, Remote("u1", "us"), vs) == set()  # no first copy abroad
-    me, vs = trainer(6, 1, 4)  # one near peer for three other regions: first copies spread, one at a time
-    assert len(Swarm._shown(me, Remote("e1", "eu"), vs)) == 1
-    assert len(Swarm._shown(me, Remote("u1", "us"), vs)) == 1
+    vs, slots, ss = trainer(6, 2, 4)  # two near peers and two in each of three other regions: first copies near
+    assert len(_shown(vs, slots, ss, "e1", "eu")) == 2
+    assert len(_shown(vs, slots, ss, "e2", "eu")) == 2
+    assert _shown(vs, slots, ss, "u1", "us") == set()  # no first copy abroad
+    vs, slots, ss = trainer(6, 1, 4)  # one near peer for three other regions: first copies spread, one at a time
+    assert len(_shown(vs, slots, ss, "e1", "eu")) == 1
+    assert len(_shown(vs, slots, ss, "u1", "us")) == 1
 
 
 def test_the_trainer_serves_a_peer_the_chunk_it_gave_it_once_its_choker_would_refuse_the_peer():
     """A swarm forming: the trainer gives first copies while it has no more live peers than upload
     slots (its choker idle), and the swarm grows past them before the peers ask. A peer the choker
     never unchoked is then refused (503, "choked") but never choked either, which would hand its
-    assignment to another, so the chunk reached nobody until ``claim_within`` (3 s) had passed:
-    2 MiB to 16 daemons in 8 regions, the trainer's copy sent 2-4 s late in 1 first version in 5.
-    Its assignment is now shown and served to it; other chunks are not."""
+    assignment to another, so the chunk reached nobody until ``claim_within`` (3 s) had passed.
+    Its assignment is shown and served to it (``serving.owed``); other chunks are not."""
     import random
     from types import SimpleNamespace
 
-    from sparrowd.daemon.swarm import Remote, Swarm
-    from sparrowd.swarm.chain import Key
+    from sparrowd.swarm.serving import may_fetch, owed
     from sparrowd.swarm.superseed import SuperSeed
 
-    key = Key(1, False)
-    vs = SimpleNamespace(key=key, have={0, 1, 2}, chunks=[None] * 3, total=3)
-    admitted = {"open": True}
-    me = SimpleNamespace(signer=object(), _may_download=lambda r: admitted["open"],
-                         superseed={key: SuperSeed(3, single_from=4, rng=random.Random(0))},
-                         daemon=SimpleNamespace(settings=SimpleNamespace(super_seed=True, region="eu")),
-                         _showing=0, held_by={}, _live=lambda: (6, 3, 1, 3), _choking_active=lambda: True,
-                         _near=lambda r: (3, 3), _quick=lambda vs: False)
-    me._owed = lambda r, k: Swarm._owed(me, r, k)
-    a, b = Remote("e1", "eu"), Remote("e2", "eu")
-    given = Swarm._shown(me, a, vs)
-    assert len(given) == 1
+    vs = SimpleNamespace(have={0, 1, 2}, chunks=[None] * 3, total=3)
+    ss = SuperSeed(3, single_from=4, rng=random.Random(0))
+    slots = _slots(6, 3, 1, slots=4)  # more live peers than slots: the choker decides; a slot is free
+    given = _shown(vs, slots, ss, "e1", "eu")
+    assert len(given) == 1 and slots.unchoked == {"e1"}
     (mine,) = given
-    admitted["open"] = False  # the swarm grew past the upload slots; the choker left e1 out
-    assert Swarm._shown(me, a, vs) == given  # still shown to it...
-    assert Swarm._may_fetch(me, a, key, mine)  # ...and served
-    assert Swarm._owes(me, a)
-    assert not any(Swarm._may_fetch(me, a, key, c) for c in {0, 1, 2} - given)  # the rest: refused
-    assert Swarm._shown(me, b, vs) == set() and not Swarm._may_fetch(me, b, key, mine) and not Swarm._owes(me, b)
-    a.have[key] = frozenset(given)
-    assert not Swarm._owes(me, a)  # it holds it: nothing more is owed
+    slots.unchoked = {"x1", "x2", "x3", "x4"}  # the swarm grew past the upload slots; the choker left e1 out
+    assert not slots.admits("e1", False)
+    assert _shown(vs, slots, ss, "e1", "eu") == given  # still shown to it...
+    assert may_fetch(slots.admits("e1", False), mine, owed(ss, "e1", frozenset()))  # ...and served
+    assert not any(may_fetch(False, c, owed(ss, "e1", frozenset())) for c in {0, 1, 2} - given)  # the rest: refused
+    assert _shown(vs, slots, ss, "e2", "eu") == set() and not owed(ss, "e2", frozenset())
+    assert not owed(ss, "e1", frozenset(given))  # it holds it: nothing more is owed
 
 
 def test_the_trainer_knows_a_version_quick_when_it_leaves_in_less_than_a_round_trip():
-    """``Swarm._quick``, ``first_copies_near``'s ``quick``: the version's bytes (the chunks announced so
+    """``serving.quick``, ``first_copies_near``'s ``quick``: the version's bytes (the chunks announced so
     far standing for the rest until the manifest) over the trainer's upload limit, against twice the
     median one-way delay its peers measured. No limit, no delay or no chunk: not quick."""
-    from types import SimpleNamespace
-
-    from sparrowd.daemon.swarm import Swarm
+    from sparrowd.swarm.serving import quick as serving_quick
 
     MB = 1 << 20
 
     def quick(rate, delay, sizes, total=None):
-        me = SimpleNamespace(up=SimpleNamespace(rate=rate), delay=lambda: delay)
-        vs = SimpleNamespace(chunks={i: SimpleNamespace(size=n) for i, n in enumerate(sizes)}, total=total)
-        return Swarm._quick(me, vs)
+        return serving_quick(sizes[0] if sizes else None, total or len(sizes), rate, delay)
 
     assert quick(100 * MB, 0.04, [MB] * 2)  # 2 MiB at 100 MiB/s: 20 ms, under an 80 ms round trip
     assert not quick(100 * MB, 0.04, [MB] * 2, total=8)  # 8 MiB once the manifest says 8 chunks: 80 ms
