@@ -68,7 +68,7 @@ def stripes_stopped(now: float, fed_at: float, round_trip: float, *, failed: boo
     return failed or near_whole or now - fed_at >= STRIPE_WAIT + max(0.0, round_trip)
 
 
-def _claimed(p: PeerView) -> tuple:
+def _claimed(p: PeerView) -> tuple[set[int] | frozenset[int], ...]:
     """The sets of chunks a neighbour says it will have for this node: those it is fetching, and
     those it holds while it chokes this node for now (none for the trainer)."""
     if p.is_trainer:
@@ -250,11 +250,11 @@ class Picker:
         node that waited on it one wait, not one per chunk or per version."""
         nodes = sorted(set(region_nodes))
         local = {p.peer_id: p for p in peers if p.region == self.region}
-        out = set()
+        out: set[str] = set()
         for c in missing:
             d = designated(version, c, nodes)
-            p = local.get(d)
-            if d != self.me and p is not None and c not in p.have and c not in p.fetching and \
+            p = local.get(d) if d is not None else None
+            if d is not None and d != self.me and p is not None and c not in p.have and c not in p.fetching and \
                     self._overdue(now, c, available_since):
                 out.add(d)
             if self._overdue(now, c, available_since, self.claim_wait):

@@ -146,8 +146,8 @@ def _tree(tag: int | str, index: int, root: str, heads: Mapping[str, Sequence[st
         tree.setdefault(h, []).append(r)
         last = max(last, at)
         if k + 1 < most:
-            heapq.heappush(slots, (at + send, next(order), k + 1, h))
-        reach(r, at + hop if timed else at + 1.0)
+            heapq.heappush(slots, (at + (send or 0.0), next(order), k + 1, h))  # timed: send is given
+        reach(r, at + hop if timed and hop is not None else at + 1.0)
     return {h: tuple(rs) for h, rs in tree.items()}, last
 
 
@@ -299,7 +299,14 @@ def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
     if index == 0 and send is not None and hop is not None and \
             _tree(tag, index, root, heads, send, hop)[1] <= hop + (n - 2) * send / blocks:
         return None
-    return StripePlan(n, {r: s for s, r in enumerate(others)}, {r: designated(tag, index, heads[r]) for r in others})
+    return StripePlan(n, {r: s for s, r in enumerate(others)}, {r: _head(tag, index, heads[r]) for r in others})
+
+
+def _head(tag: int | str, index: int, nodes: Sequence[str]) -> str:
+    """The node of a region with heads that receives a chunk's stripes (``designated``)."""
+    head = designated(tag, index, nodes)
+    assert head is not None  # a region in a plan has heads
+    return head
 
 
 def stripe_targets(plan: StripePlan, me: str, region: str, first: bool) -> list[tuple[str, int]]:

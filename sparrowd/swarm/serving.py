@@ -28,7 +28,7 @@ Nothing here sleeps, awaits or touches a socket.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Set
+from collections.abc import Callable, Collection, Mapping, Set
 from dataclasses import dataclass
 
 from .choker import Choker
@@ -114,8 +114,8 @@ def quick(first_size: int | None, chunks: int, rate: float | None, delay: float 
 
 
 def trainer_shows(held: set[int], slots: Slots, ss: SuperSeed | None, now: float, peer: str, have: Set[int],
-                  held_by, *, far: bool, announced: int, total: int | None, super_seed: bool, trusted: bool,
-                  quick: bool) -> set[int]:
+                  held_by: Mapping[int, int], *, far: bool, announced: int, total: int | None, super_seed: bool,
+                  trusted: bool, quick: bool) -> set[int]:
     """What the trainer shows ``peer`` (of another region than its own if ``far``; ``have``: the chunks
     its have-map shows) of a version it holds ``held`` of: what it owes a peer it does not admit now
     (no new assignments to a peer that cannot fetch them now), everything without super-seeding

@@ -163,7 +163,7 @@ class SuperSeed:
         return any(c not in held and c not in self.claimed and now - t >= self.claim_within
                    for c, t in self.given_at.items())
 
-    def offer(self, now: float, peer: str, holds: set[int] | frozenset[int], held_by: Mapping[int, int], *,
+    def offer(self, now: float, peer: str, holds: Set[int], held_by: Mapping[int, int], *,
               trusted: bool = True, peers: int = 0, fresh: bool = True, far: bool = False,
               far_most: int | None = None) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``;
