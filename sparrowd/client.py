@@ -89,7 +89,7 @@ def http_call(url: str, token: str | None, *, method: str = "GET", timeout: floa
                                  data=(b"" if data is None else data) if method == "POST" else None)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read(16 << 20)
+            raw = r.read(16 << 20)
     except urllib.error.HTTPError as e:
         if e.code == 401:
             raise SparrowError(f"{url}: the daemon refused the swarm token") from None
@@ -104,7 +104,7 @@ def http_call(url: str, token: str | None, *, method: str = "GET", timeout: floa
         reason = getattr(e, "reason", e)
         raise SparrowError(f"{url}: unreachable ({getattr(reason, 'strerror', None) or reason})") from None
     try:
-        return json.loads(body)
+        return json.loads(raw)
     except ValueError:
         raise SparrowError(f"{url}: the reply is not JSON") from None
 

@@ -211,7 +211,7 @@ class Publisher:
         self._pending: _Pending | None = None
         # ulp2: the change history the rollout nodes hold at self.version, which the next patch is
         # coded against (codec.history); it starts afresh at every anchor, which new boxes start from.
-        self._history = History()
+        self._history: History | Future[History] = History()
         self._unrecorded = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparrowd-publish")
         self.threads = threads
@@ -283,6 +283,7 @@ class Publisher:
         self._check_started()
         self.wait_anchor()
         self._sync()
+        assert self.version is not None  # _check_started raised otherwise; nothing sets it back to None
         check_anchor(version, self.version)
         kept = {}
         for name, t in sorted(state(model).items()):  # the order every rank gathers in
@@ -308,6 +309,7 @@ class Publisher:
         self.wait_anchor()  # it reads the kept copies this version moves
         t_wait = time.perf_counter() - t_wait
         self._sync()
+        assert self.version is not None  # _check_started raised otherwise; nothing sets it back to None
         check_follows(version, self.version)
         t_start = time.perf_counter()
         stats = PublishStats(version=version, base_version=self.version, anchor_wait_seconds=t_wait)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .codec.bits import RawTensor, dtype_info
-from .codec.chunk import join_ranks, rank_and_fingerprint, ranked_part, ranking
+from .codec.chunk import Ranked, join_ranks, rank_and_fingerprint, ranked_part, ranking
 from .codec.extract import diff_fingerprint, fingerprint
 from .codec.history import History
 from .errors import InputError
@@ -54,7 +56,7 @@ class Kept:
 
     dtype: str  # safetensors name
     shape: tuple[int, ...]
-    bits: object  # torch tensor, integer view, on the tensor's device
+    bits: Any  # torch tensor, integer view, on the tensor's device
     fp: bytes  # fingerprint of its bytes
     mirror: np.ndarray | None = None  # host copy, for tensors compared by torch (fingerprinted here)
 
@@ -123,7 +125,10 @@ def compare_and_rank(kept: np.ndarray, new: np.ndarray, dtype: str | None, hist_
     classes = ranking(kept, dtype, hist_pos) if dtype is not None and dtype_info(dtype).is_float else None
     idx, ov, nv, old_fp, new_fp = diff_fingerprint(kept, new, hash_old=False, update_old=True, classes=classes)
     part = ranked_part(classes)
-    return idx, ov, nv, old_fp, new_fp, None if part is None else join_ranks([part], idx, ov, classes.hist_cls)
+    if part is None:
+        return idx, ov, nv, old_fp, new_fp, None
+    assert classes is not None  # ranked_part gives a part only for a ranking
+    return idx, ov, nv, old_fp, new_fp, join_ranks([part], idx, ov, classes.hist_cls)
 
 
 
@@ -224,8 +229,8 @@ class Change:
     ov: np.ndarray
     nv: np.ndarray
     update: list
-    ranked: object = None
-    mirrored: object = None  # Future: a torch compare's host mirror moved, fingerprinted (and ranked)
+    ranked: Ranked | None = None
+    mirrored: Future[Any] | None = None  # Future: a torch compare's host mirror moved, fingerprinted (and ranked)
 
 
 class Changes:
@@ -283,6 +288,7 @@ class Changes:
         if found is None:
             return None
         idx, new_vals, idx_h, ov, nv, arrived = found
+        assert old.mirror is not None  # keep() gives every tensor compared by torch a host mirror
         self.arrivals.append(arrived)
         # The mirror moves on a compare thread, taking its new fingerprint (and for ulp2 its
         # class ranks) there, beside the other tensors'; recorded first, so it can be put back.

@@ -28,12 +28,16 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..localswarm import wait_for
 from ..units import parse_size
 from .swarm import metric
+
+if TYPE_CHECKING:
+    from .vllm_server import VllmServer
 
 __all__ = ["STRATEGIES", "Strategy", "Procs", "FileServer", "address", "download", "save_bf16", "start_wan",
            "wait"]
@@ -351,11 +355,11 @@ class _Churn(_Sparrow):
         wait(lambda: len(self.pub.status()["nodes"]) == n + 2, 60, "the spare box to join")
         wait(lambda: _version_of(self.leaver_server) == 0, 60, "follow mode to attach the spare box's server")
         self.churn_step = max(1, cfg.steps // 3)
-        self.joiner_server = None
+        self.joiner_server: VllmServer | None = None
         self.events: dict[str, float] = {}
         self.joiner_seen: list[int] = []  # the joiner's versions at the steps it served
         self._boot = ThreadPoolExecutor(1)
-        self._boot_job = None
+        self._boot_job: Future[None] | None = None
 
     def publish(self, model, version: int) -> None:
         super().publish(model, version)

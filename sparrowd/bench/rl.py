@@ -414,6 +414,7 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
 
 def _print_churn(r: StrategyResult, summary: dict) -> None:
     a = r.after
+    assert a is not None  # printed only for a run that reports one (churn)
     print(f"\n   {r.name}: after step {a['churn_step']}'s publish a box was killed (daemon and server) and an "
           f"empty box joined; the trainer side did nothing")
     print(f"   the joiner's folder was ready on version {a['joiner_folder_version']} in "

@@ -83,8 +83,11 @@ def build_folder(dest: Path, anchor: Manifest, read: ReadChunk, *, shard_bytes: 
             os.fsync(out.fileno())
     (dest / LOCK).touch(mode=0o644)
     _write_history(dest, anchor.version, History())  # the chain after an anchor starts its history afresh
-    _write_marker(dest, anchor.version, {t.name: t.result_fp for t in anchor.tensors},
-                  {f.name: f.hash.hex() for f in anchor.files})
+    fps: dict[str, bytes] = {}
+    for t in anchor.tensors:
+        assert t.result_fp is not None  # an anchor holds no removes, and the manifest checks the others have one
+        fps[t.name] = t.result_fp
+    _write_marker(dest, anchor.version, fps, {f.name: f.hash.hex() for f in anchor.files})
 
 
 def adopt_folder(dest: Path, source: Path, choose: Callable[[dict[str, bytes]], int]) -> tuple[int, str]:

@@ -65,8 +65,8 @@ class _Journal:
         self._h.update(data)
 
     def add(self, kind: str, name: str, start: int, stop: int, indices: np.ndarray | None, values) -> None:
-        values = memoryview(np.ascontiguousarray(values)).cast("B") if kind != "file" else memoryview(values)
-        idx = memoryview(np.ascontiguousarray(indices, dtype="<i8")).cast("B") if indices is not None else b""
+        values = np.ascontiguousarray(values).data.cast("B") if kind != "file" else memoryview(values)
+        idx = np.ascontiguousarray(indices, dtype="<i8").data.cast("B") if indices is not None else b""
         head = pack({"kind": kind, "name": name, "start": start, "stop": stop,
                      "indices": len(idx), "values": len(values)})
         self._put(struct.pack("<I", len(head)) + head)
@@ -88,7 +88,7 @@ class _Journal:
 
 def _read_journal(path: Path) -> tuple[dict, Iterator[tuple[str, str, int, int, np.ndarray | None, bytes]]]:
     """The journal's header and its records (after checking the trailer)."""
-    data = b""
+    data: bytes | mmap.mmap = b""
     if path.stat().st_size:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:

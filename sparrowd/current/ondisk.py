@@ -103,7 +103,7 @@ def read_history(folder: Path, version: int) -> History | None:
     except (KeyError, ValueError, TypeError):
         raise FormatError(f"{path}: not a {HISTORY_FORMAT} file") from None
     finally:
-        arrays = None  # the copies stay; the mapping goes
+        del arrays  # the copies stay; the mapping goes
         if shard.mm is not None:
             try:
                 shard.mm.close()

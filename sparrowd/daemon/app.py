@@ -130,7 +130,7 @@ class Daemon:
         self._store: SqliteLeaseStore | None = None
         self._runner: GuardedRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
-        self._client = None
+        self._client: LocalTrackerClient | HttpTrackerClient | None = None
         self._tasks: list[asyncio.Task] = []
         self._lock_fd: int | None = None
         self._wrote_runtime = False
@@ -159,6 +159,7 @@ class Daemon:
     def _joined(self) -> None:
         """A node joined the trainer's swarm: its long polls answer with the news, and its own row
         counts the new peer at once."""
+        assert self.swarm is not None  # the tracker, which calls this, is made after the swarm
         self.swarm.wake()
         self.report_changed()
 
@@ -222,6 +223,7 @@ class Daemon:
                            upload_rate=s.upload_rate, download_rate=s.download_rate,
                            wan_upload_rate=s.wan_upload_rate, rate_burst=s.rate_burst)
         if s.is_tracker:
+            assert signer is not None  # loaded above for the trainer
             self.swarm.load()
             self._store = SqliteLeaseStore(self.data_dir / "tracker.db")
             table = LeaseTable(s.lease_ttl, now=time.time(), store=self._store)
@@ -276,8 +278,10 @@ class Daemon:
         if self.tracker is not None:
             self._client = LocalTrackerClient(self.tracker)
         else:
+            assert s.tracker is not None  # settings require --tracker of every node but the trainer
             self._client = HttpTrackerClient(s.tracker, self.token, timeout=min(5.0, s.lease_ttl / 3),
                                              connector=self.outgoing())
+        assert self.key is not None  # _prepare_data_dir loaded it
         self.membership = Membership(self._client, me, self.key, report=self.report, on_fatal=self._fatal,
                                      on_lease=self._on_lease)
         if self.swarm.verifier is not None:
@@ -297,6 +301,7 @@ class Daemon:
         if self.keeper is not None:
             self._tasks.append(asyncio.create_task(self.keeper.run(), name="current-folder"))
         if s.follow_vllm:
+            assert self.engines is not None  # settings refuse --follow-vllm with --engine-socket off
             self.follower = VllmFollower(s.follow_vllm, self.engines, self.swarm, token_file=s.token_file,
                                          every=s.follow_every)
             self._tasks.append(asyncio.create_task(self.follower.run(), name="follow-vllm"))
@@ -324,6 +329,7 @@ class Daemon:
         self._metrics_runner = GuardedRunner(routes.metrics_app(), access_log=None, handle_signals=False,
                                              shutdown_timeout=1.0)
         await self._metrics_runner.setup()
+        assert self.settings.metrics_listen is not None  # called only when it is set
         host, port = self.settings.metrics_listen
         try:
             await web.TCPSite(self._metrics_runner, host, port, reuse_address=True).start()
@@ -405,6 +411,7 @@ class Daemon:
             event(log, logging.INFO, "daemon stopped", node_id=self.node_id, exit_code=self.exit_code)
 
     async def _sweeper(self) -> None:
+        assert self.tracker is not None and self.swarm is not None  # started only on the trainer, after both
         while True:
             await asyncio.sleep(SWEEP_EVERY)
             for node in self.tracker.sweep():

@@ -193,14 +193,14 @@ class Gate:
         # Requests in flight per peer (its address and node id) and per address: a flood from one
         # peer gets 429s and leaves the others their share of the event loop.
         addr = request.remote or "?"
-        peer = (addr, request.headers.get(NODE_HEADER, "")[:64])
-        if self._inflight[peer] >= MAX_INFLIGHT_PER_PEER or self._inflight[addr] >= MAX_INFLIGHT_PER_ADDRESS:
+        peer_key = (addr, request.headers.get(NODE_HEADER, "")[:64])
+        if self._inflight[peer_key] >= MAX_INFLIGHT_PER_PEER or self._inflight[addr] >= MAX_INFLIGHT_PER_ADDRESS:
             self.metrics.requests[(route_label(request), 429)] += 1
             if self._flood_log.due(addr, time.monotonic()):
                 event(log, logging.WARNING, "refused requests over the in-flight limit", remote=addr,
-                      node=peer[1] or "?", path=request.path[:100])
+                      node=peer_key[1] or "?", path=request.path[:100])
             return web.json_response({"error": "too many requests in flight from this peer"}, status=429)
-        self._inflight[peer] += 1
+        self._inflight[peer_key] += 1
         self._inflight[addr] += 1
         try:
             response = await handler(request)
@@ -210,7 +210,7 @@ class Gate:
         except RecursionError:  # a body nested deeper than any message of the protocol
             response = web.json_response({"error": "message nested too deeply"}, status=400)
         finally:
-            for k in (peer, addr):
+            for k in (peer_key, addr):
                 self._inflight[k] -= 1
                 if not self._inflight[k]:
                     del self._inflight[k]

@@ -28,10 +28,19 @@ class Node(Protocol):
     """What the collector reads of its node; None where the node runs without that part."""
 
     node_id: str
-    settings: object  # .role, .region
-    membership: object | None
-    swarm: object | None
-    tracker: object | None
+
+    # Read-only (properties), so a node's own attributes, of narrower types, match.
+    @property
+    def settings(self) -> object: ...  # .role, .region
+
+    @property
+    def membership(self) -> object | None: ...
+
+    @property
+    def swarm(self) -> object | None: ...
+
+    @property
+    def tracker(self) -> object | None: ...
 
     def versions_held(self) -> list[int]: ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..codec.chunk import ULP2
 from ..swarm.chain import Unproducible
@@ -18,24 +18,63 @@ from ..swarm.identity import NodeKey
 from ..swarm.leases import MAX_VERSIONS_REPORTED
 from .folder import decoded_path
 
+if TYPE_CHECKING:
+    from .engine import EngineServer
+    from .folder import FolderKeeper
+    from .follow import VllmFollower
+    from .membership import Membership
+    from .metrics import DaemonMetrics
+    from .settings import Settings
+    from .tracker import TrackerService
+
 __all__ = ["Node", "unproducible", "renewal_report", "node_info"]
 
 
-class Node(Protocol):
-    """The parts of a node its reports read; None where this node runs without one."""
+class SwarmView(Protocol):
+    """What the reports read of a node's swarm (``daemon.swarm.Swarm``)."""
 
-    settings: object  # .role, .region, .tracker
+    @property
+    def error(self) -> str | None: ...
+
+    def held(self) -> list[int]: ...
+
+    def held_at(self) -> dict[str, float]: ...
+
+    def progress(self) -> tuple[int, int, int] | None: ...
+
+
+class Node(Protocol):
+    """The parts of a node its reports read; None where this node runs without one. Read-only
+    (properties), so a node's own attributes, of the narrower types, match."""
+
     node_id: str
     address: str
     url: str
     key: NodeKey | None
-    metrics: object  # .bytes: (direction, "same" | "other") -> bytes moved
-    swarm: object | None
-    tracker: object | None
-    membership: object | None
-    keeper: object | None
-    engines: object | None
-    follower: object | None
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> DaemonMetrics: ...  # .bytes: (direction, "same" | "other") -> bytes moved
+
+    @property
+    def swarm(self) -> SwarmView | None: ...
+
+    @property
+    def tracker(self) -> TrackerService | None: ...
+
+    @property
+    def membership(self) -> Membership | None: ...
+
+    @property
+    def keeper(self) -> FolderKeeper | None: ...
+
+    @property
+    def engines(self) -> EngineServer | None: ...
+
+    @property
+    def follower(self) -> VllmFollower | None: ...
 
     def unproducible(self, target: int | None = None) -> Unproducible | None: ...
 

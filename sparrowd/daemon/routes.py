@@ -119,14 +119,19 @@ class Routes:
 
     # ------------------------------------------------------------ the tracker
 
+    @property
+    def _served_tracker(self) -> TrackerService:
+        assert self.tracker is not None  # the tracker's routes are added only where there is one
+        return self.tracker
+
     def _tracker_call(self, name: str):
         method = getattr(self.tracker, name)
 
         async def handler(request: web.Request) -> web.Response:
             if request.content_type != MSGPACK:
                 return web.json_response({"error": f"body must be {MSGPACK}"}, status=415)
-            if (request.content_length or 0) > MAX_TRACKER_MESSAGE:
-                return _too_large(request.content_length)
+            if (length := request.content_length or 0) > MAX_TRACKER_MESSAGE:
+                return _too_large(length)
             body = await read_limited(request.content, MAX_TRACKER_MESSAGE)
             if body is None:  # no or a false Content-Length
                 return _too_large(MAX_TRACKER_MESSAGE + 1)
@@ -146,7 +151,7 @@ class Routes:
         return handler
 
     async def _tracker_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.tracker.status())
+        return web.json_response(self._served_tracker.status())
 
     async def _tracker_wait(self, request: web.Request) -> web.Response:
         """Long poll: until version V is held by (or, ``applied=1``, applied on) every live node that
@@ -170,7 +175,7 @@ class Routes:
         deadline = time.monotonic() + timeout
         while True:
             changed = self.changes.event
-            a = arrival(self.tracker.status()["nodes"], version, names=names, fraction=fraction, **flags)
+            a = arrival(self._served_tracker.status()["nodes"], version, names=names, fraction=fraction, **flags)
             left = deadline - time.monotonic()
             if a.done or left <= 0 or self.stopping.is_set():
                 return web.json_response(a.to_json())
@@ -230,8 +235,9 @@ class Routes:
                 raise ValueError
             expires = body.get("expires")
             lifetime = None if expires in (None, "never") else parse_duration(str(expires))
-            record, text = self.tracker.issue(role=str(body.get("role") or "rollout"), region=body.get("region"),
-                                              node=body.get("node"), lifetime=lifetime)
+            record, text = self._served_tracker.issue(role=str(body.get("role") or "rollout"),
+                                                      region=body.get("region"), node=body.get("node"),
+                                                      lifetime=lifetime)
         except (ValueError, TypeError, RecursionError):
             return web.json_response({"error": "give a JSON map: role, region, node, expires (30d, 12h, never)"},
                                      status=400)
@@ -242,13 +248,13 @@ class Routes:
     async def _credential_list(self, request: web.Request) -> web.Response:
         if (refused := local_only(request)) is not None:
             return refused
-        return web.json_response({"credentials": self.tracker.credential_list()})
+        return web.json_response({"credentials": self._served_tracker.credential_list()})
 
     async def _credential_revoke(self, request: web.Request) -> web.Response:
         if (refused := local_only(request)) is not None:
             return refused
         try:
-            record, node = self.tracker.revoke(request.match_info["id"][:64])
+            record, node = self._served_tracker.revoke(request.match_info["id"][:64])
         except Refused as e:
             return web.json_response({"error": str(e)}, status=404)
         if node is not None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class RunPlacement(Placement):
             if count != self.numel:
                 raise BaseMismatchError(f"tensor {self.name!r}: {count} values for {self.numel} elements")
             indices = np.arange(self.numel, dtype=np.int64)
-        out = []
+        out: list[tuple[Any, np.ndarray, slice | np.ndarray]] = []  # (param bits, where, which of the values)
         for _, bits, src, dst, lens in self._parts:
             if src.size == 1:  # one run (the usual case): a slice of the sorted positions, shifted
                 a, b = np.searchsorted(indices, [src[0], src[0] + lens[0]])
@@ -110,9 +111,9 @@ def _decode_probe(name: str, numel: int, ds: list[np.ndarray]) -> tuple[np.ndarr
     placed = ds[0] == MARK
     dst = np.arange(placed.size, dtype=np.int64) if placed.all() else np.flatnonzero(placed)
     wide = np.int32 if numel < 2**31 else np.int64
-    src = np.zeros(dst.size, dtype=wide)
+    src: np.ndarray = np.zeros(dst.size, dtype=wide)
     for k, d in enumerate(ds[1:]):
-        g = (d if dst.size == d.size else d[dst]).astype(wide) - DIGIT0
+        g: np.ndarray = (d if dst.size == d.size else d[dst]).astype(wide) - DIGIT0
         if g.size and (int(g.min()) < 0 or int(g.max()) >= 1 << DIGIT_BITS):
             raise SparrowError(f"vLLM's loader transforms the values of {name}; cannot patch it in place")
         src |= g << (DIGIT_BITS * k)
@@ -144,13 +145,14 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return s[starts], d[starts], ends - starts
 
 
-def learn_placements(model: torch.nn.Module, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, RunPlacement]:
+def learn_placements(model: Any, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, RunPlacement]:
     """Where each checkpoint tensor (name -> (dtype, shape)) lands in ``model``'s parameters,
     found through ``model.load_weights`` itself; the parameters are left as they were. Only
     16-bit float checkpoints (bf16, f16) are probed; other tensors are refused."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    params = dict(model.named_parameters())
+    # A vLLM model (a torch Module with vLLM's load_weights); its parameters carry vLLM's weight_loader.
+    params: dict[str, Any] = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     saved: dict[int, torch.Tensor] = {}
     filled: set[int] = set()
@@ -257,7 +259,8 @@ class VllmPatcher:
         # The folder the weights were loaded from, when local: the daemon can start its current folder
         # from it (ulp2 patches decode against that base), with no anchor and no --base.
         model = str(self.folder) if self.folder and os.path.isdir(str(self.folder)) else None
-        self._attach = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine, model=model)
+        self._attach: dict[str, Any] = dict(path=socket_path, token_file=token_file, rank=rank, engine=engine,
+                                            model=model)
         self.client = EngineClient(**self._attach, version=self.applier.version)
 
     def update(self, target: int | None = None, *, wait: float = 0.0, exact: bool = False) -> int:
@@ -289,6 +292,9 @@ def worker_rank() -> int:
 class SparrowWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``); called with ``collective_rpc``."""
 
+    model_runner: Any  # the vLLM worker's, which this class is mixed into
+    _sparrow: VllmPatcher  # set by sparrow_connect, which vLLM calls first
+
     def sparrow_connect(self, socket_path: str, token_file: str | None = None, version: int = 0,
                         engine: str | None = None) -> dict:
         """Attach to the local daemon's engine socket, holding ``version`` (the weights the engine
@@ -306,11 +312,15 @@ class SparrowWorkerExtension:
         return self._sparrow.update(target_version)
 
     def sparrow_version(self) -> int:
-        return self._sparrow.version
+        version = self._sparrow.version
+        assert version is not None  # sparrow_connect attached the patcher, which made its applier
+        return version
 
     def sparrow_stats(self) -> dict | None:
         """The last apply's figures (``ApplyStats``: scatter seconds, elements, ...)."""
-        last = self._sparrow.applier.last
+        applier = self._sparrow.applier
+        assert applier is not None  # sparrow_connect attached the patcher, which made its applier
+        last = applier.last
         return None if last is None else dict(last.__dict__)
 
 

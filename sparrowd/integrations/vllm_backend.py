@@ -44,7 +44,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -60,6 +60,9 @@ from ..client import http_call
 from ..errors import SparrowError
 from .vllm import VllmPatcher, worker_rank
 from .vllm_plugin import register_engines
+
+if TYPE_CHECKING:
+    from ..publisher import Publisher
 
 __all__ = [
     "SparrowInitInfo",
@@ -238,9 +241,13 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
         self.info: SparrowTrainerInitInfo | None = None
-        self.publisher = None
+        self.publisher: Publisher | None = None
         self.version: int | None = None
         self.last: SendStats | None = None
+
+    def _trainer(self) -> tuple[SparrowTrainerInitInfo, Publisher]:
+        assert self.info is not None and self.publisher is not None  # trainer_init sets both
+        return self.info, self.publisher
 
     @classmethod
     def trainer_init(cls, init_info: SparrowTrainerInitInfo, *, client, source=None):
@@ -248,11 +255,11 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
 
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
-        engine.publisher = Publisher(daemon=init_info.daemon, token_file=init_info.token_file,
-                                     max_lag=init_info.max_lag, lag_timeout=init_info.lag_timeout,
-                                     **init_info.publisher)
+        engine.publisher = publisher = Publisher(daemon=init_info.daemon, token_file=init_info.token_file,
+                                                 max_lag=init_info.max_lag, lag_timeout=init_info.lag_timeout,
+                                                 **init_info.publisher)
         if source is not None:  # the servers hold these weights: the base every later step is a patch on
-            engine.publisher.start(engine._weights(None), version=init_info.version, anchor=init_info.anchor)
+            publisher.start(engine._weights(None), version=init_info.version, anchor=init_info.anchor)
             engine.version = init_info.version
         if engine.is_sender:
             engine._each(lambda c: c.init_weight_transfer_engine(dict(init_info.worker_init_info)))
@@ -301,14 +308,15 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
         """The first half of ``send_weights``: publish the version; the swarm starts carrying it
         while the caller goes on (a one-step off-policy loop generates the next batch on the
         previous version meanwhile, then calls ``update_servers``)."""
+        info, publisher = self._trainer()
         weights = self._weights(model)
         t0 = time.perf_counter()
         if self.version is None:  # no base was given: this version goes out whole, as an anchor
-            version = self.info.version if version is None else version
-            pub = self.publisher.start(weights, version=version)
+            version = info.version if version is None else version
+            pub = publisher.start(weights, version=version)
         else:
             version = self.version + 1 if version is None else version
-            pub = self.publisher.publish(weights, version=version)
+            pub = publisher.publish(weights, version=version)
         self.version = version
         if not self.is_sender:
             return None
@@ -330,11 +338,13 @@ class SparrowTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparrowTrai
     def wait_held(self, version: int, timeout: float | None = None) -> None:
         """Until every live rollout node with an engine attached holds ``version`` (the tracker's
         view, which nodes update as versions complete)."""
-        timeout = self.info.hold_timeout if timeout is None else timeout
-        self.publisher.wait(version, engines=True, timeout=timeout)
+        info, publisher = self._trainer()
+        timeout = info.hold_timeout if timeout is None else timeout
+        publisher.wait(version, engines=True, timeout=timeout)
 
     def _update(self, client, version: int) -> float:
-        return move_server(client, version, timeout=self.info.update_timeout)
+        info, _ = self._trainer()
+        return move_server(client, version, timeout=info.update_timeout)
 
     def _each(self, fn) -> list:
         if len(self.clients) == 1:

@@ -70,7 +70,7 @@ def hold_folder_while_loading() -> None:
                 _LOADED[os.path.realpath(folder)] = version
             return out
 
-    load_weights.sparrowd_wrapped = True
+    setattr(load_weights, "sparrowd_wrapped", True)  # a mark on the function object, which mypy does not model
     DefaultModelLoader.load_weights = load_weights
 
 
@@ -122,5 +122,7 @@ def keep_plain_cpu_weights(when=None) -> None:
             return original(layer, remove_weight)
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
-    dispatch.sparrowd_original, dispatch.sparrowd_when = original, tuple(conditions)
+    # Marks on the function object (read back above, by getattr), which mypy does not model.
+    setattr(dispatch, "sparrowd_original", original)
+    setattr(dispatch, "sparrowd_when", tuple(conditions))
     utils.dispatch_cpu_unquantized_gemm = dispatch
