@@ -133,11 +133,11 @@ def count_on(neighbours: Iterable[tuple[str, int]]) -> frozenset[str]:
     this node would give each node its own set, and chunks would cross twice (evidence:
     docs/history/DESIGN-NOTES.md#picker-count-on-shown-holders). A member that never holds anything
     (a dead box) is not counted on, nor one whose maps claim every chunk at once (else, designated
-    and slow to show a new version, it costs each node ``cross_wait``). One that fakes a map's growth is asked for the chunks it
-    shows and banned; one that holds chunks and never crosses costs each node that counted on it
-    one ``cross_wait``: it is passed over (``Picker.stalled``) until it delivers. The driver fixes
-    the set per version, so that designations do not move under a version in flight (they would,
-    as peers show their first chunks)."""
+    and slow to show a new version, it costs each node ``cross_wait``). One that fakes a map's
+    growth is asked for the chunks it shows and banned; one that holds chunks and never crosses
+    costs each node that counted on it one ``cross_wait``: it is passed over (``Picker.stalled``)
+    until it delivers. The driver fixes the set per version, so that designations do not move under
+    a version in flight (they would, as peers show their first chunks)."""
     neighbours = list(neighbours)
     shown = any(h for _, h in neighbours)
     return frozenset(p for p, h in neighbours if h or not shown)
