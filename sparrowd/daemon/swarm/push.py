@@ -191,7 +191,7 @@ class Pushing:
                     # 503: the receiver does not know this node yet (one of them joined a moment ago;
                     # it asks the tracker, a round trip). A swarm's first version, published as it
                     # formed, meets this, and a stripe lost so costs every region ``STRIPE_WAIT``: so
-                    # retry after ``NOT_YET_RETRY`` (evidence: docs/history/DESIGN-NOTES.md#spare-connections).
+                    # retry after ``NOT_YET_RETRY`` (evidence: docs/history/DESIGN-NOTES.md#push-retry-not-yet).
                     if r.status != 503 or attempt == PUSH_TRIES - 1 or self._closing:
                         break
                     await asyncio.sleep(NOT_YET_RETRY)
