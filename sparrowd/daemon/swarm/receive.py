@@ -258,9 +258,8 @@ class Receiving:
         again (evidence: docs/history/DESIGN-NOTES.md#replace-unstarted-requests). A request whose
         response has not begun has no partial yet: it is the most unstarted of all, and is replaced
         too, or a swarm's first pushes are declined for requests that went out a moment before. A
-        request to the
-        pusher itself is replaced too: across regions it reaches the pusher a one-way delay after its
-        push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
+        request to the pusher itself is replaced too: across regions it reaches the pusher a one-way
+        delay after its push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
         (``handle_chunk``); kept, it would be served a round trip late."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
