@@ -108,18 +108,14 @@ def auto_chunk_size(expected_bytes: int, rollouts: int | None = None, *, send_ra
     to every region in stripes from its first block and is relayed block by block, so it reaches
     every node a few blocks after its last byte leaves the trainer; cut in two to eight, the chunks
     leave the trainer side by side, each at a fraction of its rate, and the later ones wait for
-    relays still busy with the first (``bench sim``, 8 regions: 0.5 MiB to 8, 32, 100 and 1,000
-    nodes 1.10x, 1.12x, 0.92x and 0.96x the bound as one chunk, against 1.18-1.44x cut; 8 MiB to 16
-    nodes over links 25 times faster, one round trip's sending, 1.06x against 1.27x).
+    relays still busy with the first (evidence: docs/history/DESIGN-NOTES.md#chunk-size-one-chunk).
 
     A larger patch is cut into a sixteenth of it, between 256 KiB and 2 MiB (``DEFAULT_CHUNK_SIZE``):
-    enough chunks that relays pipeline them (a 6 MiB patch to 8 nodes in 3 chunks took 2.7x the
-    bound, in 11 chunks 1.3x), few enough that requests cost little CPU (a 64 MiB patch in 512 KiB
-    chunks: 1.7x, against 1.3x in 2 MiB ones); docs/PERFORMANCE.md. A swarm of more than
+    enough chunks that relays pipeline them, few enough that requests cost little CPU (evidence:
+    docs/history/DESIGN-NOTES.md#chunk-size-sixteenth). A swarm of more than
     ``LARGE_SWARM`` rollouts (``rollouts``, as the trainer's daemon counts them) gets a thirty-second,
     down to 128 KiB: the last chunk to leave the trainer still has a region of many nodes to spread
-    through, a few relays deep, and each hop costs time in proportion to the chunk (2 MiB to 1,000
-    nodes: 1.31-1.35x the bound in 256 KiB chunks, 1.18-1.19x in 128 KiB). There every rollout is a
+    through, a few relays deep, and each hop costs time in proportion to the chunk. There every rollout is a
     box of its own, so the cost per request is spread over as many CPUs."""
     one = one_chunk_size(send_rate, round_trip)
     if expected_bytes <= one:

@@ -16,7 +16,7 @@ than the node's uplink carries at the rate it comes in (``rate``, as its
 sender declared it; ``swarm.push.relay_fanout``): ``streams`` counts them,
 ``room`` says how many more may start, and a request beyond them waits its
 ``turn``. A chunk announced without block hashes is buffered the same way
-and checked whole, as before, and never served before it is stored.
+and checked whole, and never served before it is stored.
 
 A chunk that crosses in stripes (``swarm.push.stripe_plan``) arrives as
 several streams at once, each a stripe of its blocks: one ``Partial``

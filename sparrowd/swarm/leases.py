@@ -303,10 +303,9 @@ class LeaseTable:
         heads, named to every node of the region. They head every peer list of the region and share
         its cross-region fetches (``Picker``'s rendezvous designation among them), so that nodes that
         each see only a sample of a large region still agree on who brings each chunk in, and so that
-        a chunk another region pushes across lands on the node the region designates for it. Without
-        them each node counted only the peers it knew, so about (region size / list size) nodes each
-        fetched every chunk across: at 1,000 nodes in 8 regions, 2.5x (R-1) x patch crossed
-        (``sparrowd bench sim``)."""
+        a chunk another region pushes across lands on the node the region designates for it; each
+        node counting only the peers it knows, several nodes of a region would each fetch every chunk
+        across (evidence: docs/history/DESIGN-NOTES.md#gateways)."""
         ranked = self._ranked.get(region)
         if ranked is None or len(ranked) <= GATEWAYS:
             return []

@@ -62,9 +62,9 @@ def stripes_stopped(now: float, fed_at: float, round_trip: float, *, failed: boo
     stripe came for ``STRIPE_WAIT`` plus the ``round_trip`` between regions, a stripe failed, or a peer
     of this node's own region holds the chunk whole (``near_whole``). That last is a region-mate's hop,
     not a crossing: in a swarm just formed, two members of a region can each be taken for its crosser
-    by nodes that had not heard of the other yet, and the one whose stripes all came had the chunk
-    while the other waited out ``STRIPE_WAIT`` for stripes sent to its region-mate (``bench swarm``,
-    one chunk to 8 rollouts in 4 regions: one first version in 20 at 9.25x the bound)."""
+    by nodes that had not heard of the other yet, and the one whose stripes all came has the chunk
+    while the other would wait out ``STRIPE_WAIT`` for stripes sent to its region-mate (evidence:
+    docs/history/DESIGN-NOTES.md#picker-near-whole-stops-stripes)."""
     return failed or near_whole or now - fed_at >= STRIPE_WAIT + max(0.0, round_trip)
 
 
@@ -129,17 +129,15 @@ def count_on(neighbours: Iterable[tuple[str, int]]) -> frozenset[str]:
     while none has (a swarm just formed).
 
     Every node of the region polls the same peers' have maps, so their views agree, and so do
-    their designations: each chunk crosses into the region once. (Counting on the peers that had
-    served this node, as this did before, gave each node its own set after the first version, the
-    neighbours that happened to serve it; at 100 nodes in 8 regions about a third of the chunks
-    crossed twice on later versions, 1.49x (R-1) x patch in ``sparrowd bench sim``.) A member that
-    never holds anything (a dead box) is not counted on, nor one whose maps claim every chunk at
-    once (else, designated and slow to show a new version, it cost each node ``cross_wait``, about
-    3 s, in tests/daemon/test_trust.py). One that fakes a map's growth is asked for the chunks it
-    shows and banned; one that holds chunks and never crosses costs each node that counted on it
-    one ``cross_wait``: it is passed over (``Picker.stalled``) until it delivers. The driver fixes
-    the set per version, so that designations do not move under a version in flight (they would,
-    as peers show their first chunks)."""
+    their designations: each chunk crosses into the region once; counting on the peers that served
+    this node would give each node its own set, and chunks would cross twice (evidence:
+    docs/history/DESIGN-NOTES.md#picker-count-on-shown-holders). A member that never holds anything
+    (a dead box) is not counted on, nor one whose maps claim every chunk at once (else, designated
+    and slow to show a new version, it costs each node ``cross_wait``). One that fakes a map's
+    growth is asked for the chunks it shows and banned; one that holds chunks and never crosses
+    costs each node that counted on it one ``cross_wait``: it is passed over (``Picker.stalled``)
+    until it delivers. The driver fixes the set per version, so that designations do not move under
+    a version in flight (they would, as peers show their first chunks)."""
     neighbours = list(neighbours)
     shown = any(h for _, h in neighbours)
     return frozenset(p for p, h in neighbours if h or not shown)
@@ -153,10 +151,9 @@ def recount(counted: frozenset[str] | None, known: frozenset[str],
     them ``count_on`` would take.
 
     A swarm that has just formed starts its first version while its nodes still learn of each
-    other: a node that joined a moment before its region's other node, and started on the version
-    before it heard of it, counted on nobody and fetched every chunk across itself, while the other
-    counted on it (``bench swarm``, 8 nodes, 6 MiB: 13 of 15 chunks crossed into a region twice,
-    1.5-1.8x (R-1) x patch on first versions, 1.2x on later ones)."""
+    other: the set grows so that a node that started on the version before it heard of its region's
+    other node does not fetch every chunk across itself while the other counts on it (evidence:
+    docs/history/DESIGN-NOTES.md#picker-recount)."""
     neighbours = list(neighbours)
     ids = frozenset(p for p, _ in neighbours)
     if counted is None:
@@ -192,15 +189,12 @@ class Picker:
         designated crosser has ``CROSS_GRACE``, its chunk's time at ``CROSS_RATE`` and the round trip
         its request and the chunk's first byte take before anyone else crosses for the chunk
         (``cross_wait``); a request is out ``ENDGAME_AFTER`` plus that round trip before the endgame
-        asks a second peer (``endgame_after``). Without the round trip, at 2 s round trips chunks
-        still crossing were asked for again, across (``bench swarm``, 8 MiB to 16 nodes in 8 regions:
-        1.49-1.72x (R-1) x patch crossed in later versions, 1.05-1.14x with it).
+        asks a second peer (``endgame_after``). The round trip is counted so that chunks still
+        crossing are not asked for again, across (evidence: docs/history/DESIGN-NOTES.md#picker-pace).
 
         Where ``SLOW_CHUNKS`` times ``send`` is longer than the chunk's time at ``CROSS_RATE`` or than
-        ``ENDGAME_AFTER``, that is the wait: over slow links a chunk moving at its rate is not late
-        (``bench swarm --time-scale 5``, the trainer at 200 KiB/s: 2 MiB to 16 rollouts in 8 regions
-        took 1.85-2.03x, designated crossers passed over and requests asked again at 2 s while their
-        chunks of 1.7 s at the trainer still came)."""
+        ``ENDGAME_AFTER``, that is the wait: over slow links a chunk moving at its rate is not late,
+        and its designated crosser is not passed over nor its request asked again."""
         rt = max(0.0, round_trip or 0.0)
         slow = SLOW_CHUNKS * send if send is not None and send > 0 else 0.0
         self.cross_wait = CROSS_GRACE + max(chunk_size / CROSS_RATE, slow) + rt

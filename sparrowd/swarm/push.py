@@ -1,11 +1,10 @@
 """Whom a relay sends a chunk to unasked (push): a pure function of what it knows of its peers.
 
 A pulled chunk costs each hop one and a half round trips before its blocks
-move: the holder's have message, the request, the first block back. For a
-patch of one or a few chunks that is most of the time to all (``sparrowd
-bench sim``: one 256 KiB chunk to 16 nodes in 8 regions, 2.8x the bound).
-So a relay that can serve a chunk (its first block checked out, or whole)
-also sends it, unasked, to
+move (the holder's have message, the request, the first block back), which
+for a patch of one or a few chunks is most of the time to all (evidence:
+docs/history/DESIGN-NOTES.md#push-unasked). So a relay that can serve a chunk
+(its first block checked out, or whole) also sends it, unasked, to
 
 * up to ``local`` peers of its own region that neither hold nor fetch it,
   ranked by a rendezvous hash of (version, chunk, pusher > peer), so that
@@ -16,51 +15,41 @@ also sends it, unasked, to
   so that the pushed copy is the region's one crossing, not an extra one.
 
 Pushing across needs every node the other region designates among, or the
-pusher names a node its region did not, and the chunk crosses twice (the
-simulator, designating among the peers a pusher knew at 100 nodes: 3.2x
-(R-1) x patch). ``heads`` holds only the regions a node knows whole (the
-tracker tells each node how many rollouts each region has): in a swarm that
-fits a peer list, all of them; in larger ones, the pushes stay local.
+pusher names a node its region did not and the chunk crosses twice (evidence:
+docs/history/DESIGN-NOTES.md#push-across-designation). ``heads`` holds only
+the regions a node knows whole (the tracker tells each node how many rollouts
+each region has): in a swarm that fits a peer list, all of them; in larger
+ones, the pushes stay local.
 
-Pushes take only upload slots that requests leave idle (``idle``): a view
-of what peers hold is a fraction of a round trip old, and on the real
-daemons (8 nodes, 6 MiB in 14 chunks) pushes that queued with the requests
-were declined more often than they were taken (the peer had meanwhile got or
-asked for the chunk elsewhere) and held up the requests behind them: 1.3-1.5x
-the bound against 1.1-1.2x pulling only. An idle uplink loses nothing to a
-declined push. The receiver declines a push of a chunk it holds, fetches, or
-cannot check (no signed block hashes yet) before reading a byte, and a push
-starts with a single block, so a declined one costs the pusher's rate
-limits little. (Pushing only while a relay knows at most two peers with the
-chunk was tried: the simulator lost every gain, a one-chunk patch at 16
-nodes back at 2.85x and 6 MiB at 1,000 nodes at 1.40x, since a tree across
-8 regions needs pushes two levels deep.)
+Pushes take only upload slots that requests leave idle (``idle``): a view of
+what peers hold is a fraction of a round trip old, so a push queued with the
+requests is often declined and holds up the requests behind it, while an idle
+uplink loses nothing to a declined push. Pushes continue however many peers a
+relay knows to hold the chunk, since a tree across regions needs pushes more
+than one level deep (evidence: docs/history/DESIGN-NOTES.md#push-idle-slots).
+The receiver declines a push of a chunk it holds, fetches, or cannot check
+(no signed block hashes yet) before reading a byte, and a push starts with a
+single block, so a declined one costs the pusher's rate limits little.
 ``sent`` counts the pushes this node already sent for the chunk, per kind,
 so that calling again once the chunk is whole only tops them up.
 
 While a chunk is still arriving, a relay streams it on (pushed and asked
 for alike) to no more peers at once than its uplink carries at the rate the
 chunk comes in (``relay_fanout``; the sender declares its stream's rate,
-``RATE_HEADER``). Served to more, every stream ran slower than the chunk
-arrived, and the heads that cross next were fed slower again: a head that
-crossed and pushed to two neighbours at once sent each a third of its
-uplink (``bench sim``, one chunk, 8 regions: 1.38x, 1.17x and 1.29x the
-bound at 16, 100 and 1,000 nodes, against 1.38x, 0.99x and 1.09x held to
-the uplink). The rest wait until the chunk is whole, then go at full rate.
-``most`` is how many more streams the chunk may have now; pushes across go
-first, as a crossing seeds a whole region.
+``RATE_HEADER``): served to more, every stream runs slower than the chunk
+arrives, and the heads that cross next are fed slower again (evidence:
+docs/history/DESIGN-NOTES.md#push-relay-fanout). The rest wait until the
+chunk is whole, then go at full rate. ``most`` is how many more streams the
+chunk may have now; pushes across go first, as a crossing seeds a whole
+region.
 
 Where a node knows the region a chunk entered the swarm in (its root), the
 crossings follow the chunk's region tree (``region_tree``) instead of each
 relay's own ranking: each head of a region in the tree takes one region not
 yet in it, breadth first from the root, so that every crossing runs at a
-head's whole WAN rate and the tree is as shallow as the heads allow. Ranked
-greedily, the trainer's first holder pushed into two regions at once at half
-its WAN share each, and chains formed four crossings deep (``bench sim``,
-one chunk: 1.66x the bound at 100 nodes and 1.89x at 1,000 greedily; with
-the tree 1.30x and 1.51x, and 1.56x against 1.67x at 16; a head taking two
-regions, at half its WAN rate each, did worse at 16 nodes, 1.70x, and
-better only where regions have a single node).
+head's whole WAN rate and the tree is as shallow as the heads allow, rather
+than a holder splitting its WAN share between regions and chains forming
+several crossings deep (evidence: docs/history/DESIGN-NOTES.md#push-region-tree).
 
 A head that holds a chunk whole has its WAN limit free again: where the
 chunk is sent in less time than two crossings' delay, a second crossing
@@ -68,10 +57,8 @@ from it lands sooner than a crossing from deeper in the tree. Given the
 chunk's send time and a crossing's hop, which the trainer signs into the
 chunk's announcement so that every node plans alike, the tree is planned
 earliest first: each head crosses from its region's first block and once
-more when whole (``bench sim``, one chunk to 16 nodes in 8 regions: 1.40x
-the bound breadth first, 1.23x timed; a node a region 2.61x and 1.82x;
-links 25x faster 1.55x and 1.08x). A head's second crossing waits until it
-holds the chunk (``whole``).
+more when whole (evidence: docs/history/DESIGN-NOTES.md#push-timed-tree).
+A head's second crossing waits until it holds the chunk (``whole``).
 """
 
 from __future__ import annotations
@@ -263,8 +250,8 @@ def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
                 send: float | None = None, hop: float | None = None) -> StripePlan | None:
     """Chunk ``index``'s crossings in stripes, where they beat its region tree: where the root region
     has fewer heads than there are other regions, a chunk relayed whole crosses from region to
-    region, each crossing a chunk's time or a hop behind the last (one chunk to 8 nodes in 8 regions,
-    a node a region: 1.73x the bound at best, every crossing pushed at its earliest).
+    region, each crossing a chunk's time or a hop behind the last (evidence:
+    docs/history/DESIGN-NOTES.md#push-stripes).
 
     In stripes every region is two crossings from the root whatever their number, the scatter and
     gather the fluid bound assumes: the chunk's ``blocks`` are dealt into ``n`` stripes (stripe ``s``:
@@ -274,20 +261,16 @@ def stripe_plan(tag: int | str, index: int, root: str, heads: Mapping[str, Seque
     stripe on, block by block as they check out, to every other region's receiver. Every region
     takes the chunk in once, the first holder sends one chunk across and each receiver ``(n-1)/n``
     of one, and no block waits for a whole chunk anywhere. The rest of a region takes the chunk from
-    its receiver, as from any relay. (The root's other heads sharing the stripes out was tried: they
-    take the chunk a local hop later, and at a quarter of the emulator's rates, behind the first
-    holder's streams to the other regions, one chunk to 16 nodes in 8 regions took 1.9x the bound.)
+    its receiver, as from any relay. The first holder alone sends the stripes: the root's other heads
+    take the chunk a local hop later, behind the first holder's streams to the other regions.
 
     Its price is the tail: the receiver of the chunk's last block sends ``n - 1`` copies of it once it
     has it. So for a patch's first chunk, with the tree's timing (``send``, ``hop``: ``region_tree``),
     stripes are chosen only where the tree's last crossing starts later than a hop and those copies
-    take (``n - 2`` blocks' time; the hop holds one): one chunk to 8 nodes in 8 regions, yes; to 16
-    nodes (two a region) at a quarter of the emulator's rates, where a block takes 16 ms, no
-    (simulated 1.46x the bound in stripes, 1.33x in the tree). A later chunk is one of several
+    take (``n - 2`` blocks' time; the hop holds one). A later chunk is one of several
     crossing at once, where the tree's timing assumes idle heads: its crossings go in stripes
     wherever the tree is deeper than one crossing, which spreads every chunk's crossings evenly over
-    every region's receiver (2 MiB to 16 nodes in 8 regions 1.13x the bound against 1.22x in trees,
-    and on links 25 times faster 1.87x against 2.34x). Without timings, stripes wherever the tree is
+    every region's receiver. Without timings, stripes wherever the tree is
     deeper than one crossing.
 
     None where the tree does as well, where there are fewer than two other regions, or fewer blocks

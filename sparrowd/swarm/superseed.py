@@ -15,25 +15,18 @@ seconds after it was last given (its peer stalls mid-transfer).
 A peer is given ``per_peer`` chunks at a time, so that the trainer's uplink
 never waits on a peer's next request; in a swarm of ``single_from`` peers or
 more the others' requests fill that gap, and each is given one at a time:
-the first copies of a small patch then start in twice as many places
-(``sparrowd bench sim``, 8 regions: 2 MiB in 8 chunks to 16 nodes took
-1.56x the bound with two a peer, which put every first copy in two regions,
-and 1.38x with one; 64 MiB 1.06x and 1.04x). Three are enough: 2 MiB to 12
-rollouts in 4 regions, whose three near peers take the first copies, took
-1.10x (1.06-1.18x) one a peer, and 1.17x (1.13-1.26x) two a peer; two near
-peers (8 rollouts in 4 regions) need two each (6 MiB in 1.01x against 1.06x).
+the first copies of a small patch then start in twice as many places.
+Three peers are enough to keep the uplink busy one chunk
+each; two near peers need two each (evidence:
+docs/history/DESIGN-NOTES.md#super-seeding-per-peer).
 
 Chunk 0 is always the first given out, the rest in a random order. Relays
 plan chunk 0's crossings as the version's first (``push.stripe_plan``: its
 region tree, timed for heads with nothing else to send, where that beats
 stripes), and every node plans alike, so the premise must hold however the
-chunks arrive: published a chunk at a time, chunk 0 is announced first and
-mostly given first, but where every chunk was there at once (the simulator)
-it went in a random turn, and a tree timed for idle heads crossed behind the
-stripes of the chunks given before it (``sparrowd bench sim``, 16 nodes in 8
-regions over links 25 times faster, later versions: 2 MiB 1.04-1.46x the
-bound, 1.06-1.11x with chunk 0 first; at the default rates the same within
-a few hundredths, small patches to 100 nodes or more a few hundredths over).
+chunks arrive, including when every chunk is there at once: otherwise a
+tree timed for idle heads crosses behind the stripes of the chunks given
+before it (evidence: docs/history/DESIGN-NOTES.md#super-seeding-chunk-zero-first).
 
 Assignments go only to peers the caller marks ``trusted`` (the driver: peers
 whose have-maps show chunks, once any peer's do; a swarm just formed trusts
@@ -63,20 +56,15 @@ def first_copies_near(chunks: int | None, regions: int, near: int, servable: int
     counted; ``chunks`` the version's chunks (before its manifest, those announced so far). A
     first copy given into another region must still reach the seed's region, so it crosses a
     region boundary once more than (R-1) per chunk: first copies spread over every region cost
-    1/R of the patch more, 1.25x (R-1) x patch at 4 regions (``sparrowd bench sim``: 1.00x
-    near). They stay near when the seed may serve a near peer for a one-chunk version, or two
+    1/R of the patch more (evidence: docs/history/DESIGN-NOTES.md#super-seeding-first-copies-near).
+    They stay near when the seed may serve a near peer for a one-chunk version, or two
     for a larger one (with one, the seed's uplink waits on it), and, for a larger one, when the
     region has a node for every two other regions: its WAN uplinks then start every chunk's way
-    out (16 nodes in 8 regions, two a region, took 6 MiB in 1.20x the bound near against 1.11x
-    spread, and 2 MiB in 1.36x against 1.22x; with 8 nodes in 4 regions, 16 in 4 and 100 in 8
-    the time was within a few hundredths either way). ``quick``: the patch leaves the seed in less
+    out. ``quick``: the patch leaves the seed in less
     than a round trip between regions (its size over the seed's upload rate); then a first copy
     given into another region, which reaches that region a round trip after it is asked for rather
     than a one-way delay after a near peer has it, costs more than the near region's uplinks gain
-    by sharing the crossings, and first copies stay near wherever two near peers may take them
-    (16 nodes in 8 regions, links 25 times faster: 1 MiB 2.14x -> 1.20x, 2 MiB 1.84x -> 1.33x,
-    4 MiB 1.75x -> 1.42x the bound; at 8 MiB, a round trip's worth, 1.46x spread against 1.55x
-    near)."""
+    by sharing the crossings, and first copies stay near wherever two near peers may take them."""
     if chunks is None or chunks <= 0 or regions <= 1:
         return False
     return servable >= min(chunks, 2) and (chunks == 1 or quick or 2 * near >= regions - 1)
@@ -86,8 +74,8 @@ def far_first_copies(chunks: int | None, regions: int, near: int) -> int | None:
     """The most first copies of a version's ``chunks`` the seed gives peers of other regions, where
     ``first_copies_near`` does not keep them all near: each such chunk must cross back into the
     seed's own region, once more than the (R-1) crossings every chunk takes, so no more than
-    ``CROSS_BUDGET`` x (R-1) x the chunks go far, and the rest start at home. Given out freely,
-    8 regions of one or two nodes crossed 1.11-1.14x (R-1) x patch (``sparrowd bench sim``, 2 MiB).
+    ``CROSS_BUDGET`` x (R-1) x the chunks go far, and the rest start at home (evidence:
+    docs/history/DESIGN-NOTES.md#super-seeding-far-first-copies).
     None (no limit) where the seed's region has no rollouts (``near`` 0: no chunk need come back) or
     the count is unknown."""
     if not chunks or chunks <= 0 or near <= 0 or regions <= 1:
@@ -168,10 +156,9 @@ class SuperSeed:
               far_most: int | None = None) -> set[int]:
         """Chunks to show ``peer``; ``held_by[c]``: how many peers are known to hold chunk ``c``;
         ``peers``: how many peers take the seed's first copies (from ``single_from`` on, one chunk
-        each at a time; the near ones alone while ``first_copies_near`` keeps them home: 8 rollouts
-        in 4 regions, the two near ones given one chunk at a time, left the trainer's uplink idle
-        between each chunk and the next request, 6 MiB in 1.06x the bound against 1.01x, and
-        8 MiB over links 25 times faster in 1.51x against 1.11x, ``sparrowd bench sim``);
+        each at a time; the near ones alone while ``first_copies_near`` keeps them home, since
+        fewer near peers given one chunk at a time leave the trainer's uplink idle between each
+        chunk and the next request);
         ``fresh``: whether it may be given a chunk never given before (``first_copies_near``: not a
         peer of another region, while those go to the seed's own); one given and lost may still go
         to it, so that a chunk whose near peer stalls is not held up. ``far``: the peer is of another

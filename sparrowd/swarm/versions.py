@@ -53,12 +53,8 @@ def block_for(chunk: int) -> int:
     64th of a chunk, a power of two from 4 KiB (``RELAY_BLOCK_MIN``) to 64 KiB (``BLOCK``). A relay
     hands a chunk on once its first block has checked out, so every hop down a chain of relays costs
     a block's time, and a chunk crossing in stripes ends with its last block sent on to every other
-    region (``swarm.push.stripe_plan``). ``sparrowd bench sim``, 8 regions, later versions: one
-    256 KiB chunk to 8 nodes, to 16, and to 16 at a quarter of the rates took 1.26x, 1.24x and 1.33x the bound in
-    16 KiB blocks (a 32nd of a chunk, from 16 KiB, as before), 1.14x, 1.16x and 1.22x in 8 KiB
-    ones, and 1.09x, 1.09x and 1.12x in 4 KiB ones; 2 MiB to 8 and 16 nodes 1.24x and 1.16x in
-    16 KiB blocks, 1.09x in 4 KiB; 6 MiB to 100 nodes 1.15x and 1.12x, 64 MiB (2 MiB chunks, 64 KiB
-    and 32 KiB blocks) 1.01x either way. The hashes add 16 bytes a block to the signed statements:
+    region (``swarm.push.stripe_plan``); smaller blocks shorten both (evidence:
+    docs/history/DESIGN-NOTES.md#block-size). The hashes add 16 bytes a block to the signed statements:
     0.4% of a small patch's bytes, 0.05% of 2 MiB chunks'."""
     b = BLOCK
     while b > RELAY_BLOCK_MIN and b * BLOCKS_PER_CHUNK > chunk:

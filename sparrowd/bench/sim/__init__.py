@@ -95,9 +95,9 @@ stream as if it had asked for it (its picker then leaves the chunk alone: the da
 reply tells it of the push as the push starts). A push to a node already
 fetching the chunk is not sent (a daemon declines it at once), unless the
 node's one request for it has had no byte back: then the push takes the
-request's place, as on the daemons (``unstarted``; without it the simulator
-left requests queued behind a busy first holder: one chunk at 100 nodes
-1.90x the bound, against 1.66x with it).
+request's place, as on the daemons (``unstarted``), so that requests do not
+queue behind a busy first holder (evidence:
+docs/history/DESIGN-NOTES.md#sim-unstarted).
 
 Churn: ``churn`` of the rollout nodes leave (``sparrowd leave``) at
 ``churn_at`` of the bound into the last version; their peers' requests to

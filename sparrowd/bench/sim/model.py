@@ -73,9 +73,9 @@ class Config:
     @property
     def step(self) -> float:
         """The simulation's step: ``dt``, else at most 5 ms and under half the time a node takes to send
-        one block. A relay hands a chunk on once a block has checked out, and each such hop took at
-        least two steps: at 5 ms, one 256 KiB chunk (16 KiB blocks, 2 ms each at 8 MiB/s) to 1,000
-        nodes in 8 regions read 1.51x the bound where 1 ms steps read 1.29x."""
+        one block. A relay hands a chunk on once a block has checked out, and each such hop takes at
+        least two steps, so coarser steps overstate the time to all (evidence:
+        docs/history/DESIGN-NOTES.md#sim-step)."""
         if self.dt is not None:
             return self.dt
         return min(0.005, max(0.001, self.block_size / max(self.trainer_rate, self.node_rate) / 2))

@@ -121,9 +121,8 @@ class Fetching:
         ends, however it ends: counted in the peer's requests and in ``inflight`` (the chunk is being
         fetched), released by the task's done callback. A task cancelled before its first step
         (an endgame loser, a request a push replaced the moment it was made) never runs its own
-        code: released in ``_receive``, as before, its entry stayed, the chunk stayed "being
-        fetched" and the peer's request slot taken, and a node held every other chunk of a version
-        but that one for 30 s (``tests/daemon/test_trust.py``, a lying peer banned mid-version)."""
+        code, so only the done callback releases its entry, the chunk's "being fetched" and the
+        peer's request slot (evidence: docs/history/DESIGN-NOTES.md#fetch-track-release)."""
         ps.inflight += 1
         self.inflight.setdefault(key, {})[ps.node_id] = task
         self.asked_at.setdefault(key, time.monotonic())

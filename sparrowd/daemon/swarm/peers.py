@@ -73,9 +73,7 @@ class Peers:
     def _warm(self, ps: PeerState) -> None:
         """Open a spare connection to a peer, kept idle for its first push or chunk request: its long
         poll holds the connection it has, and a new one across regions costs TCP's handshake, a round
-        trip, before the first byte (``bench swarm``, the WAN emulator's handshake on, 8 rollouts, one
-        chunk: later versions 1.21-1.72x the bound opening 2-5 connections across regions each,
-        0.59-0.94x opening 0-1 with one spare a peer).
+        trip, before the first byte (evidence: docs/history/DESIGN-NOTES.md#spare-connections).
 
         The connection is opened bare, through the session's connector, and put in its pool as soon
         as the handshake is done: opened by a request (``GET /v1/swarm/ping``, still the fallback
@@ -147,8 +145,8 @@ class Peers:
             if r.status != 200:
                 raise (NotYet if r.status == 503 else SparrowError)(f"exchange with {ps.node_id}: HTTP {r.status}")
         # A long poll held is longer; one answered at once is the round trip, and on a connection it
-        # opened, two: TCP's handshake first (a swarm's second version at 2 s round trips had its
-        # crossings timed for 2 s one way, and took 1.33x the bound where later ones took 1.08x).
+        # opened, two: TCP's handshake first, else crossings are timed for twice the one-way delay
+        # (evidence: docs/history/DESIGN-NOTES.md#round-trip-new-connection).
         took = (time.monotonic() - t0) / (2 if traced.get("new") else 1)
         ps.rtt = took if ps.rtt is None else min(ps.rtt, took)
         cpu = time.thread_time()
@@ -181,10 +179,9 @@ class Peers:
             except (SparrowError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 event(log, logging.DEBUG, "exchange failed", peer=ps.node_id, reason=str(e) or type(e).__name__)
                 if isinstance(e, NotYet):
-                    # It asked the tracker about this node, one round trip: ask again soon. Waiting the
-                    # failure backoff, a swarm just formed lost up to half a second a hop on its first
-                    # version (bench swarm, 8 nodes, one chunk: 3.9x the bound, the last node waiting
-                    # 0.5 s on a neighbour that had the chunk).
+                    # It asked the tracker about this node, one round trip: ask again soon, not after the
+                    # failure backoff, which would cost a swarm just formed up to half a second a hop on
+                    # its first version (evidence: docs/history/DESIGN-NOTES.md#not-yet-retry).
                     await asyncio.sleep(min(backoff, NOT_YET_RETRY))
                     continue
                 ps.stalled = True  # gone or failing: its neighbours do not wait on it to cross until it delivers
@@ -229,8 +226,8 @@ class Peers:
                 # Peers before versions, and at once: a reply that brings a swarm's first version and
                 # a neighbour that joined a moment ago must count the neighbour among the region's
                 # crossers when the version starts, or the node designates itself for every chunk
-                # and crosses for them while the neighbour brings them too (``bench swarm``, 8
-                # rollouts, one chunk: 1.33x (R-1) x patch in some first versions).
+                # and crosses for them while the neighbour brings them too (evidence:
+                # docs/history/DESIGN-NOTES.md#peers-before-versions).
                 self.daemon.membership.learn(joined)
                 self._take_listed()
             self._joins_seen = joins

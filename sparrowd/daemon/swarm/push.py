@@ -58,9 +58,9 @@ class Pushing:
         # what they hold, so a push there may be declined at its first block.
         rollouts += [c for hs in heads.values() for h in hs if h not in self.peers and (c := self._peer(h)) is not None]
         # Not pushed to: the peers this node receives the chunk from, and those its pusher feeds too
-        # (their exchanges may not have told yet that they fetch it: one chunk to 16 daemons in 4
-        # regions, two nodes fed by the same head pushed it to each other and to their own feeder,
-        # leaving their region's crossing head to ask, 1.3-1.8x the bound where the rest ran at 0.6-1.0x).
+        # (their exchanges may not have told yet that they fetch it; pushed to, nodes fed by the same
+        # head push to each other and to their own feeder, leaving their region's crossing head to
+        # ask; evidence: docs/history/DESIGN-NOTES.md#push-not-to-feeders).
         feeding = self.inflight.get((k, index), {}).keys() | self.fed_along.get(k, {}).get(index, frozenset())
         views = [PushPeer(p.node_id, p.region, p.node_id in done or p.node_id in self.banned or p.node_id in feeding
                           or now < p.cooldown_until or index in p.have.get(k, ()) or index in p.fetching.get(k, ()))
@@ -190,9 +190,8 @@ class Pushing:
                                 why = json.loads(body).get("error")
                     # 503: the receiver does not know this node yet (one of them joined a moment ago;
                     # it asks the tracker, a round trip). A swarm's first version, published as it
-                    # formed, meets this, and a stripe lost so cost every region ``STRIPE_WAIT`` (with
-                    # spare connections opened without a request, so pushes came sooner, two first
-                    # versions in three of one chunk to 8 daemons in 8 regions took 10x the bound).
+                    # formed, meets this, and a stripe lost so costs every region ``STRIPE_WAIT``: so
+                    # retry after ``NOT_YET_RETRY`` (evidence: docs/history/DESIGN-NOTES.md#push-retry-not-yet).
                     if r.status != 503 or attempt == PUSH_TRIES - 1 or self._closing:
                         break
                     await asyncio.sleep(NOT_YET_RETRY)

@@ -170,9 +170,9 @@ class Receiving:
     def _take_pushed_statement(self, request: web.Request, key: Key, i: int, pusher: str) -> str | None:
         """The statement a push carries (``STATEMENT_HEADER``), taken where this node lacks chunk
         ``i``'s block hashes, as an exchange reply's would be: a node that has not heard of the version
-        yet checks the push at once rather than waiting for the trainer's announcement (a swarm just
-        formed hears of its first version a long poll's round trip late: one chunk to 4 daemons in 4
-        regions over 200 ms round trips, 2.0-2.4x the bound, every region's push waiting for it). The
+        yet checks the push at once rather than waiting for the trainer's announcement, which a swarm
+        just formed hears of a long poll's round trip late (evidence:
+        docs/history/DESIGN-NOTES.md#pushed-statement). The
         trainer's signature vouches for it, not the pusher; one that does not check bans the pusher,
         as a forged statement in an exchange reply does. Why it does not hold, or None."""
         raw = request.headers.get(STATEMENT_HEADER)
@@ -254,17 +254,13 @@ class Receiving:
     def _unstarted(self, key: Key, i: int, pusher: str) -> asyncio.Task | None:
         """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet and it went
         to a rollout, not to the trainer: super-seeding counts that request as a first copy taken, and
-        if the push's feed then failed the chunk waited for it (``bench sim``, 10% of 40 nodes leaving:
-        2.67x the bound with such requests replaced, the trainer giving the copy again ``claim_within``
-        after its node hung up; 1.19x keeping them; on 8 daemons without churn the two were alike). A
-        request whose response has not begun has no partial yet: it is the most unstarted of all (it
-        was not replaced: in a swarm's first version the pushes into two of three regions were
-        declined, their nodes' first requests having gone out a moment before). A request to the
-        pusher itself is replaced too: across regions it reaches the pusher a one-way delay after its
-        push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
-        (``handle_chunk``). Kept, it was served a round trip late: one chunk to 4 daemons in 4 regions
-        over 200 ms round trips, the second crossing of the chunk's region tree declined for the
-        request its target had just sent to the same head, 1.5x the bound."""
+        if the push's feed then failed the chunk would wait for it until the trainer gives the copy
+        again (evidence: docs/history/DESIGN-NOTES.md#replace-unstarted-requests). A request whose
+        response has not begun has no partial yet: it is the most unstarted of all, and is replaced
+        too, or a swarm's first pushes are declined for requests that went out a moment before. A
+        request to the pusher itself is replaced too: across regions it reaches the pusher a one-way
+        delay after its push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
+        (``handle_chunk``); kept, it would be served a round trip late."""
         tasks = self.inflight.get((key, i), {})
         part = self.partials.get((key, i))
         if len(tasks) != 1 or (part is not None and part.got):
@@ -292,9 +288,8 @@ class Receiving:
         why = self._declines(key, i, self._peer(remote.node_id), stripe=stripe)
         give_up = time.monotonic() + PUSH_STATEMENT_WAIT
         while why == NO_HASHES and (left := give_up - time.monotonic()) > 0:
-            # The push outran the trainer's announcement (the pusher had it first): wait for it. (On
-            # ``changed`` this waited out the whole 0.5 s: taking statements only touches ``gen``. A
-            # swarm's first version waited so at every region's first push: 4.3-4.8x the bound.)
+            # The push outran the trainer's announcement (the pusher had it first): wait for it, on
+            # ``_announced``, not ``changed``, since taking statements only touches ``gen``.
             announced = self._announced
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
