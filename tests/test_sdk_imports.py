@@ -1,9 +1,12 @@
-"""The SDK stands alone: the trainer's and the engines' modules import nothing from ``sparrowd.daemon``."""
+"""The house's rules: the SDK (the trainer's and the engines' modules), the pure core and the
+simulator import nothing from ``sparrowd.daemon``; no module is over 800 lines, no class over 500."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import sparrowd
 
@@ -31,9 +34,15 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
-def test_the_sdk_imports_nothing_from_the_daemon():
-    assert len(SDK) > 4
-    for path in SDK:
+PURE = [*sorted((ROOT / "codec").glob("*.py")), *sorted((ROOT / "swarm").glob("*.py")),
+        *sorted((ROOT / "bench" / "sim").glob("*.py"))]
+
+
+@pytest.mark.parametrize("group", ["sdk", "pure"])
+def test_the_sdk_the_pure_core_and_the_simulator_import_nothing_from_the_daemon(group):
+    paths = SDK if group == "sdk" else PURE
+    assert len(paths) > 4
+    for path in paths:
         bad = sorted(n for n in _imported(path) if n == "sparrowd.daemon" or n.startswith("sparrowd.daemon."))
         assert not bad, f"{path.relative_to(ROOT.parent)} imports {bad}"
 
@@ -41,3 +50,15 @@ def test_the_sdk_imports_nothing_from_the_daemon():
 def test_the_scan_sees_relative_imports():
     names = _imported(ROOT / "daemon" / "auth.py")
     assert "sparrowd.daemon.membership" in names and "sparrowd.client" in names
+
+
+def test_no_module_is_over_800_lines_and_no_class_over_500():
+    files = [p for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "cli").rglob("*.py")] if "vendor" not in p.parts]
+    assert len(files) > 50
+    for path in files:
+        text = path.read_text()
+        assert text.count("\n") < 800, f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= 500, f"{path.relative_to(ROOT.parent)}: class {node.name} is {size} lines"

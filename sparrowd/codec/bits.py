@@ -306,12 +306,10 @@ class RawTensor:
 
 
 # ---------------------------------------------------------------- Rice coding
-#
-# Gaps between changed positions are close to geometric, for which a Rice code
-# (quotient in unary, k low bits verbatim) is within a few hundredths of a bit
-# of the entropy. Both streams are built and read with packbits/unpackbits:
-# the unary stream has a 1 closing each quotient's run of 0s, so the positions
-# of the 1s give every quotient at once.
+# Gaps between changed positions are close to geometric, for which a Rice code (quotient in
+# unary, k low bits verbatim) is within a few hundredths of a bit of the entropy. Both streams are
+# built and read with packbits/unpackbits: the unary stream has a 1 closing each quotient's run
+# of 0s, so the positions of the 1s give every quotient at once.
 
 MAX_RICE_K = 40
 
