@@ -26,7 +26,7 @@ Pure: keys and manifests' bases in, decisions out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 __all__ = ["Key", "Obj", "advance", "wanted", "retained", "engine_plan", "producible", "Unproducible",
@@ -111,6 +111,18 @@ def wanted(at: int, known: Mapping[Key, Obj], *, chain_known: bool = True) -> se
     # Patches still streaming (manifest not in) build on the newest published version.
     out.update(Key(v) for v, b in patches.items() if b is None and v > newest)
     return out
+
+
+def listed_whole(at: int, listed: Iterable[Key], manifested: Collection[Key]) -> bool:
+    """Whether the trainer's listing (``listed``: every object it retains) told a node at ``at``
+    the whole chain ahead: every object newer than ``at`` came with its manifest, save those newer
+    than every manifest (still being published). A reply carries the statements a page at a time,
+    newest first, so a cut page shows the newest anchor and the patches after it but not the older
+    patches that lead from ``at``; taken for the whole chain, that gap would send the node for the
+    anchor (a whole model) for want of a page. ``manifested``: the objects whose manifest it holds."""
+    ahead = [k for k in listed if k.version > at]
+    newest = max((k.version for k in ahead if k in manifested), default=at)
+    return all(k in manifested or k.version > newest for k in ahead)
 
 
 def retained(complete: Iterable[tuple[Key, Obj]], retain: int, newest_anchor: int | None = None) -> set[Key]:

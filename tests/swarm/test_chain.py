@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparrowd.swarm.chain import Key, Obj, advance, retained, wanted
+from sparrowd.swarm.chain import Key, Obj, advance, listed_whole, retained, wanted
 
 
 def chain(patches=(), anchors=(), complete=(), streaming=()):
@@ -51,6 +51,26 @@ def test_no_anchor_until_the_trainer_said_what_it_retains():
     known = chain(patches=range(5, 9), anchors=[6])
     assert wanted(0, known, chain_known=False) == set()
     assert wanted(4, known, chain_known=False) == {Key(5), Key(6), Key(7), Key(8)}
+
+
+def test_a_cut_page_of_the_trainers_listing_is_not_the_whole_chain():
+    """The trainer lists 1-7 and anchor 6; a reply's page, newest first, brought the manifests of
+    7, anchor 6 and 6-3 and none of 1 and 2 (or half of 2's statements): the node at 0 knows the
+    chain is not whole, so its gap sends it for the patches' next page, not for the anchor."""
+    listed = [Key(v) for v in range(1, 8)] + [Key(3, True), Key(6, True)]
+    page = {Key(v) for v in range(3, 8)} | {Key(6, True)}
+    assert not listed_whole(0, listed, page)
+    whole = page | {Key(1), Key(2), Key(3, True)}
+    assert not listed_whole(0, listed, whole - {Key(3, True)})  # every object listed, anchors too
+    assert listed_whole(0, listed, whole)
+    assert listed_whole(3, listed, page)  # a node at 3 needs nothing older
+    assert not listed_whole(3, listed, page - {Key(6, True)})  # an anchor it may want, cut
+    # The newest, still being published (no manifest yet anywhere), leaves the listing whole.
+    assert listed_whole(0, listed + [Key(8)], whole)
+    # What the cut page alone would have made of it: the anchor, with its chain broken.
+    known = chain(patches=range(3, 8), anchors=[6])
+    assert wanted(0, known, chain_known=listed_whole(0, listed, page)) == set()
+    assert wanted(0, known, chain_known=True) == {Key(6, True), Key(7)}
 
 
 def test_streaming_patches_build_on_the_newest_version():

@@ -17,7 +17,7 @@ from yarl import URL
 
 from ...errors import FormatError, IntegrityError, SparrowError
 from ...schema import fields, pack, unpack
-from ...swarm.chain import Key
+from ...swarm.chain import Key, listed_whole
 from ...swarm.identity import PROOF_HEADER, PROOF_TTL, TICKET_HEADER, make_proof
 from ...swarm.policy import EXCHANGE_WAIT, NOT_YET_RETRY, QUICK_PACE, QUICK_REPLIES
 from ...swarm.signing import Signed
@@ -160,7 +160,7 @@ class Peers:
         while True:
             try:
                 t0, before = time.monotonic(), (_view(ps), self._joins_seen)
-                await self._exchange(ps, EXCHANGE_WAIT)
+                await self._exchange(ps, 0 if ps.more else EXCHANGE_WAIT)
                 backoff = 0.5
                 # An honest peer holds the poll until something changed; one that answers early
                 # with nothing new, again and again, would keep this node busy: pace it. (News of a
@@ -278,7 +278,10 @@ class Peers:
         for vs in done:
             self._complete(vs)
         if ps.role == "trainer":
-            self.trainer_heard = True  # the trainer lists everything it retains
+            # The trainer lists everything it retains, its statements a page at a time: the chain is
+            # known once the listing is whole (chain.listed_whole); until then, the next page at once.
+            whole = listed_whole(at, seen, {k for k, vs in self.versions.items() if vs.manifest is not None})
+            self.trainer_heard, ps.more = whole, not whole
         self._changed.set()
 
     def _lied(self, ps: PeerState, key: Key, index: int) -> None:

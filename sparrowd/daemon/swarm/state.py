@@ -27,6 +27,7 @@ class PeerState:
     rate: Rate = field(default_factory=Rate)
     task: asyncio.Task | None = None
     gen: int = -1
+    more: bool = False  # its last exchange reply left statements out (a page): ask again at once
     telling: bool = False  # a quick exchange with it (a have message) is under way
     tell_again: bool = False
     strikes: int = 0  # requests that timed out or failed in a row
