@@ -33,6 +33,13 @@ def ratio_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def relaying(cut_through: bool, push: tuple[int, int], burst: float) -> str:
+    """How the relays move chunks, as the swarm benchmarks' headers say it."""
+    return (("cut-through" if cut_through else "store-and-forward")
+            + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
+            + (f"; limits burst {burst:g} s" if burst else ""))
+
+
 def needs_vllm(bench: str, missing: str | None, instead: str = "") -> int:
     """Say, in one line on stderr, that ``bench`` needs vLLM and transformers and where they are
     (the engine environment; ``instead``: what runs without them); the exit status, 2."""

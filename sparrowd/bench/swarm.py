@@ -52,7 +52,7 @@ from ..localswarm import free_port
 from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.push import DEFAULT_PUSH
 from ..units import format_bytes, format_rate, parse_size
-from . import cross_region_over, ratio_text, write_json
+from . import cross_region_over, ratio_text, relaying, write_json
 
 MB = 1 << 20
 
@@ -271,9 +271,7 @@ def run(*, nodes: int = 16, regions: int = 4, patch_mib: float = 64, versions: i
     print(f"   emulated links: trainer uplink {format_rate(rates['trainer'])}, node uplinks "
           f"{format_rate(rates['node'])}, cross-region uploads {format_rate(rates['wan'])} per node; "
           f"between regions {rtt * 1000:.0f} ms RTT and {format_rate(rates['link'])} per direction; relays "
-          + ("cut-through" if cut_through else "store-and-forward")
-          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
-          + (f"; limits burst {rate_burst:g} s" if rate_burst else "; limits never burst")
+          + relaying(cut_through, push, rate_burst) + ("" if rate_burst else "; limits never burst")
           + (f"; time scaled {time_scale:g}x (rates / {time_scale:g}, times x {time_scale:g})"
              if time_scale != 1 else ""))
     patches = []

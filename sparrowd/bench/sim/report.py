@@ -68,17 +68,13 @@ def run(*, nodes: list[int], regions: int, patch_mib: list[float], versions: int
         trainer_rate: float, node_rate: float, wan_rate: float, link_rate: float, rtt: float, churn: float,
         seed: int, json_path: str | None = None, plot: str | None = None, cut_through: bool = True,
         trace_path: str | None = None, push: tuple[int, int] = DEFAULT_PUSH, burst: float = 0.0) -> int:
-    from .. import write_json, write_lines
+    from .. import relaying, write_json, write_lines
 
     results, traces = [], []
     print(f"sparrowd bench sim: {regions} regions, trainer uplink {format_rate(trainer_rate)}, nodes "
           f"{format_rate(node_rate)} ({format_rate(wan_rate)} to other regions), links "
-          f"{format_rate(link_rate)}, RTT {rtt * 1000:.0f} ms, relays "
-          + ("cut-through" if cut_through else "store-and-forward")
-          + (f", pushing to {push[0]} local and {push[1]} cross-region peers" if any(push) else ", pull only")
-          + (f", {churn:.0%} of the nodes leave mid-version" if churn else "")
-          + (f"; limits burst {burst:g} s" if burst else "")
-          )
+          f"{format_rate(link_rate)}, RTT {rtt * 1000:.0f} ms, relays {relaying(cut_through, push, burst)}"
+          + (f", {churn:.0%} of the nodes leave mid-version" if churn else ""))
     for p in patch_mib:
         for n in nodes:
             cfg = Config(nodes=n, regions=regions, patch=int(p * MB), chunk=chunk, versions=versions,
