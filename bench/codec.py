@@ -3,7 +3,7 @@
 
 import sys
 
-from sparrowd_cli.main import main
+from sparrowd.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "codec", *sys.argv[1:]]))

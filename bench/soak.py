@@ -2,7 +2,7 @@
 
 import sys
 
-from sparrowd_cli.main import main
+from sparrowd.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "soak", *sys.argv[1:]]))

@@ -2,7 +2,7 @@
 
 import sys
 
-from sparrowd_cli.main import main
+from sparrowd.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "swarm", *sys.argv[1:]]))

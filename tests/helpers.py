@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 def sparrowd(*args: str, **kw) -> subprocess.CompletedProcess:
     """Run the installed command as a user would."""
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", *map(str, args)],
                           capture_output=True, text=True, **kw)
 
 

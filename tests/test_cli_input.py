@@ -18,7 +18,7 @@ LOOPBACK = "http://127.0.0.1:9"  # nothing is ever called there: every case is r
 def _cli(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARROWD_")}
     env["XDG_STATE_HOME"] = str(cwd / "state")  # the default data dir, were one used
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=60, cwd=cwd, env=env)
 
 

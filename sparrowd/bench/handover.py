@@ -79,7 +79,7 @@ class Procs:
         return p
 
     def daemon(self, *args: str, name: str) -> subprocess.Popen:
-        return self.start([sys.executable, "-m", "sparrowd_cli.main", "run", *args], name)
+        return self.start([sys.executable, "-m", "sparrowd.cli.main", "run", *args], name)
 
     def stop(self) -> None:
         for p in self.procs:

@@ -118,7 +118,7 @@ class _Procs:
 
     def start(self, *args: str, name: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", *args], stdout=log, stderr=log)
+        p = subprocess.Popen([sys.executable, "-m", "sparrowd.cli.main", *args], stdout=log, stderr=log)
         self.procs.append(p)
         return p
 
