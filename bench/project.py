@@ -44,7 +44,7 @@ from typing import TypedDict
 from sparrowd.bench import write_json
 from sparrowd.cli.bench import json_file
 from sparrowd.errors import InputError, SparrowError
-from sparrowd.units import format_bytes
+from sparrowd.sizes import format_bytes
 
 __all__ = ["Assumptions", "MODELS", "PAPER", "project", "run", "main"]
 

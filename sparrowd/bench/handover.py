@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..localswarm import wait_for
-from ..units import parse_size
+from ..sizes import parse_size
 from .swarm import metric
 
 if TYPE_CHECKING:

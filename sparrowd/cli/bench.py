@@ -88,7 +88,7 @@ def _check_wan(args, names: tuple[str, ...], *, unlimited: tuple[str, ...] = ())
     """The emulated WAN's --rtt and the rates ``names`` (of ``args``), checked (InputError, one line);
     returns the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
     from sparrowd.errors import InputError
-    from sparrowd.units import parse_size
+    from sparrowd.sizes import parse_size
 
     seconds("--rtt", args.rtt)
     rates = {}
@@ -108,7 +108,7 @@ def _chunk(text: str) -> int:
     from sparrowd.codec.patch import MIN_CHUNK_SIZE
     from sparrowd.daemon.swarm import MAX_CHUNK
     from sparrowd.errors import InputError
-    from sparrowd.units import format_bytes, parse_size
+    from sparrowd.sizes import format_bytes, parse_size
 
     try:
         size = parse_size(text)
