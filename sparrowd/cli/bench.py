@@ -252,14 +252,14 @@ def cmd_sim(args) -> int:
                trace_path=args.trace, push=push, burst=args.rate_burst, **rates)
 
 
-def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):
-    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<name>.run``;
-    ``extra`` names further options passed on as keywords."""
+def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=(), module: str = ""):
+    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<module>.run`` (``module``:
+    ``name`` unless given); ``extra`` names further options passed on as keywords."""
     s = bs.add_parser(name, help=help, description=description)
     s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
-    s.set_defaults(func=lambda args: _run_sized(name, args, extra))
+    s.set_defaults(func=lambda args: _run_sized(module or name, args, extra))
     return s
 
 
@@ -311,7 +311,7 @@ def register_serve(bs) -> None:
         "--steps versions (about 1%% of elements each) are published. Report the p50 and p99 latency of requests "
         "that straddle an update beside those with none, and each update's pause beside vLLM reloading the whole "
         "checkpoint in the same server. Needs vLLM: run it from the engine environment.", 256,
-        extra=("clients", "max_tokens", "baseline_s", "gap_s"))
+        extra=("clients", "max_tokens", "baseline_s", "gap_s"), module="vllm_latency")
     s.add_argument("--clients", type=int, default=4, help="client threads sending requests (default 4)")
     s.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     s.add_argument("--baseline-s", type=float, default=20.0, help="seconds of requests with no update (default 20)")
