@@ -16,8 +16,9 @@
 # their figures are packed into swarm.tar.gz with their logs (a lent box returns at most 8 files).
 # BASELINE=DIR alternates each swarm run with the same run on another tree of sparrowd (its
 # C extension built there too), so that a change is measured against the code before it on the
-# same box in the same call:
-#   git archive 809c1e4 | (mkdir -p .base && tar -x -C .base)   # .base ignored, carried with .whl
+# same box in the same call (a tree that has the command as sparrowd/cli/; older trees kept it
+# in a top-level cli/ and are not run by this script):
+#   git archive HEAD~1 | (mkdir -p .base && tar -x -C .base)   # .base ignored, carried with .whl
 #   BASELINE=.base VALUES= APPLY=0 CODEC=0 bench/gpu.sh
 #
 # sparrowd's dependencies that the box lacks come as wheels in .whl/, downloaded here for its
@@ -46,11 +47,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/sparrowd-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# The CLI's package (cli/ installs as sparrowd_cli) without an install: the daemons are started
-# as `python -m sparrowd_cli.main`.
-mkdir -p /tmp/sparrowd-path && ln -sfn "$PWD/cli" /tmp/sparrowd-path/sparrowd_cli
+# sparrowd without an install: the daemons are started as `python -m sparrowd.cli.main` from the
+# tree on PYTHONPATH.
 base_path=${PYTHONPATH:-}  # the wheels, for a baseline tree too
-export PYTHONPATH=$PWD:/tmp/sparrowd-path${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ! "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
     echo "the C extension did not build (see build.log): the codec runs its numpy path"
 fi
@@ -59,7 +59,6 @@ if [ -n "$BASELINE" ]; then
     BASELINE=$(cd "$BASELINE" && pwd) || exit 1
     (cd "$BASELINE" && "$PY" setup.py -q build_ext --inplace >"$OUT/build-baseline.log" 2>&1) ||
         echo "the baseline's C extension did not build (see build-baseline.log)"
-    mkdir -p /tmp/sparrowd-path-baseline && ln -sfn "$BASELINE/cli" /tmp/sparrowd-path-baseline/sparrowd_cli
     trees="this baseline"
 fi
 {
@@ -72,7 +71,7 @@ bench() {  # NAME SECONDS ARGS...: one benchmark, its output in gpu.log, its fig
     local name=$1 limit=$2
     shift 2
     echo "== sparrowd bench $* ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
-    timeout "$limit" "$PY" -m sparrowd_cli.main bench "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/gpu.log"
+    timeout "$limit" "$PY" -m sparrowd.cli.main bench "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/gpu.log"
 }
 for values in $VALUES; do
     bench "publish-$values" 150 publish --device "$DEVICE" --size-mib "$PUBLISH_MIB" --steps 3 --values "$values"
@@ -95,11 +94,11 @@ if [ -n "$SWARM" ]; then
                 path=$PYTHONPATH
                 if [ "$tree" = baseline ]; then
                     name=$name-baseline
-                    path=$BASELINE:/tmp/sparrowd-path-baseline${base_path:+:$base_path}
+                    path=$BASELINE${base_path:+:$base_path}
                 fi
                 echo "== sparrowd bench swarm $run, $tree tree ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu.log"
                 mkdir -p "$OUT/swarm/$name"  # where --keep leaves the daemons' folders
-                TMPDIR=$OUT/swarm/$name PYTHONPATH=$path timeout 240 "$PY" -m sparrowd_cli.main bench swarm --no-star \
+                TMPDIR=$OUT/swarm/$name PYTHONPATH=$path timeout 240 "$PY" -m sparrowd.cli.main bench swarm --no-star \
                     --nodes "$nodes" --regions "$regions" --patch-mib "$patch" --versions "$versions" \
                     --json "$OUT/swarm/$name.json" $SWARM_ARGS 2>&1 |
                     tee "$OUT/swarm/$name.log" | grep -E "version|time to all|upload|cross-region bytes" | tee -a "$OUT/gpu.log"

@@ -24,7 +24,7 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def layers(hidden: int, n_layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(n_layers):
         p = f"model.layers.{i}."
         out += [

@@ -113,7 +113,7 @@ class LocalSwarm:
     def _start(self, name: str, role: str, region: str, extra: tuple[str, ...]) -> LocalDaemon:
         data = self.root / name
         listen = self.url.removeprefix("http://") if role == "trainer" else "127.0.0.1:0"
-        args = [sys.executable, "-m", "sparrowd_cli.main", "run", "--role", role, "--region", region, "--listen",
+        args = [sys.executable, "-m", "sparrowd.cli.main", "run", "--role", role, "--region", region, "--listen",
                 listen, "--data-dir", str(data), "--token-file", str(self.token_file), "--node-id", name,
                 "--log-level", self.log_level, *extra]
         if role != "trainer":

@@ -13,8 +13,29 @@ from safetensors.torch import save_file
 
 def sparrowd(*args: str, **kw) -> subprocess.CompletedProcess:
     """Run the installed command as a user would."""
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", *map(str, args)],
                           capture_output=True, text=True, **kw)
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"  # the harnesses that are not installed
+
+
+def bench_script(name: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    """Run ``python bench/NAME.py ARGS`` as a user would, from the checkout."""
+    return subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *map(str, args)],
+                          capture_output=True, text=True, **kw)
+
+
+def bench_module(name: str):
+    """``bench/NAME.py`` as a module, for the tests of its pure parts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:

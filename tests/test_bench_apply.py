@@ -47,7 +47,7 @@ def test_a_device_without_the_torch_engine_or_unknown_to_torch_is_refused():
         run(engine="vllm", device="cuda", size_mib=64, steps=1)
     with pytest.raises(InputError, match="device 'nonsense'"):
         run(engine="torch", device="nonsense", size_mib=64, steps=1)
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "apply", "--engine", "tensorrt"],
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", "apply", "--engine", "tensorrt"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice: 'tensorrt'" in r.stderr
 
@@ -59,7 +59,7 @@ def test_a_bench_that_needs_vllm_says_where_it_runs_in_one_line(bench, also):
 
     if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None:
         pytest.skip("this environment has vLLM: the benchmark would run")
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", bench], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", bench], capture_output=True, text=True,
                        timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "needs vLLM and transformers" in lines[0] and also in lines[0]

@@ -1,11 +1,13 @@
-"""The pretrained model behind ``sparrowd bench codec --model minilm``: its tokenizer, that the
+"""The pretrained model behind ``python bench/minilm.py`` (the codec benchmark on it): its tokenizer, that the
 checkpoint loads into the plain-torch encoder and behaves as the model it is, and that a real AdamW
 step of it makes a sparse delta the codec carries bit for bit."""
 
 import numpy as np
 import pytest
 
-from sparrowd.bench import minilm
+from tests.helpers import bench_module, bench_script
+
+minilm = bench_module("minilm")
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +55,36 @@ def test_pretrained_encoder_and_a_real_step():
     density = manifest.elements_changed / sum(t.numel for t in new.values())
     assert 0.001 < density < 0.05  # an RL-sized step: most bf16 elements do not move
     _check_exact(manifest, chunks, old, new, "minilm step (ulp2)")
+
+
+def test_the_script_runs_the_codec_benchmark_on_its_model(tmp_path, monkeypatch, capsys):
+    """main -> train -> the codec benchmark, with a stand-in for the pretrained encoder (the real one
+    is the test above): the snapshots and the description reach the report."""
+    torch = pytest.importorskip("torch")
+
+    def tiny(torch_, lr, rng, warmup=minilm.WARMUP_STEPS):
+        torch_.manual_seed(0)
+        model = torch_.nn.Linear(64, 64)
+        opt = torch_.optim.AdamW(model.parameters(), lr=lr)
+
+        def step():
+            return minilm.codec.optimizer_step(opt, model(torch_.randn(8, 64)).square().mean())
+        return model, step
+
+    monkeypatch.setattr(minilm, "trainer", tiny)
+    out = tmp_path / "minilm.json"
+    assert minilm.main(["--steps", "1", "--lr", "1e-3", "--size-mib", "1", "--json", str(out)]) == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["real"]["model"]["name"] == "all-MiniLM-L6-v2 (pretrained)" and len(doc["real"]["steps"]) == 1
+    assert doc["real"]["model"]["parameters"] == 64 * 64 + 64 and torch is not None
+    assert "all patches applied bit-exact" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [(["--steps", "0"], "--steps 0: give 1 or more"),
+                                        (["--size-mib", "0"], "--size-mib 0: give 1 or more")])
+def test_bad_input_is_one_line(tmp_path, args, says):
+    r = bench_script("minilm", *args, cwd=tmp_path, timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"bench/minilm.py: error: {says}"], r.stderr
+    assert not r.stdout and not any(tmp_path.iterdir())

@@ -1,11 +1,13 @@
-"""``sparrowd bench project``: the step-time model is what its docstring says, and its command checks input."""
+"""``python bench/project.py``: the step-time model is what its docstring says, and the script checks input."""
 
 import json
 
 import pytest
 
-from sparrowd.bench.project import MODELS, Assumptions, project
-from tests.helpers import sparrowd
+from tests.helpers import bench_module, bench_script
+
+_project = bench_module("project")
+MODELS, Assumptions, project = _project.MODELS, _project.Assumptions, _project.project
 
 
 def test_off_policy_overlaps_the_transfer_and_on_policy_adds_it():
@@ -46,19 +48,21 @@ def test_the_patch_and_the_full_copy_scale_as_stated():
 
 def test_the_command_prints_the_table_and_refuses_bad_input(tmp_path):
     out = tmp_path / "p.json"
-    r = sparrowd("bench", "project", "--generate-seconds", "20", "--json", out)
+    r = bench_script("project", "--generate-seconds", "20", "--json", out, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "Qwen3-8B" in r.stdout and "SparrowRL reports 2.4-9.5x" in r.stdout
     figures = json.loads(out.read_text())
     assert figures["assumptions"]["generate_seconds"] == 20 and len(figures["rows"]) == 3
-    r = sparrowd("bench", "project", "--wan-gbps", "0")
-    assert r.returncode != 0 and r.stderr.strip() == "sparrowd: error: --wan-gbps must be positive (density at most 1)"
+    r = bench_script("project", "--wan-gbps", "0", timeout=60)
+    says = "bench/project.py: error: --wan-gbps must be positive (density at most 1)"
+    assert r.returncode != 0 and r.stderr.strip() == says
 
 
 @pytest.mark.parametrize("bad", [("--wan-gbps", "nan"), ("--train-seconds", "inf"), ("--density", "nan"),
                                  ("--density", "1.5"), ("--nodes-per-region", "0")])
 def test_non_finite_and_out_of_range_assumptions_are_one_line(tmp_path, bad):
-    r = sparrowd("bench", "project", *bad, cwd=tmp_path, timeout=60)
+    r = bench_script("project", *bad, cwd=tmp_path, timeout=60)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"sparrowd: error: {bad[0]} must be"), r.stderr
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"bench/project.py: error: {bad[0]} must be"), r.stderr
     assert not r.stdout and "Traceback" not in r.stderr

@@ -57,7 +57,7 @@ def test_bench_publish_refuses_a_device_name_torch_does_not_know():
 def test_the_sized_benchmarks_refuse_a_size_or_steps_below_1_in_one_line(tmp_path, bad, says):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", *bad], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", *bad], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"sparrowd: error: {says}"], r.stderr
     assert not r.stdout and not any(tmp_path.iterdir())
@@ -66,10 +66,10 @@ def test_the_sized_benchmarks_refuse_a_size_or_steps_below_1_in_one_line(tmp_pat
 def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
     import subprocess
     import sys
-    for bench in ("codec", "publish", "swarm", "apply", "soak"):
-        r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", bench, "--json",
+    for bench in ("codec", "publish", "swarm", "apply"):
+        r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", bench, "--json",
                             str(tmp_path / "nowhere" / "f.json")], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "nowhere does not exist" in r.stderr.strip().splitlines()[-1], (bench, r.stderr)
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "codec", "--json", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", "codec", "--json", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is a folder" in r.stderr, r.stderr

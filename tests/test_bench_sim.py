@@ -57,7 +57,7 @@ def test_nodes_leaving_mid_version_do_not_stop_the_rest():
 
 
 def _cli(*args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "sim", *args],
+    return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", "sim", *args],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def _cli(*args, tmp_path, timeout=60):
-    return subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "bench", "swarm", *args],
+    return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", "swarm", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 

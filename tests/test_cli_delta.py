@@ -182,7 +182,7 @@ def test_no_space_left_leaves_no_partial_output(files):
         ["delta", "apply", d / "v0.safetensors", d / "p.sprw", "-o", d / "never.safetensors"],
         ["delta", "export", d / "p.sprw", "-o", d / "never-decoded.safetensors", "--base", d / "v0.safetensors"],
     ):
-        r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", *map(str, args)], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", *map(str, args)], capture_output=True, text=True,
                            preexec_fn=_limit_file_size)
         assert r.returncode != 0
         assert r.stderr.strip().splitlines() == ["sparrowd: error: File too large"], r.stderr

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_demo_runs_end_to_end_and_cleans_up():
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "demo", "--nodes", "3", "--regions", "2",
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "demo", "--nodes", "3", "--regions", "2",
                         "--steps", "3"], capture_output=True, text=True, timeout=120, env={**_env(), "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
@@ -29,7 +29,7 @@ def test_the_demo_runs_end_to_end_and_cleans_up():
 
 
 def test_bad_demo_arguments_are_one_clear_error():
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "demo", "--nodes", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "demo", "--nodes", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip() == "sparrowd: error: --nodes, --regions and --steps must be at " \
                                                      "least 1"

@@ -121,8 +121,8 @@ def test_install_sets_up_follow_mode_and_refuses_an_address_off_loopback(tmp_pat
 def test_the_token_is_never_readable_by_others_not_even_while_it_is_written(tmp_path, token, monkeypatch):
     """Each file install writes has its mode from its temporary's creation on: the token's is 0600
     when created, when written and when renamed into place, whatever the umask (here 022)."""
-    import sparrowd_cli.install as install
-    from sparrowd_cli.main import main
+    import sparrowd.cli.install as install
+    from sparrowd.cli.main import main
 
     seen: list[tuple[str, str, int]] = []  # (file, when, mode of its temporary)
     real_open, real_atomic = os.open, install.atomic_file

@@ -1,5 +1,6 @@
 """The house's rules: the SDK (the trainer's and the engines' modules), the pure core and the
-simulator import nothing from ``sparrowd.daemon``; no module is over 800 lines, no class over 500."""
+simulator import nothing from ``sparrowd.daemon``; nothing but the command imports ``sparrowd.cli``;
+no module is over 800 lines, no class over 500."""
 
 from __future__ import annotations
 
@@ -52,8 +53,19 @@ def test_the_scan_sees_relative_imports():
     assert "sparrowd.daemon.membership" in names and "sparrowd.client" in names
 
 
+def test_nothing_but_the_command_imports_the_command():
+    """sparrowd.cli is the top of the house: the library, the daemon and the benchmarks start a
+    daemon as ``python -m sparrowd.cli.main``, never by importing it."""
+    cli = ROOT / "cli"
+    paths = [p for p in ROOT.rglob("*.py") if cli not in p.parents and "vendor" not in p.parts]
+    assert len(paths) > 50 and (cli / "main.py").exists()
+    for path in paths:
+        bad = sorted(n for n in _imported(path) if n == "sparrowd.cli" or n.startswith("sparrowd.cli."))
+        assert not bad, f"{path.relative_to(ROOT.parent)} imports {bad}"
+
+
 def test_no_module_is_over_800_lines_and_no_class_over_500():
-    files = [p for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "cli").rglob("*.py")] if "vendor" not in p.parts]
+    files = [p for p in ROOT.rglob("*.py") if "vendor" not in p.parts]
     assert len(files) > 50
     for path in files:
         text = path.read_text()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.top import TopApp, render_once
-from cli.topview import TopView, fit
+from sparrowd.cli.top import TopApp, render_once
+from sparrowd.cli.topview import TopView, fit
 from sparrowd.errors import SparrowError
 
 SNAP = json.loads((Path(__file__).parent / "data" / "status_snapshot.json").read_text())
@@ -140,7 +140,7 @@ def test_the_live_app_headless_sorts_filters_and_survives_an_outage():
     (["--once", "--tracker", ""], "give --tracker"),
 ])
 def test_bad_input_is_one_line_before_the_screen_changes(tmp_path, args, says):
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "top", "--tracker", "http://127.0.0.1:9",
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "top", "--tracker", "http://127.0.0.1:9",
                         "--token-file", str(make_bad_token(tmp_path)), *args],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
@@ -156,13 +156,13 @@ def test_top_against_a_live_swarm_once_and_in_a_real_terminal(cluster, tmp_path)
 
     wait_for(lambda: len(cluster.nodes()) == 3, 15, "three nodes")
     common = ["--tracker", cluster.tracker, "--token-file", str(cluster.token_file)]
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "top", "--once", *common],
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "top", "--once", *common],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert "nodes 3 up" in r.stdout or "joining" in r.stdout
     for node in ("trainer", "n-eu", "n-us"):
         assert node in r.stdout
-    r = subprocess.run([sys.executable, "-m", "sparrowd_cli.main", "top", "--once", "--tracker", cluster.tracker,
+    r = subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "top", "--once", "--tracker", cluster.tracker,
                         "--token-file", str(make_bad_token(tmp_path))], capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "refused the swarm token" in r.stderr
 
@@ -170,7 +170,7 @@ def test_top_against_a_live_swarm_once_and_in_a_real_terminal(cluster, tmp_path)
     if tmux is None:
         pytest.fail("tmux is needed for the real-terminal test (.ci/run installs it)")
     session = f"sparrowd-top-{tmp_path.name[-8:]}"
-    cmd = " ".join([sys.executable, "-m", "sparrowd_cli.main", "top", *common])
+    cmd = " ".join([sys.executable, "-m", "sparrowd.cli.main", "top", *common])
     subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
     try:
         def screen() -> str:

@@ -9,7 +9,7 @@ sys.modules["torch"] = None  # any import of torch now fails
 import numpy as np
 from pathlib import Path
 from sparrowd.checkpoint import TensorSpec, write_safetensors
-from sparrowd_cli.main import main
+from sparrowd.cli.main import main
 
 d = Path(sys.argv[1])
 rng = np.random.default_rng(0)

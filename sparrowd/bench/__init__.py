@@ -1,5 +1,16 @@
 """Benchmarks behind ``sparrowd bench``: each prints what it measured beside a baseline taken in
-the same run, and can write its figures as JSON (``--json FILE``)."""
+the same run, and can write its figures as JSON (``--json FILE``).
+
+What lives here is what a user runs to size a deployment on their own machines, links and
+checkpoints (codec, swarm, sim, publish, apply, tracker, coldstart), with the parts they share
+(``wan``, the WAN emulator; ``trainer``; ``handover``, the ways weights reach servers;
+``vllm_server``), and rl and serve, which drive vLLM through those shared parts. Harnesses that only
+reproduce the project's figures are scripts in the checkout's ``bench/`` (soak, project, minilm), not
+installed; they import this package, never the reverse.
+
+It may import anything of sparrowd but the command (``sparrowd.cli``); torch and vLLM only inside the
+functions that need them. ``sim/`` is the simulator: it imports nothing of ``sparrowd.daemon``.
+"""
 
 from __future__ import annotations
 

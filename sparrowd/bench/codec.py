@@ -35,7 +35,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zstandard
@@ -60,6 +60,9 @@ class Shape:
 
 
 MODELS = {"5m": Shape(4096, 256, 4, 4), "27m": Shape(8192, 512, 6, 8)}  # 5.3M and 27.4M parameters
+# Another model's training, for ``run(model=...)``: (torch, steps, lr, rng) -> (parameters, the ``steps + 1``
+# snapshots, the losses, the model as the figures describe it).
+Trainer = Callable[[Any, int, float, Any], tuple[int, list[dict[str, RawTensor]], list[float], dict[str, Any]]]
 SEQ = 128
 BATCH = 8
 SUCCESSORS = 4  # each token of the Markov chain has this many possible next tokens
@@ -189,7 +192,7 @@ def _train(torch, steps: int, lr: float, rng, shape: Shape = MODELS["5m"]
         step()
     for g in opt.param_groups:
         g["lr"] = lr
-    return nparams, *_steps(torch, model, step, steps)
+    return nparams, *snapshot_steps(torch, model, step, steps)
 
 
 def optimizer_step(opt, loss) -> float:
@@ -200,21 +203,13 @@ def optimizer_step(opt, loss) -> float:
     return loss.item()
 
 
-def _steps(torch, model, step, steps: int) -> tuple[list[dict[str, RawTensor]], list[float]]:
+def snapshot_steps(torch, model, step, steps: int) -> tuple[list[dict[str, RawTensor]], list[float]]:
     """``steps + 1`` snapshots around ``steps`` calls of ``step``, and their losses."""
     snaps, losses = [_snapshot(torch, model)], []
     for _ in range(steps):
         losses.append(step())
         snaps.append(_snapshot(torch, model))
     return snaps, losses
-
-
-def _train_minilm(torch, steps: int, lr: float, rng) -> tuple[int, list[dict[str, RawTensor]], list[float]]:
-    """The pretrained all-MiniLM-L6-v2 (``minilm.py``): ``steps`` AdamW steps of SimCSE at ``lr``."""
-    from sparrowd.bench import minilm
-
-    model, step = minilm.trainer(torch, lr, rng)
-    return sum(p.numel() for p in model.parameters()), *_steps(torch, model, step, steps)
 
 
 # ---------------------------------------------------------------- sizes
@@ -542,8 +537,9 @@ def _print_targets(targets: list[dict]) -> None:
 
 
 def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | None = None,
-        model: str = "5m") -> int:
-    """Run the benchmark, print the report, optionally write JSON; returns 0 (2 without torch)."""
+        model: str | Trainer = "5m") -> int:
+    """Run the benchmark, print the report, optionally write JSON; returns 0 (2 without torch). ``model``
+    is a name in ``MODELS`` or a :data:`Trainer` of another model (``bench/minilm.py``'s)."""
     try:
         import torch
     except ImportError:
@@ -560,13 +556,8 @@ def run(steps: int = 4, lr: float = 1e-6, size_mib: int = 512, json_path: str | 
           f"numpy {machine['numpy']}, torch {machine['torch']} ({machine['torch_threads']} threads)")
 
     t0 = time.perf_counter()
-    if model == "minilm":
-        from sparrowd.bench import minilm
-
-        nparams, snaps, losses = _train_minilm(torch, steps, lr, rng)
-        described = {"name": "all-MiniLM-L6-v2 (pretrained)", "objective": "SimCSE",
-                     "seq": minilm.SEQ, "batch": minilm.BATCH, "warmup_steps": minilm.WARMUP_STEPS,
-                     "warmup_lr": lr, "weight_decay": minilm.WEIGHT_DECAY}
+    if callable(model):
+        nparams, snaps, losses, described = model(torch, steps, lr, rng)
     else:
         shape = MODELS[model]
         nparams, snaps, losses = _train(torch, steps, lr, rng, shape)

@@ -32,7 +32,7 @@ import numpy as np
 from ..checkpoint import atomic_file
 from ..client import http_call
 from ..errors import SparrowError
-from ..units import format_bytes, parse_size
+from ..sizes import format_bytes, parse_size
 from . import write_json
 from .handover import FileServer, Procs, address, download, start_wan, wait
 from .swarm import metric

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..localswarm import wait_for
-from ..units import parse_size
+from ..sizes import parse_size
 from .swarm import metric
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class Procs:
         return p
 
     def daemon(self, *args: str, name: str) -> subprocess.Popen:
-        return self.start([sys.executable, "-m", "sparrowd_cli.main", "run", *args], name)
+        return self.start([sys.executable, "-m", "sparrowd.cli.main", "run", *args], name)
 
     def stop(self) -> None:
         for p in self.procs:

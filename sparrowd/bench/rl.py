@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import atomic_file
-from ..units import format_bytes, parse_size
+from ..sizes import format_bytes, parse_size
 from . import needs_vllm, write_json
 from .handover import STRATEGIES, Strategy, address, save_bf16, wait
 

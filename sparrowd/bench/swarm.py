@@ -49,9 +49,9 @@ from ..codec.bits import RawTensor
 from ..codec.patch import auto_chunk_size, encode_patch
 from ..codec.patchfile import parse_patch, patch_parts
 from ..localswarm import free_port
+from ..sizes import format_bytes, format_rate, parse_size
 from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.push import DEFAULT_PUSH
-from ..units import format_bytes, format_rate, parse_size
 from . import cross_region_over, ratio_text, relaying, write_json
 
 MB = 1 << 20
@@ -118,7 +118,7 @@ class _Procs:
 
     def start(self, *args: str, name: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", *args], stdout=log, stderr=log)
+        p = subprocess.Popen([sys.executable, "-m", "sparrowd.cli.main", *args], stdout=log, stderr=log)
         self.procs.append(p)
         return p
 

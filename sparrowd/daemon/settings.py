@@ -20,10 +20,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import InputError
+from ..sizes import parse_size
 from ..swarm.bucket import DEFAULT_BURST
 from ..swarm.leases import DEFAULT_PEER_LIMIT, DEFAULT_TTL, ROLES, check_name
 from ..swarm.push import DEFAULT_PUSH, parse_push
-from ..units import parse_size
 
 __all__ = ["Settings", "load_settings", "parse_hostport", "default_data_dir", "is_loopback"]
 

@@ -78,7 +78,7 @@ class Daemon:
                 import resource
                 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "sparrowd.cli.main", "run", *self.args],
                                      stdout=self._log, stderr=self._log, env=self.env, preexec_fn=limits)
         if wait:
             wait_for(lambda: self.runtime() is not None or self.proc.poll() is not None, 20, f"{self.name} to start")

@@ -27,7 +27,7 @@ STEPS = 2
 @pytest.mark.timeout(900)  # five runs and a box booting a vllm serve mid-run
 def test_every_strategy_gives_identical_rewards_and_weights_while_boxes_come_and_go(tmp_path):
     out = tmp_path / "rl.json"
-    r = subprocess.run([engine_python(), "-m", "sparrowd_cli.main", "bench", "rl", "--quick", "--steps", str(STEPS),
+    r = subprocess.run([engine_python(), "-m", "sparrowd.cli.main", "bench", "rl", "--quick", "--steps", str(STEPS),
                         "--churn", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"

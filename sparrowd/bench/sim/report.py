@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import time
 
+from ...sizes import format_bytes, format_rate
 from ...swarm.push import DEFAULT_PUSH
-from ...units import format_bytes, format_rate
 from .. import ratio_text
 from .core import Sim
 from .model import MB, Config

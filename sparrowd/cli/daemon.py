@@ -253,7 +253,7 @@ def cmd_join(args) -> int:
                                                                        for k, v in flags.items()))
     log_path = data_dir / "sparrowd.log"
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "sparrowd_cli.main", "run", "--config", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "sparrowd.cli.main", "run", "--config", str(config)],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                 env={k: v for k, v in os.environ.items() if not k.startswith("SPARROWD_")})
     token, _ = read_token(settings.token_file)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparrowd.units import format_bytes
+from sparrowd.sizes import format_bytes
 
 COLUMNS = ("NODE", "ROLE", "REGION", "ADDRESS", "STATE", "LEASE", "VERSIONS", "ENGINE", "CURRENT", "DOWN/s", "UP/s")
 

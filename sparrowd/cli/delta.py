@@ -8,7 +8,7 @@ import json
 from sparrowd.checkpoint import open_checkpoint
 from sparrowd.codec import ABSOLUTE, ULP, ULP2
 from sparrowd.delta import apply_file, diff_files, export_patch, inspect_patch
-from sparrowd.units import format_bytes, parse_size
+from sparrowd.sizes import format_bytes, parse_size
 
 from .checks import path_arg, path_args
 from .progress import Progress

