@@ -136,7 +136,8 @@ def register(sub) -> None:
                     help=f"with --checkpoint: where the last published checkpoint is kept "
                          f"(default {default_data_dir() / 'published'})")
     pb.add_argument("--values", choices=("ulp", "ulp2", "absolute"), default="ulp",
-                    help="value mode (default ulp; ulp2 needs rollout nodes with --current on, see docs/FORMAT.md)")
+                    help="value mode (default ulp; ulp2, the smallest, needs rollout boxes that hold the base: an "
+                         "anchor, --base, or their engine's own base folder, see docs/ROLLOUT.md)")
     pb.add_argument("--daemon", metavar="URL", default=os.environ.get("SPARROWD_DAEMON", "http://127.0.0.1:7070"),
                     help="the trainer's daemon (default $SPARROWD_DAEMON or http://127.0.0.1:7070)")
     pb.add_argument("--token-file", metavar="FILE", default=os.environ.get("SPARROWD_TOKEN_FILE"),
