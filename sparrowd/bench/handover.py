@@ -416,7 +416,10 @@ class _Churn(_Sparrow):
         return True
 
     def finish(self, last: int) -> dict:
-        """The joiner on the last version, then every server's weights compared there."""
+        """The joiner on the last version, then every server's weights and greedy outputs (tokens,
+        logprobs, version labels) compared there."""
+        from .vllm_server import generate
+
         if self._boot_job is None:
             raise RuntimeError(f"the churn happens after step {self.churn_step}; run at least that many steps")
         self._boot_job.result()  # a failed join fails the run
@@ -424,14 +427,16 @@ class _Churn(_Sparrow):
              every=0.1)
         caught_up = time.monotonic()
         self.ensure(last)
-        sums = [s.post("weight_checker", {"action": "checksum"})["checksums"]
-                for s in [*self.w.servers, self.joiner_server]]
+        servers = [*self.w.servers, self.joiner_server]
+        sums = [s.post("weight_checker", {"action": "checksum"})["checksums"] for s in servers]
+        said = [[generate(s.url, p) for p in GREEDY_PROMPTS] for s in servers]
         ev = self.events
         return {"churn_step": self.churn_step, "joiner_folder_version": ev["folder_version"],
                 "joiner_folder_seconds": ev["folder_ready"] - ev["killed"],
                 "joiner_serving_seconds": ev["serving"] - ev["killed"],
                 "joiner_caught_up_after_last_publish": caught_up - self.published[last],
-                "joiner_weights_equal": all(x == sums[0] for x in sums)}
+                "joiner_weights_equal": all(x == sums[0] for x in sums),
+                "joiner_generates_equal": all(x == said[0] for x in said)}
 
     def stop(self) -> None:
         if self.joiner_server is not None:
@@ -441,6 +446,7 @@ class _Churn(_Sparrow):
 
 
 JOIN_WITHIN = 600.0  # seconds into a ``churn`` run by which the joiner must have followed a version
+GREEDY_PROMPTS = [[11, 250, 37, 903, 4], [600, 2, 2, 71, 18, 333, 9], [5]]  # token ids, greedy, at the end of ``churn``
 
 
 def _version_of(server) -> int | None:

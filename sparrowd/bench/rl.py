@@ -30,7 +30,8 @@ makes generation k wait for version k-1.
 Every strategy is bit-exact, so all must give identical rewards and
 identical server weights (vLLM's ``/weight_checker`` checksums) at every
 step, and the box that joined mid-run must end with the steady servers'
-weights; the benchmark checks all of it and fails loudly otherwise.
+weights and greedy outputs; the benchmark checks all of it and fails loudly
+otherwise.
 
 The WAN is the swarm benchmark's (``sparrowd.bench.wan``): regions on their
 own loopback blocks, proxies adding round-trip time and shaping each ordered
@@ -364,6 +365,9 @@ def run(cfg: RLConfig | None = None, *, json_path: str | None = None, plot_path:
         if r.after and not r.after["joiner_weights_equal"]:
             problems.append(f"{r.name}: the box that joined mid-run holds other weights than the steady servers at "
                             f"version {len(r.steps)}")
+        if r.after and not r.after["joiner_generates_equal"]:
+            problems.append(f"{r.name}: the box that joined mid-run generates other greedy tokens or logprobs than "
+                            f"the steady servers at version {len(r.steps)}")
 
     summaries = {r.name: r.summary() for r in results}
     gen = sum(s["split"]["generate"] for s in summaries.values()) / len(summaries)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 FILES = {"config.json": '{"model_type": "tiny", "hidden_size": 64}\n',
          "tokenizer.json": json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(256)}}}),
-         "tokenizer_config.json": '{"chat_template": "{{ messages }}"}\n', "generation_config.json": "{}\n"}
+         "tokenizer_config.json": '{"chat_template": "{{ messages }}"}\n', "generation_config.json": "{}\n",
+         "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"}
 
 
 def model_folder(tmp_path):

@@ -5,8 +5,10 @@ tiny Qwen3; a GRPO-style update trains it; the weights reach the servers by full
 broadcast, sparrowd from the trainer only, the sparrowd swarm, at no cost, and the swarm again
 while boxes come and go (one killed, an empty one booting from the swarm and followed). Every
 strategy is bit-exact, so the rewards and the servers' weights must be identical at every step:
-the strongest end-to-end check the project has. Its figures are not judged here (they are the
-benchmark's, on a bigger run).
+the strongest end-to-end check the project has. The empty box is also this suite's check that a
+box with nothing serves the current policy with `vllm serve DATA/current` and follow mode; what
+DATA/current holds is checked file by file in tests/daemon/test_current.py. Its figures are not
+judged here (they are the benchmark's, on a bigger run).
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def test_every_strategy_gives_identical_rewards_and_weights_while_boxes_come_and
     assert len(set(joined)) >= 2 and joined == sorted(joined)  # follow mode moved it forward while steps ran
     a = churn["churn"]
     assert a["churn_step"] == 1 and a["joiner_folder_version"] >= 0  # booted from the swarm
+    # The server started on DATA/current runs the folder's version or a later one, never an older one.
+    assert joined[0] >= a["joiner_folder_version"]
     assert 0 < a["joiner_folder_seconds"] < a["joiner_serving_seconds"]
     assert a["joiner_weights_equal"] and a["joiner_caught_up_after_last_publish"] >= 0
+    # On the last version the joiner's greedy tokens, logprobs and version labels equal the steady servers'.
+    assert a["joiner_generates_equal"]
     assert "an empty box joined; the trainer side did nothing" in r.stdout

@@ -60,44 +60,6 @@ def save_bf16(model, folder: Path) -> None:
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # the same cast the Publisher makes
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A real (tiny) BPE tokenizer with a chat template, saved the way Hugging Face saves one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = "the policy moves through the swarm one sparse patch at a time bit for bit".split()
-    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))],
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
-    fast.save_pretrained(folder)
-
-
-def coldtrain(out: Path, daemon: str, token_file: str, steps: int) -> None:
-    """A trainer whose anchors carry the model's files: each step saved with its tokenizer, an
-    anchor every 2 versions, so that a box with nothing boots from the swarm."""
-    import torch
-
-    from sparrowd import Publisher
-
-    model = tiny_qwen3()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    save_bf16(model, out / "step0")
-    save_tokenizer(out / "step0")
-    pub = Publisher(daemon=daemon, token_file=token_file, anchor_every=2, model_files=out / "step0")
-    pub.start(model, version=0)
-    g = torch.Generator().manual_seed(1)
-    for step in range(1, steps + 1):
-        adamw_step(model, opt, g)
-        save_bf16(model, out / f"step{step}")
-        save_tokenizer(out / f"step{step}")
-        pub.publish(model, version=step)
-        print(f"step {step} published", flush=True)
-    pub.close()
-
-
 def train(out: Path, daemon: str, token_file: str, steps: int) -> None:
     import torch
 
@@ -495,8 +457,6 @@ if __name__ == "__main__":
         more(out, sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     elif role == "dispatch":
         dispatch(out)
-    elif role == "coldtrain":
-        coldtrain(out, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "base":
         base(out)
     elif role == "ray":
