@@ -532,7 +532,7 @@ def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_coun
 
     regions = {"e1": "eu", "e2": "eu", "u1": "us", "a1": "ap"}
     me = SimpleNamespace(remotes={}, _live_regions=set(), _live_at=float("-inf"), _wants=lambda r: True,
-                         daemon=SimpleNamespace(settings=SimpleNamespace(region="eu")))
+                         host=SimpleNamespace(settings=SimpleNamespace(region="eu")))
 
     def ask(node):
         r = Swarm._remote(me, node, regions[node])
@@ -580,8 +580,8 @@ def test_a_neighbour_the_trainer_tells_of_is_a_peer_before_the_version_in_the_sa
         async def loop(ps):
             started.append(ps.node_id)
 
-        me = SimpleNamespace(daemon=SimpleNamespace(membership=membership, node_id="n6",
-                                                    settings=SimpleNamespace(region="r2")),
+        me = SimpleNamespace(host=SimpleNamespace(membership=membership, node_id="n6",
+                                                  settings=SimpleNamespace(region="r2")),
                              peers={"trainer": trainer}, banned=set(), _peer_loop=loop, _joins_seen=0,
                              versions={}, floor=lambda: 0, signer=None, available_since={}, _touch=lambda: None,
                              _announced=asyncio.Event(), _changed=asyncio.Event(), trainer_heard=False,

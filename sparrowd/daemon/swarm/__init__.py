@@ -55,6 +55,7 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
 
 The package, by job (each module says what it holds):
 
+* ``context``: what the swarm takes of its host, the daemon (``SwarmHost``).
 * ``wire``: headers, message schemas, size limits, a chunk stream's pieces.
 * ``state``: the per-peer tables (``PeerState``, ``Remote``).
 * ``peers``: the peers fetched from: their long polls, contacts, bans.
@@ -68,8 +69,9 @@ The package, by job (each module says what it holds):
 
 What it may import: the pure packages (``sparrowd.swarm``, ``sparrowd.codec``,
 ``sparrowd.schema``), and of ``sparrowd.daemon`` only ``bodies``,
-``cutthrough``, ``logs`` and ``store``; the daemon (``app``) hands ``Swarm``
-itself, and nothing here imports ``app``.
+``cutthrough``, ``logs`` and ``store``. The daemon (``app``) hands ``Swarm``
+itself as its ``SwarmHost`` (``context``): the swarm reads nothing of it beyond that, and nothing
+here imports ``app``.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Fetching:
                     continue
                 if near_whole is None:
                     near_whole = set().union(*(p.have.get(k, ()) for p in self.peers.values()
-                                               if p.role != "trainer" and p.region == self.daemon.settings.region
+                                               if p.role != "trainer" and p.region == self.host.settings.region
                                                and not p.stalled))
                 near = i in near_whole
                 if not stripes_stopped(now, part.fed_at, round_trip, failed=part.failed, near_whole=near):
@@ -143,8 +143,8 @@ class Fetching:
         """The nodes that share this region's cross-region fetches, as this node sees them
         (``serving.crossers``): the gateways the tracker names, less those that held this node back,
         else itself and the neighbours it counts on."""
-        m = self.daemon.membership
-        return serving.crossers(self.daemon.node_id, m.state.gateways if m is not None else [],
+        m = self.host.membership
+        return serving.crossers(self.host.node_id, m.state.gateways if m is not None else [],
                         lambda g: g in self.peers and not self.peers[g].stalled, trusted)
 
     def _neighbours(self) -> list[tuple[str, int]]:
@@ -152,7 +152,7 @@ class Fetching:
         those that have shown holding chunks, which every node of the region sees alike, decided
         when it starts fetching a version and grown by the peers it learns of since; for the version
         only until they hold this node back (``Picker.stalled``)."""
-        region = self.daemon.settings.region
+        region = self.host.settings.region
         return [(p.node_id, p.held) for p in self.peers.values() if p.region == region and p.role != "trainer"]
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
@@ -178,7 +178,7 @@ class Fetching:
                     return
                 if r.status != 200:
                     return
-                self._take_root(vs, index, self.daemon.settings.region if ps.role == "trainer"
+                self._take_root(vs, index, self.host.settings.region if ps.role == "trainer"
                                 else r.headers.get(ROOT_HEADER))
                 if ps.role == "trainer":
                     vs.first_hand.add(index)

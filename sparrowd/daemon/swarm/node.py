@@ -26,6 +26,7 @@ from ...swarm.versions import VersionState
 from ..cutthrough import Partial
 from ..logs import Throttle, event
 from ..store import ChunkStore
+from .context import SwarmHost
 from .fetch import Fetching
 from .peers import Peers
 from .push import Pushing
@@ -46,17 +47,17 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
     module says what it does). The parts share these tables; the trainer's part (``Seeding``) acts
     only where ``signer`` is set."""
 
-    def __init__(self, daemon, store: ChunkStore, *, signer: Signer | None, retain: int,
+    def __init__(self, host: SwarmHost, store: ChunkStore, *, signer: Signer | None, retain: int,
                  upload_rate: int | None, download_rate: int | None, wan_upload_rate: int | None,
                  rate_burst: float = DEFAULT_BURST):
-        self.daemon = daemon
+        self.host = host  # all it takes of the daemon (``context.SwarmHost``)
         self.store = store
         self.signer = signer
         self.verifier: Verifier | None = Verifier(signer.public) if signer else None
         self.retain = retain
         # The version this node can produce, kept on disk: the base model (0) until it moves, or
         # nothing (-1) for a node that keeps a current folder, which starts from an anchor.
-        self.at = -1 if daemon.settings.keeps_current else 0
+        self.at = -1 if host.settings.keeps_current else 0
         self.versions: dict[Key, VersionState] = {}  # patches and anchors
         self.trainer_heard = False  # an exchange with the trainer told this node what the chain holds
         self.engine_floor: int | None = None  # the oldest version an attached engine holds
@@ -107,7 +108,7 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
         # replies say so, so that it does not ask for them meanwhile: both news reach it at the same moment)
         self._taking: set[asyncio.Task] = set()  # pushes being received
         self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes (``STRIPED_TAKEN``)
-        self.picker = Picker(daemon.node_id, daemon.settings.region)
+        self.picker = Picker(host.node_id, host.settings.region)
         self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=OPTIMISTIC_EVERY)
         self.unchoked: set[str] = set()
         self.superseed: dict[Key, SuperSeed] = {}
@@ -153,8 +154,8 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
 
     def start(self) -> None:
         # No Authorization header: a join secret goes to the tracker only, never to a peer.
-        self._session = aiohttp.ClientSession(connector=self.daemon.outgoing(), connector_owner=False, headers={
-            NODE_HEADER: self.daemon.node_id, REGION_HEADER: self.daemon.settings.region},
+        self._session = aiohttp.ClientSession(connector=self.host.outgoing(), connector_owner=False, headers={
+            NODE_HEADER: self.host.node_id, REGION_HEADER: self.host.settings.region},
             trace_configs=[_new_connections()])
         if self.signer is not None:
             self._tasks.append(asyncio.create_task(self._choke_loop(), name="choker"))
@@ -254,7 +255,7 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
         return {i for (k, i) in self.inflight if k == key}
 
     def _relays_partials(self) -> bool:
-        return self.signer is None and self.daemon.settings.cut_through
+        return self.signer is None and self.host.settings.cut_through
 
     def latest(self) -> int | None:
         return max(self.held(), default=None)
@@ -287,7 +288,7 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
         event(log, logging.INFO, "anchor complete" if vs.anchor else "version complete", version=vs.version,
               chunks=vs.total, position=self.position())
         self.retire()
-        self.daemon.report_changed()
+        self.host.report_changed()
 
     def retire(self) -> None:
         """Retention (``chain.retained``): the last ``retain`` patches, the newest anchor and every

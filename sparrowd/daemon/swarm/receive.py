@@ -56,7 +56,7 @@ class Receiving:
         that completes the chunk stores it."""
         key = (vs.key, index)
         ref = vs.chunks[index]
-        wan = ps.region != self.daemon.settings.region
+        wan = ps.region != self.host.settings.region
         if into is not None:
             buf = into
         else:
@@ -93,7 +93,7 @@ class Receiving:
                 got = buf.stripe_got.get(stripe, 0)
                 if not buf.stripe_whole(stripe) and not buf.whole:
                     raise aiohttp.ClientPayloadError(f"stripe {stripe[0]}/{stripe[1]}: {got} bytes short")
-                self.daemon.count_bytes("down", got, wan)
+                self.host.count_bytes("down", got, wan)
                 if buf.stripe_whole(stripe):
                     self.stripes["received"] += 1
                 if not buf.whole or buf.storing or index in vs.have:
@@ -104,7 +104,7 @@ class Receiving:
                     raise IntegrityError(f"{buf.what}: {buf.got} of its {ref.size} bytes")
                 raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")  # as a cut stream
             else:
-                self.daemon.count_bytes("down", buf.got, wan)
+                self.host.count_bytes("down", buf.got, wan)
             data = buf.buf
             if index in vs.have:
                 return False
@@ -313,7 +313,7 @@ class Receiving:
         striped = None if stripe is None else parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
         self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if (also := request.headers.get(ALSO_HEADER, "")) and len(also) <= ALSO_HEADER_MAX:
-            self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.daemon.node_id}
+            self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.host.node_id}
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             self.partials.pop((key, i), None)  # the request's, if its response began: nothing served from it
             pull.cancel()

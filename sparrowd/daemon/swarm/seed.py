@@ -95,7 +95,7 @@ class Seeding:
     def rollouts(self) -> int | None:
         """The live rollouts (and relays) the tracker holds leases for, None where this daemon hosts no
         tracker: the Publisher cuts the next patch for a swarm of that size (``auto_chunk_size``)."""
-        t = self.daemon.tracker
+        t = self.host.tracker
         return None if t is None else t.table.rollouts(t.clock())
 
     async def publish_manifest(self, data: bytes) -> dict:
@@ -124,13 +124,13 @@ class Seeding:
                                   f"but the latest published is {latest}")
         self._take_statement(vs, self.signer.sign(manifest_kind(key.anchor), m.version, m.to_bytes()))
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
-        if self.daemon.tracker is not None:
-            self.daemon.tracker.table.set_latest_version(max(m.version, latest or 0))
+        if self.host.tracker is not None:
+            self.host.tracker.table.set_latest_version(max(m.version, latest or 0))
         event(log, logging.INFO, "anchor published" if key.anchor else "version published", version=m.version,
               chunks=len(m.chunks), bytes=m.patch_bytes, base_version=m.base_version)
         self.retire()
         await self.notify()
-        self.daemon.report_changed()  # the trainer's own row shows the version now, as a node's does
+        self.host.report_changed()  # the trainer's own row shows the version now, as a node's does
         return {"version": m.version, "anchor": key.anchor, "chunks": len(m.chunks), "new": True}
 
     def forget(self, node_id: str) -> None:
@@ -148,8 +148,8 @@ class Seeding:
         return serving.trainer_shows(
             vs.have, self._slots(), self.superseed.get(vs.key), time.monotonic(), remote.node_id,
             remote.have.get(vs.key, frozenset()), self.held_by.get(vs.key, {}),
-            far=remote.region != self.daemon.settings.region, announced=len(vs.chunks), total=vs.total,
-            super_seed=self.daemon.settings.super_seed,
+            far=remote.region != self.host.settings.region, announced=len(vs.chunks), total=vs.total,
+            super_seed=self.host.settings.super_seed,
             trusted=serving.trusted(any(remote.have.values()), bool(self._showing)), quick=self._quick(vs))
 
     def _quick(self, vs: VersionState) -> bool:
@@ -162,7 +162,7 @@ class Seeding:
 
     def _slots(self) -> Slots:
         """The trainer's upload slots as they stand (``serving.Slots``)."""
-        here = self.daemon.settings.region
+        here = self.host.settings.region
         live, near, regions, wanting = self._live()
         return Slots(self.choker, self.unchoked,
                      lambda p: (r := self.remotes.get(p)) is not None and r.region == here,
@@ -208,7 +208,7 @@ class Seeding:
         now = time.monotonic()
         if now - self._live_at >= LIVE_EVERY:
             self._live_at = now
-            here = self.daemon.settings.region
+            here = self.host.settings.region
             live = [r for r in self.remotes.values() if now - r.last_seen < LIVE_WITHIN]
             near = [r for r in live if r.region == here]
             self._live_regions = {r.region for r in live}
@@ -231,7 +231,7 @@ class Seeding:
                     continue
                 p = self.peers.get(r.node_id)
                 peers.append(ChokerPeer(r.node_id, self._wants(r), rate_from=p.rate.rate(now) if p else 0.0,
-                                        rate_to=r.rate_to.rate(now), near=r.region == self.daemon.settings.region))
+                                        rate_to=r.rate_to.rate(now), near=r.region == self.host.settings.region))
             # Only the trainer chokes, and it is a seed even while a version is being published: it
             # downloads nothing, so it ranks peers by what it sends them (its own region's first).
             unchoked = self.choker.decide(now, peers, seed=True)

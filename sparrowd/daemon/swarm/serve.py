@@ -61,7 +61,7 @@ class Serving:
         if ticket is None or ticket.node_id != node:
             return self._refuse(request, node, "bad-ticket", 401, "not a ticket of this swarm for that node")
         now = time.time()
-        m, t = self.daemon.membership, self.daemon.tracker
+        m, t = self.host.membership, self.host.tracker
         try:
             ticket.check(now, t.credentials if t is not None else m.state.revoked if m is not None else ())
         except Refused as e:
@@ -73,7 +73,7 @@ class Serving:
                                                                        f"epoch {ticket.epoch}")
         if not self._proof_ok(node, ticket.key, ticket.epoch, request.headers.get(PROOF_HEADER, "")):
             return self._refuse(request, node, "impostor", 403, f"no valid proof of being node {node!r}")
-        if self.signer is None and self.daemon.member(node) is None:
+        if self.signer is None and self.host.member(node) is None:
             self._discover(node)  # a relay with no entry of this member: the tracker lists it soon
         return self._remote(node, ticket.region)
 
@@ -105,7 +105,7 @@ class Serving:
         checked = self._proofs_ok.get((node, epoch, proof))
         if checked is not None and now - checked < PROOF_TTL:
             return True
-        if not check_proof(proof[:200], key, node, self.daemon.node_id, now, epoch):
+        if not check_proof(proof[:200], key, node, self.host.node_id, now, epoch):
             return False
         if len(self._proofs_ok) > 8192:
             self._proofs_ok.clear()
@@ -124,7 +124,7 @@ class Serving:
         renewal, or is not in this node's sample of a large swarm. Ask the tracker about it (and
         for a fresh peer list) with a renewal now, at most once a second: the tracker's word, not
         what the stranger says about itself, so a swarm just formed relays at once."""
-        m = self.daemon.membership
+        m = self.host.membership
         if m is None or self.signer is not None:
             return
         m.ask(node)
@@ -187,11 +187,11 @@ class Serving:
         if self.signer is None:
             choked = not self._may_download(remote)  # its lane's queue (a relay owes nothing)
         else:
-            choked = serving.trainer_chokes(self._slots(), remote.node_id, remote.region != self.daemon.settings.region,
+            choked = serving.trainer_chokes(self._slots(), remote.node_id, remote.region != self.host.settings.region,
                                     wants=self._wants(remote), owes=lambda: self._owes(remote))
         reply = {"gen": self.gen, "versions": out, "choked": choked,
                  "cut_through": self._relays_partials()}
-        if (t := self.daemon.tracker) is not None:
+        if (t := self.host.tracker) is not None:
             reply["joins"], joined = t.joined_since(m.get("joined_after") or 0, time.time())
             if joined:
                 reply["joined"] = joined
@@ -234,7 +234,7 @@ class Serving:
         if key in self.superseed:
             self.superseed[key].claim(i, remote.node_id)
         size = vs.chunks[i].size
-        wan = remote.region != self.daemon.settings.region
+        wan = remote.region != self.host.settings.region
         part = source if isinstance(source, Partial) else None
         remote.uploads += 1
         try:
@@ -260,10 +260,10 @@ class Serving:
                 self.superseed[key].unclaim(i, remote.node_id)
             return resp
         remote.rate_to.add(time.monotonic(), size)
-        self.daemon.count_bytes("up", size, wan)
+        self.host.count_bytes("up", size, wan)
         if self.signer is not None and (now := time.monotonic()) - self._row_told >= ROW_EVERY:
             self._row_told = now
-            self.daemon.report_changed()  # the trainer's own row counts its uploads within a second
+            self.host.report_changed()  # the trainer's own row counts its uploads within a second
         return resp
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,

@@ -31,11 +31,11 @@ class Uplink:
                 return True
             self._told_choked[which] = True  # woken when the lane has room again
             return False
-        return self._slots().admits(remote.node_id, remote.region != self.daemon.settings.region)
+        return self._slots().admits(remote.node_id, remote.region != self.host.settings.region)
 
     def _lane(self, remote: Remote) -> bool:
         """This node's upload lane for ``remote`` (``serving.lane``)."""
-        return serving.lane(self.signer is not None, self.daemon.settings.region, remote.region)
+        return serving.lane(self.signer is not None, self.host.settings.region, remote.region)
 
     @contextlib.asynccontextmanager
     async def _upload_slot(self, lane: bool):
