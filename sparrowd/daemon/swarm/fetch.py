@@ -17,6 +17,7 @@ from ...swarm.policy import PLAN_EVERY, PUSH_CLAIM
 from ...swarm.serving import stream_timeout
 from ...swarm.versions import VersionState
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import PIECE, ROOT_HEADER, _declared_rate, _send_time, _Served
 
@@ -25,7 +26,7 @@ __all__ = ["Fetching"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Fetching:
+class Fetching(Parts):
     """``Swarm``'s fetching side: the scheduler and its chunk requests."""
 
     async def _scheduler(self) -> None:
@@ -89,8 +90,9 @@ class Fetching:
                     del self.partials[(k, i)]
                     part.abort()
                     self.unstriped.add((k, i))
+                    checked = int(part.checked.sum()) if part.checked is not None else 0  # (a striped partial's)
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
-                          index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks,
+                          index=i, stripes=len(part.stripe_got), blocks=checked, of=part.blocks,
                           why="a peer of this region holds it" if near else "no stripe came")
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
                 for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM + (p.rtt or round_trip) else ():

@@ -24,6 +24,7 @@ from ...swarm.signing import Signed
 from ...swarm.versions import VersionState, from_bitmap, to_bitmap
 from ..bodies import read_limited
 from ..logs import event
+from .parts import Parts
 from .state import PeerState, _view
 from .wire import _VERSION_REP, MAX_EXCHANGE, MSGPACK, NotYet, _bounded
 
@@ -32,7 +33,7 @@ __all__ = ["Peers"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Peers:
+class Peers(Parts):
     """``Swarm``'s peers: their long polls and what the replies say, contacts, bans."""
 
     def _proof_for(self, ps: PeerState) -> dict:
@@ -40,18 +41,20 @@ class Peers:
         lease's ticket and a proof for ``ps`` and that lease."""
         m = self.host.membership
         ticket, epoch = (m.state.ticket, m.state.epoch) if m is not None else (None, None)
-        if ticket is None or epoch is None:
+        key = self.host.key
+        if ticket is None or epoch is None or key is None:
             return {}
         now = time.time()
         made, made_for, proof = ps.proof
         if now - made > PROOF_TTL / 2 or made_for != epoch:
-            proof = make_proof(self.host.key, self.host.node_id, ps.node_id, now, epoch)
+            proof = make_proof(key, self.host.node_id, ps.node_id, now, epoch)
             ps.proof = (now, epoch, proof)
         return {TICKET_HEADER: ticket, PROOF_HEADER: proof}
 
     def _take_listed(self) -> dict[str, dict]:
         """Peers from the membership's list that this node has no exchanges with yet: taken, their long
         polls started. The listed entries."""
+        assert self.host.membership is not None  # a relay's peers come with its lease
         state = self.host.membership.state
         listed = {p["node_id"]: p for p in state.peers}
         for pid, p in listed.items():
@@ -94,6 +97,8 @@ class Peers:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 try:
                     req = aiohttp.ClientRequest("GET", URL(f"http://{ps.address}/"), loop=asyncio.get_running_loop())
+                    if session.connector is None:  # (a session closed meanwhile)
+                        raise AttributeError("no connector")
                     conn = await session.connector.connect(req, [], aiohttp.ClientTimeout(total=10.0))
                 except (TypeError, AttributeError, ValueError):  # another aiohttp's internals
                     await ping()
@@ -112,6 +117,7 @@ class Peers:
                 if ps.task:
                     ps.task.cancel()
                 self._changed.set()
+            assert self.host.membership is not None  # a relay starts with its lease
             changed = self.host.membership.peers_changed
             try:  # a renewal that lists new peers wakes it at once
                 async with asyncio.timeout(0.5):
@@ -135,7 +141,8 @@ class Peers:
             msg["joined_after"] = self._joins_seen
             if (delay := self.wan_delay()) is not None:
                 msg["delay_us"] = round(delay * 1e6)
-        t0, traced = time.monotonic(), {}
+        t0, traced = time.monotonic(), dict[str, bool]()
+        assert self._session is not None  # made by start
         async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
                                       headers={"Content-Type": MSGPACK, **self._proof_for(ps)},
                                       timeout=aiohttp.ClientTimeout(total=wait + 10), trace_request_ctx=traced) as r:

@@ -30,6 +30,7 @@ from ...swarm.serving import stream_timeout
 from ...swarm.versions import BLOCK_HASH, VersionState
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import ALSO_HEADER, ALSO_HEADER_MAX, PIECE, ROOT_HEADER, _Cut, _send_time, _statement_header
 
@@ -38,7 +39,7 @@ __all__ = ["Pushing"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Pushing:
+class Pushing(Parts):
     """``Swarm``'s pushes: what a relay sends unasked, whole or in stripes."""
 
     def _push_out(self, vs: VersionState, index: int) -> None:
@@ -65,8 +66,9 @@ class Pushing:
         views = [PushPeer(p.node_id, p.region, p.node_id in done or p.node_id in self.banned or p.node_id in feeding
                           or now < p.cooldown_until or index in p.have.get(k, ()) or index in p.fetching.get(k, ()))
                  for p in rollouts]
-        idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
-                     for lane in (False, True))
+        idle_near, idle_far = (max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
+                               for lane in (False, True))
+        idle = (idle_near, idle_far)
         tree = None
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
@@ -83,12 +85,14 @@ class Pushing:
                                  idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate),
                                  whole=index in vs.have)
         for pid in near + far:
+            if (ps := self._peer(pid)) is None:
+                continue  # (not met: every target is a peer, or a head's contact)
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
             self._spawned[done[pid]] += 1  # its slot, kept from the next decision until the task takes it
             if part is not None:
                 part.streams += 1  # its stream, counted from now
-            task = asyncio.create_task(self._push_to(self._peer(pid), vs, index, part), name=f"push-{k.tag}-{index}")
+            task = asyncio.create_task(self._push_to(ps, vs, index, part), name=f"push-{k.tag}-{index}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -115,7 +119,7 @@ class Pushing:
                 dealt = (plan.stripe[region], plan.n) if region in plan.stripe else None
                 mine |= {st for st in stripes_handed_on(part.own, dealt)
                          if part.has_block(st[0])}  # (not begun here yet: handed on once it has)
-            elif not mine and (index in vs.have or part.servable):
+            elif not mine and (index in vs.have or (part is not None and part.servable)):
                 mine = {(plan.stripe[region], plan.n)}
             if not mine:
                 return
@@ -169,9 +173,11 @@ class Pushing:
                 else:
                     return  # its fetch failed while this push waited for a slot
                 if stripe is not None:
+                    assert vs.block is not None  # a chunk pushed in stripes is hashed in blocks
                     size = stripe_size(size, vs.block, *stripe)
                 event(log, logging.DEBUG, "pushing a chunk", peer=ps.node_id, object=str(vs.key), index=index,
                       whole=index in vs.have, stripe=stripe and f"{stripe[0]}/{stripe[1]}")
+                assert self._session is not None  # made by start
                 for attempt in range(PUSH_TRIES):
                     async with self._session.post(
                             f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",

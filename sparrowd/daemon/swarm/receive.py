@@ -22,6 +22,7 @@ from ...swarm.signing import Signed, announce_kind
 from ...swarm.versions import BLOCK_HASH, VersionState
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import (
     ALSO_HEADER,
@@ -40,7 +41,7 @@ __all__ = ["Receiving"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Receiving:
+class Receiving(Parts):
     """``Swarm``'s receiving side: a chunk's stream coming in, and whether a push is taken."""
 
     async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool,
@@ -222,9 +223,10 @@ class Receiving:
             return "held"
         part = self.partials.get((key, i))
         joining = stripe is not None and part is not None and part.striped and not part.failed
+        pushed: tuple[int, int] | None = None  # the stripe (s, n), if one
         if stripe is not None:
             try:
-                s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
+                pushed = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
             except ValueError as e:
                 return str(e)
         if stripe is not None and (key, i) in self.unstriped and (key, i) in self.inflight:
@@ -236,7 +238,7 @@ class Receiving:
             # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
             # from another, is still in flight until its task has run its cancellation, and declining
             # the first holder's stripe for it lost that stripe to every region.)
-            if part.holds_stripe((s, n)):
+            if part is not None and pushed is not None and part.holds_stripe(pushed):
                 return "stripe held"
         elif (key, i) in self.inflight and not replacing:
             return "being fetched"
@@ -308,6 +310,7 @@ class Receiving:
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
         ps, vs = self._peer(remote.node_id), self.versions[key]
+        assert ps is not None  # (``_declines`` takes pushes from peers only)
         part = self.partials.get((key, i))
         # (``_declines`` checked the header: it parses)
         striped = None if stripe is None else parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)

@@ -28,6 +28,7 @@ from ...swarm.serving import Slots
 from ...swarm.signing import announce_kind, manifest_kind
 from ...swarm.versions import ChunkRef, VersionState, announce_body, block_for, block_hashes, check_kind
 from ..logs import event
+from .parts import Parts
 from .state import Remote, _superseed
 
 __all__ = ["Seeding"]
@@ -35,7 +36,7 @@ __all__ = ["Seeding"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Seeding:
+class Seeding(Parts):
     """The trainer's part of ``Swarm``: publishing, the live peers, the choke loop, super-seeding's offers."""
 
     async def publish_chunk(self, key: Key, index: int, data: bytes) -> dict:
@@ -53,6 +54,7 @@ class Seeding:
                 raise IntegrityError(f"{key}: chunk {index} was published with another hash")
             return {"index": index, "new": False}
         block = vs.block or block_for(len(data))  # one block size a version, from its first chunk
+        assert self.signer is not None  # publishing is the trainer's (its routes only)
         s = self.signer.sign(announce_kind(key.anchor), key.version,
                              announce_body(index, [ref], [block_hashes(data, block)], block,
                                            tree=tree_timing(len(data), block, self.up.rate, self.delay())))
@@ -81,8 +83,9 @@ class Seeding:
         done = [vs for vs in self.versions.values() if vs.complete]
         latest = max(done, key=lambda vs: (vs.version, not vs.anchor), default=None)
         anchors = [vs.version for vs in done if vs.anchor]
+        manifest = latest.manifest if latest else None  # a complete version's
         return {"latest": latest.version if latest else None,
-                "manifest": blake3.blake3(latest.manifest.to_bytes()).hexdigest() if latest else None,
+                "manifest": blake3.blake3(manifest.to_bytes()).hexdigest() if manifest is not None else None,
                 "anchor": max(anchors, default=None), "rollouts": self.rollouts(),
                 "uplink": self.up.rate or None, "round_trip": self._round_trip()}
 
@@ -122,6 +125,7 @@ class Seeding:
             if not key.anchor and m.base_version != latest:
                 raise FormatError(f"version {m.version} applies to {m.base_version}, "
                                   f"but the latest published is {latest}")
+        assert self.signer is not None  # publishing is the trainer's (its routes only)
         self._take_statement(vs, self.signer.sign(manifest_kind(key.anchor), m.version, m.to_bytes()))
         self.superseed.setdefault(key, _superseed(0)).grow(len(vs.chunks))
         if self.host.tracker is not None:
@@ -186,7 +190,8 @@ class Seeding:
         maps (a swarm of thousands polls the trainer)."""
         self._showing += any(have.values()) - any(remote.have.values())
         for k in remote.have.keys() | have.keys():
-            before, after = remote.have.get(k, frozenset()), have.get(k, frozenset())
+            before: frozenset[int] = remote.have.get(k, frozenset())
+            after = have.get(k, frozenset())
             if before == after:
                 continue
             counts = self.held_by.setdefault(k, collections.Counter())

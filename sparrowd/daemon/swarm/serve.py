@@ -21,6 +21,7 @@ from ...swarm.versions import MAX_TREE_US, StatementPage, from_bitmap, to_bitmap
 from ..bodies import read_limited
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import Remote
 from .wire import (
     _EXCHANGE_REQ,
@@ -39,7 +40,7 @@ __all__ = ["Serving"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Serving:
+class Serving(Parts):
     """``Swarm``'s serving side: admission, the exchange, chunk and ping handlers."""
 
     def admit(self, request: web.Request) -> Remote | web.Response:
@@ -147,10 +148,10 @@ class Serving:
         try:
             m = fields(unpack(body, what="exchange", max_len=MAX_EXCHANGE_REQUEST), _EXCHANGE_REQ, what="exchange")
             theirs = {}
-            for e in m["versions"][:MAX_VERSIONS_SHOWN]:
-                e = fields(e, _VERSION_REQ, what="exchange version")
-                k = Key(e["version"], bool(e.get("anchor")))
-                theirs[k] = (e["statements"], from_bitmap(_bounded(e["have"], self.versions.get(k))))
+            for raw in m["versions"][:MAX_VERSIONS_SHOWN]:
+                v = fields(raw, _VERSION_REQ, what="exchange version")
+                k = Key(v["version"], bool(v.get("anchor")))
+                theirs[k] = (v["statements"], from_bitmap(_bounded(v["have"], self.versions.get(k))))
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
         if m.get("delay_us") is not None:
@@ -179,11 +180,11 @@ class Serving:
             vs = self.versions[k]
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            e = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
-                 "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
+            entry = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
+                     "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
             if pushing := {i for (p, o, i) in self.pushing_to if p == remote.node_id and o == k}:
-                e["pushing"] = to_bitmap(pushing, n)
-            out.append(e)
+                entry["pushing"] = to_bitmap(pushing, n)
+            out.append(entry)
         if self.signer is None:
             choked = not self._may_download(remote)  # its lane's queue (a relay owes nothing)
         else:
@@ -225,6 +226,7 @@ class Serving:
             source = part  # being fetched: served block by block as the blocks check out (see _fetching)
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
+        assert vs is not None  # a chunk being fetched is of a version this node knows
         if (remote.node_id, key, i) in self.pushing_to:  # it asked as the push went out: it takes the push
             return web.json_response({"error": "being pushed to you"}, status=409)
         if not self._may_fetch(remote, key, i):
@@ -275,12 +277,12 @@ class Serving:
         headers = {"Content-Type": "application/octet-stream", **({ROOT_HEADER: root} if root else {}),
                    **self._rate_header(wan, source)}
         if isinstance(source, Path) and not (self.up.rate or (wan and self.wan_up.rate)):
-            resp = web.FileResponse(source, headers=headers)
+            whole = web.FileResponse(source, headers=headers)
             try:
-                await resp.prepare(request)  # sendfile where the event loop supports it
+                await whole.prepare(request)  # sendfile where the event loop supports it
             except ConnectionError:
-                return resp, False
-            return resp, True
+                return whole, False
+            return whole, True
         resp = web.StreamResponse(headers={**headers, "Content-Length": str(size)})
         try:
             await resp.prepare(request)

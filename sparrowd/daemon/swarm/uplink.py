@@ -8,18 +8,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ...swarm import serving
 from ...swarm.policy import QUEUE_ADMIT
 from ...swarm.push import RATE_HEADER, stream_rate
 from ..cutthrough import Partial
+from .parts import Parts
 from .state import Remote
 from .wire import PIECE, _pieces, _stripe_pieces
 
 __all__ = ["Uplink"]
 
-class Uplink:
+class Uplink(Parts):
     """``Swarm``'s upload lanes: admission by lane, slots and queues, pacing."""
 
     def _may_download(self, remote: Remote) -> bool:
@@ -38,7 +40,7 @@ class Uplink:
         return serving.lane(self.signer is not None, self.host.settings.region, remote.region)
 
     @contextlib.asynccontextmanager
-    async def _upload_slot(self, lane: bool):
+    async def _upload_slot(self, lane: bool) -> AsyncIterator[None]:
         """One of the lane's upload slots, waited for in its queue (what ``_may_download`` counts)."""
         self._waiting[lane] += 1
         waiting = True
@@ -59,7 +61,7 @@ class Uplink:
                 self._waiting[lane] -= 1
 
     async def _paced(self, source: Path | Partial, wan: bool, block: int = PIECE,
-                     stripe: tuple[int, int] | None = None, size: int = 0):
+                     stripe: tuple[int, int] | None = None, size: int = 0) -> AsyncIterator[bytes | memoryview]:
         """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
         when they come from a chunk still arriving.
 
