@@ -521,25 +521,30 @@ def test_the_trainer_knows_a_version_quick_when_it_leaves_in_less_than_a_round_t
 
 
 def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_count_asks():
-    """``Swarm._live`` counts the peers heard from at most once a second. A count taken as a swarm
+    """``Seed.live`` counts the peers heard from at most once a second. A count taken as a swarm
     formed, before any peer of another region was heard, said one region, and ``first_copies_near``
     let first copies go anywhere until the next count (6 MiB to 8 daemons crossed 1.20x (R-1) x
     patch). A peer of a region it did not count now has it counted again at once."""
     import time
     from types import SimpleNamespace
 
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from sparrowd.daemon.swarm import Remote, Swarm
+    from sparrowd.daemon.swarm.seed import Seed
+    from sparrowd.swarm.signing import Signer
 
     regions = {"e1": "eu", "e2": "eu", "u1": "us", "a1": "ap"}
-    me = SimpleNamespace(remotes={}, _live_regions=set(), _live_at=float("-inf"), _wants=lambda r: True,
-                         host=SimpleNamespace(settings=SimpleNamespace(region="eu")))
+    me = SimpleNamespace(remotes={}, versions={}, host=SimpleNamespace(settings=SimpleNamespace(region="eu")))
+    me.seed = Seed(me, Signer(Ed25519PrivateKey.generate()))
+    me.seed.wants = lambda r: True
 
     def ask(node):
         r = Swarm._remote(me, node, regions[node])
         assert isinstance(r, Remote) and r.region == regions[node]
 
     def live():
-        return Swarm._live(me)
+        return me.seed.live()
 
     ask("e1")
     ask("e2")

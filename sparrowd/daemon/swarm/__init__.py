@@ -61,11 +61,14 @@ The package, by job (each module says what it holds):
 * ``peers``: the peers fetched from: their long polls, contacts, bans.
 * ``serve``: admission, the exchange and chunk handlers.
 * ``uplink``: upload lanes, their slots and queues, pacing.
-* ``seed``: the trainer's part: publishing, its choke loop, super-seeding.
+* ``seed``: the trainer's part, ``Seed`` (constructed on the trainer only: ``Swarm.seed``, None on a
+  relay): publishing, its choke loop, super-seeding, the live peers it counts.
 * ``fetch``: the scheduler and its chunk requests.
 * ``receive``: a chunk's stream coming in, asked for or pushed.
 * ``push``: what a relay sends unasked.
-* ``node``: ``Swarm``, which wires them, and the node's own tables.
+* ``parts``: ``Parts``, the node's own tables and what reads them (position, wanted, retention),
+  which every part subclasses; it declares what one part calls of another, so mypy checks them.
+* ``node``: ``Swarm``, which wires them: made of the parts, with its lifecycle.
 
 What it may import: the pure packages (``sparrowd.swarm``, ``sparrowd.codec``,
 ``sparrowd.schema``), and of ``sparrowd.daemon`` only ``bodies``,

@@ -10,6 +10,7 @@ import logging
 
 import aiohttp
 
+from ...swarm.chain import Key
 from ...swarm.identity import NODE_HEADER
 from ...swarm.signing import Verifier
 from ..logs import event
@@ -17,9 +18,8 @@ from .fetch import Fetching
 from .peers import Peers
 from .push import Pushing
 from .receive import Receiving
-from .seed import Seeding
+from .seed import Seed
 from .serve import Serving
-from .state import _superseed
 from .uplink import Uplink
 from .wire import REGION_HEADER, _new_connections
 
@@ -28,17 +28,17 @@ __all__ = ["Swarm"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
+class Swarm(Serving, Uplink, Peers, Fetching, Receiving, Pushing):
     """A node's swarm driver: the state of ``Parts`` (``Swarm(host, store, signer=..., ...)``, host: what
     it takes of the daemon, ``context.SwarmHost``), and the jobs of the parts it is made of (each
-    part's module says what it does)."""
+    part's module says what it does); on the trainer (a signer given), its part ``seed``."""
 
     def load(self) -> None:
         self.versions = self.store.load(self.verifier)
         self.at = self.store.read_position(self.at)
-        for vs in self.versions.values():
-            if self.signer and vs.total is not None:
-                self.superseed[vs.key] = _superseed(vs.total)
+        if self.seed is not None:
+            for vs in self.versions.values():
+                self.seed.load(vs)
         if self.versions:
             event(log, logging.INFO, "chunk store loaded", versions=len(self.versions),
                   chunks=sum(len(v.have) for v in self.versions.values()))
@@ -53,8 +53,8 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
         self._session = aiohttp.ClientSession(connector=self.host.outgoing(), connector_owner=False, headers={
             NODE_HEADER: self.host.node_id, REGION_HEADER: self.host.settings.region},
             trace_configs=[_new_connections()])
-        if self.signer is not None:
-            self._tasks.append(asyncio.create_task(self._choke_loop(), name="choker"))
+        if self.seed is not None:
+            self._tasks.append(asyncio.create_task(self.seed.choke_loop(), name="choker"))
         else:  # relays admit by queue depth (_may_download)
             self._tasks.append(asyncio.create_task(self._peer_manager(), name="peers"))
             self._tasks.append(asyncio.create_task(self._scheduler(), name="scheduler"))
@@ -71,3 +71,23 @@ class Swarm(Seeding, Serving, Uplink, Peers, Fetching, Receiving, Pushing):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+    # What the daemon asks of the trainer's part (its routes, its metrics).
+
+    def _trainer(self) -> Seed:
+        assert self.seed is not None, "publishing is the trainer's"  # (its routes are the tracker's only)
+        return self.seed
+
+    async def publish_chunk(self, key: Key, index: int, data: bytes) -> dict:
+        return await self._trainer().publish_chunk(key, index, data)
+
+    async def publish_manifest(self, data: bytes) -> dict:
+        return await self._trainer().publish_manifest(data)
+
+    def published(self) -> dict:
+        return self._trainer().published()
+
+    def delay(self) -> float | None:
+        """The one-way delay between regions: on the trainer, the median of what the nodes it heard
+        from in the last 30 s measured (``Seed.delay``); on a relay, its own measurement (``wan_delay``)."""
+        return self.seed.delay() if self.seed is not None else self.wan_delay()

@@ -25,18 +25,16 @@ from aiohttp import web
 from ...swarm.bucket import DEFAULT_BURST, TokenBucket
 from ...swarm.budget import Budgets
 from ...swarm.chain import Key, advance, retained, wanted
-from ...swarm.choker import Choker
 from ...swarm.identity import Ticket
 from ...swarm.picker import Picker
-from ...swarm.policy import DISCOVERY_EVERY, OPTIMISTIC_EVERY, RELAY_CONCURRENT, SEED_CONCURRENT, UPLOAD_SLOTS
-from ...swarm.serving import Slots
+from ...swarm.policy import DISCOVERY_EVERY, RELAY_CONCURRENT, SEED_CONCURRENT
 from ...swarm.signing import Signed, Signer, Verifier
-from ...swarm.superseed import SuperSeed
 from ...swarm.versions import VersionState
 from ..cutthrough import Partial
 from ..logs import Throttle, event
 from ..store import ChunkStore
 from .context import SwarmHost
+from .seed import Seed
 from .state import PeerState, Remote
 
 __all__ = ["Parts"]
@@ -45,8 +43,8 @@ log = logging.getLogger("sparrowd.swarm")
 
 
 class Parts:
-    """A node's swarm state: the tables below, shared by every part; the trainer's part
-    (``seed``) acts only where ``signer`` is set."""
+    """A node's swarm state: the tables below, shared by every part; the trainer's own part and
+    state are ``seed`` (None on a relay)."""
 
     def __init__(self, host: SwarmHost, store: ChunkStore, *, signer: Signer | None, retain: int,
                  upload_rate: int | None, download_rate: int | None, wan_upload_rate: int | None,
@@ -55,6 +53,8 @@ class Parts:
         self.store = store
         self.signer = signer
         self.verifier: Verifier | None = Verifier(signer.public) if signer else None
+        # The trainer's part (publishing, super-seeding, the choker), constructed on the trainer only.
+        self.seed: Seed | None = Seed(self, signer) if signer is not None else None
         self.retain = retain
         # The version this node can produce, kept on disk: the base model (0) until it moves, or
         # nothing (-1) for a node that keeps a current folder, which starts from an anchor.
@@ -66,9 +66,6 @@ class Parts:
         self.pinned: set[Key] = set()  # objects being read from disk (the folder's builder): kept from retention
         self.peers: dict[str, PeerState] = {}
         self.remotes: dict[str, Remote] = {}
-        self._live_regions: set[str] = set()  # the regions of the peers _live() counted
-        self._live_delay: float | None = None  # the median one-way delay they measured (the trainer's, _live)
-        self._live_at, self._live_count = float("-inf"), (0, 0, 0, 0)  # _live(): peers heard from lately, when
         self.held_by: dict[Key, collections.Counter] = {}  # per object: chunk -> peers whose have-maps show it
         self._showing = 0  # peers whose have-maps show any chunk
         self._discovered_at = -DISCOVERY_EVERY  # last early renewal for a stranger (_discover)
@@ -76,17 +73,12 @@ class Parts:
         self.contacts: dict[str, PeerState] = {}  # other regions' heads met only through pushes (``_peer``)
         self._joins_seen = 0  # the latest join the trainer told of (its exchange replies' ``joins``)
         self._announced = asyncio.Event()  # set, and replaced, as peers' statements arrive (``handle_push``)
-        # Set when a new version begins (the trainer's first chunk of it): every peer is interested
-        # again, and slots held by peers of other regions since the last version would keep the first
-        # copies from the trainer's own region for up to a second (``first_copies_near``).
-        self._rechoke = asyncio.Event()
         self.refused: collections.Counter = collections.Counter()  # requests refused at the door, by reason
         self.bans: collections.Counter = collections.Counter()  # peers banned, by reason
         self.lies = 0  # chunks peers advertised and did not serve
         self._proofs_ok: dict[tuple[str, int, str], float] = {}  # (node, epoch, proof) -> checked at
         self._tickets: dict[str, Ticket | None] = {}  # ticket text -> its claims (None: not this swarm's)
         self.budgets = Budgets()  # what each peer's exchanges may cost this node (swarm.budget)
-        self._row_told = float("-inf")  # when the trainer last renewed early to report its uploads
         self._refusal_log = Throttle(10.0)  # a warning per refusal reason every 10 s
         self.gen = 0
         self._changed = asyncio.Event()
@@ -110,9 +102,6 @@ class Parts:
         self._taking: set[asyncio.Task] = set()  # pushes being received
         self._taking_stripes: set[asyncio.Task] = set()  # ...of them, stripes (``STRIPED_TAKEN``)
         self.picker = Picker(host.node_id, host.settings.region)
-        self.choker = Choker(slots=UPLOAD_SLOTS, optimistic_interval=OPTIMISTIC_EVERY)
-        self.unchoked: set[str] = set()
-        self.superseed: dict[Key, SuperSeed] = {}
         # Per version: the region's peers counted on, and those known when that was decided (recount).
         self.counted: dict[Key, tuple[frozenset[str], frozenset[str]]] = {}
         self.up = TokenBucket(upload_rate, burst_seconds=rate_burst)
@@ -124,8 +113,8 @@ class Parts:
         # can be relayed, a half-sent one cannot. A relay has two lanes (``_lane``), each with its own
         # slots and queue; the trainer one.
         if signer:
-            seed = asyncio.Semaphore(SEED_CONCURRENT)
-            self._uploads = {False: seed, True: seed}
+            one = asyncio.Semaphore(SEED_CONCURRENT)
+            self._uploads = {False: one, True: one}
         else:
             self._uploads = {lane: asyncio.Semaphore(RELAY_CONCURRENT) for lane in (False, True)}
         self._waiting = {False: 0, True: 0}  # chunk requests waiting, by lane (a relay admits while few do)
@@ -137,7 +126,6 @@ class Parts:
         # rather than downloading chunks only to drop them.
         self.store_failures = 0
         self.store_paused_until = 0.0
-
 
     async def changed(self, after: int, wait: float) -> None:
         """Return once ``gen`` moves past ``after`` (something was stored, signed or decided), or
@@ -270,7 +258,8 @@ class Parts:
                 continue
             self.store.drop(k)
             del self.versions[k]
-            self.superseed.pop(k, None)
+            if self.seed is not None:
+                self.seed.superseed.pop(k, None)
             self.pushed.pop(k, None)
             self.striped_to.pop(k, None)
             self.fed_along.pop(k, None)
@@ -280,14 +269,6 @@ class Parts:
 
     if TYPE_CHECKING:
         # What one part calls of another (the defining part is named): declarations for the checker.
-
-        # seed
-        def _shown(self, remote: Remote, vs: VersionState) -> set[int]: ...
-        def _slots(self) -> Slots: ...
-        def _owes(self, remote: Remote) -> bool: ...
-        def _may_fetch(self, remote: Remote, key: Key, index: int) -> bool: ...
-        def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None: ...
-        def _wants(self, remote: Remote) -> bool: ...
 
         # serve
         def _chunk_request(self, request: web.Request) -> tuple[Key, int, Remote] | web.Response: ...

@@ -5,6 +5,7 @@ connection.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -13,7 +14,6 @@ from aiohttp import web
 
 from ...errors import FormatError, SparrowError
 from ...schema import fields, pack, unpack
-from ...swarm import serving
 from ...swarm.chain import Key
 from ...swarm.identity import NODE_HEADER, PROOF_HEADER, PROOF_TTL, TICKET_HEADER, Refused, Ticket, check_proof
 from ...swarm.policy import DISCOVERY_EVERY, ROW_EVERY, UPLOADS_PER_PEER
@@ -84,11 +84,39 @@ class Serving(Parts):
         if r is None:
             r = self.remotes[node] = Remote(node, region)
         r.last_seen = time.monotonic()
-        if r.region not in self._live_regions:
+        if self.seed is not None and r.region not in self.seed.live_regions:
             # A region not counted yet is counted again at once, so that the trainer's first copies
             # stay near from the first exchange of that region (``first_copies_near``).
-            self._live_at = float("-inf")
+            self.seed.recount()
         return r
+
+    def forget(self, node_id: str) -> None:
+        """A node's lease ended: what super-seeding gave it goes to others, its view is dropped."""
+        if self.seed is not None:
+            self.seed.forget(node_id)
+        if (r := self.remotes.pop(node_id, None)) is not None:
+            self._set_have(r, {})
+
+    def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
+        """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers
+        whose maps show any chunk) follow, so that answering an exchange never walks every peer's
+        maps (a swarm of thousands polls the trainer)."""
+        self._showing += any(have.values()) - any(remote.have.values())
+        for k in remote.have.keys() | have.keys():
+            before: frozenset[int] = remote.have.get(k, frozenset())
+            after = have.get(k, frozenset())
+            if before == after:
+                continue
+            counts = self.held_by.setdefault(k, collections.Counter())
+            counts.update(after - before)
+            gone = before - after
+            counts.subtract(gone)
+            for c in gone:
+                if counts[c] <= 0:
+                    del counts[c]
+            if not counts:
+                del self.held_by[k]
+        remote.have = have
 
     def _ticket(self, text: str, trainer: bytes) -> Ticket | None:
         """A ticket's claims, its signature checked once per text (None: not signed by this trainer)."""
@@ -155,8 +183,8 @@ class Serving(Parts):
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
         if m.get("delay_us") is not None:
-            if remote.delay is None:
-                self._live_at = float("-inf")  # a first figure: the median is taken again at once
+            if remote.delay is None and self.seed is not None:
+                self.seed.recount()  # a first figure: the trainer takes the median again at once
             remote.delay = min(m["delay_us"], MAX_TREE_US) / 1e6
         new_have = {v: h for v, (_, h) in theirs.items()}
         wait = min(float(m["wait"] or 0), 15.0)
@@ -181,15 +209,15 @@ class Serving(Parts):
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
             entry = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
-                     "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
+                     "have": to_bitmap(vs.have if self.seed is None else self.seed.shows(remote, vs), n),
+                     "fetching": to_bitmap(self._fetching(k), n)}
             if pushing := {i for (p, o, i) in self.pushing_to if p == remote.node_id and o == k}:
                 entry["pushing"] = to_bitmap(pushing, n)
             out.append(entry)
-        if self.signer is None:
+        if self.seed is None:
             choked = not self._may_download(remote)  # its lane's queue (a relay owes nothing)
         else:
-            choked = serving.trainer_chokes(self._slots(), remote.node_id, remote.region != self.host.settings.region,
-                                    wants=self._wants(remote), owes=lambda: self._owes(remote))
+            choked = self.seed.chokes(remote)
         reply = {"gen": self.gen, "versions": out, "choked": choked,
                  "cut_through": self._relays_partials()}
         if (t := self.host.tracker) is not None:
@@ -229,12 +257,13 @@ class Serving(Parts):
         assert vs is not None  # a chunk being fetched is of a version this node knows
         if (remote.node_id, key, i) in self.pushing_to:  # it asked as the push went out: it takes the push
             return web.json_response({"error": "being pushed to you"}, status=409)
-        if not self._may_fetch(remote, key, i):
+        if not (self._may_download(remote) if self.seed is None else self.seed.may_fetch(remote, key, i)):
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
-        if key in self.superseed:
-            self.superseed[key].claim(i, remote.node_id)
+        ss = self.seed.superseed.get(key) if self.seed is not None else None  # the trainer's, for this version
+        if ss is not None:
+            ss.claim(i, remote.node_id)
         size = vs.chunks[i].size
         wan = remote.region != self.host.settings.region
         part = source if isinstance(source, Partial) else None
@@ -258,13 +287,13 @@ class Serving(Parts):
         finally:
             remote.uploads -= 1
         if not sent:
-            if key in self.superseed:  # it hung up before it had the chunk: give it again soon if need be
-                self.superseed[key].unclaim(i, remote.node_id)
+            if ss is not None:  # it hung up before it had the chunk: give it again soon if need be
+                ss.unclaim(i, remote.node_id)
             return resp
         remote.rate_to.add(time.monotonic(), size)
         self.host.count_bytes("up", size, wan)
-        if self.signer is not None and (now := time.monotonic()) - self._row_told >= ROW_EVERY:
-            self._row_told = now
+        if self.seed is not None and (now := time.monotonic()) - self.seed.row_told >= ROW_EVERY:
+            self.seed.row_told = now
             self.host.report_changed()  # the trainer's own row counts its uploads within a second
         return resp
 

@@ -26,14 +26,14 @@ class Uplink(Parts):
 
     def _may_download(self, remote: Remote) -> bool:
         """Whether this node serves ``remote`` now: a relay while few requests wait in its lane
-        (``serving.relay_admits``), the trainer as its slots admit (``serving.Slots.admits``)."""
-        if self.signer is None:
-            which = self._lane(remote)
-            if serving.relay_admits(self._waiting[which]):
-                return True
-            self._told_choked[which] = True  # woken when the lane has room again
-            return False
-        return self._slots().admits(remote.node_id, remote.region != self.host.settings.region)
+        (``serving.relay_admits``), the trainer as its slots admit (``Seed.admits``)."""
+        if self.seed is not None:
+            return self.seed.admits(remote)
+        which = self._lane(remote)
+        if serving.relay_admits(self._waiting[which]):
+            return True
+        self._told_choked[which] = True  # woken when the lane has room again
+        return False
 
     def _lane(self, remote: Remote) -> bool:
         """This node's upload lane for ``remote`` (``serving.lane``)."""
