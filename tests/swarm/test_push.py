@@ -293,33 +293,24 @@ def test_a_heads_later_crossings_wait_until_it_holds_the_chunk_whole():
 
 
 def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_response_began():
-    """``Swarm._unstarted``: the one request out for the chunk, to a rollout (the pusher too),
+    """``swarm.push.unstarted``: the one request out for the chunk, to a rollout (the pusher too),
     that has had no byte back; a request whose response has not begun has no partial yet and is the
     most unstarted of all (a swarm's first version declined pushes as the nodes' first requests went
     out), and so is one to the pusher itself (across regions, the push began before the request got
     there). Requests to the trainer or with bytes back stay."""
-    from types import SimpleNamespace
+    from sparrowd.swarm.push import unstarted
 
-    from sparrowd.daemon.cutthrough import Partial
-    from sparrowd.daemon.swarm import PeerState, Swarm
-    from sparrowd.swarm.chain import Key
+    task = object()
 
-    key, task = Key(3, False), object()
-    me = SimpleNamespace(inflight={(key, 0): {"r1": task}}, partials={}, _taking=set(),
-                         peers={"r1": PeerState("r1", "a:1", "eu", "rollout"),
-                                "trainer": PeerState("trainer", "a:2", "eu", "trainer")})
-    assert Swarm._unstarted(me, key, 0, "r2") is task  # asked, no response yet
-    me.partials[(key, 0)] = part = Partial(1 << 16, 1 << 14, None)
-    assert Swarm._unstarted(me, key, 0, "r2") is task  # its response began, no byte yet
-    part.feed(b"x" * 100)
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # bytes back: it goes on
-    del me.partials[(key, 0)]
-    assert Swarm._unstarted(me, key, 0, "r1") is task  # the pusher is whom it asked: the push is here first
-    me.inflight[(key, 0)] = {"trainer": task}
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # super-seeding counted it as a first copy taken
-    me.inflight[(key, 0)] = {"r1": task}
-    me._taking.add(task)
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # that one is a push being taken
+    def rollout(peer):
+        return peer != "trainer"
+
+    assert unstarted({"r1": task}, False, rollout, set()) is task  # asked, no byte back (or no response yet)
+    assert unstarted({"r1": task}, True, rollout, set()) is None  # bytes back: it goes on
+    assert unstarted({"r1": task, "r2": object()}, False, rollout, set()) is None  # asked twice (the endgame)
+    assert unstarted({}, False, rollout, set()) is None  # nothing asked
+    assert unstarted({"trainer": task}, False, rollout, set()) is None  # super-seeding counted it as a first copy
+    assert unstarted({"r1": task}, False, rollout, {task}) is None  # that one is a push being taken
 
 
 def test_a_chunk_whose_stripes_stopped_short_takes_no_stripes_while_it_is_asked_for_whole():

@@ -16,7 +16,7 @@ from aiohttp import web
 from ...errors import FormatError, IntegrityError
 from ...swarm.chain import Key
 from ...swarm.policy import PUSH_STATEMENT_WAIT, PUSHES_TAKEN, STRIPED_TAKEN
-from ...swarm.push import STRIPE_HEADER, parse_stripe
+from ...swarm.push import STRIPE_HEADER, parse_stripe, unstarted
 from ...swarm.serving import store_pause, stream_timeout
 from ...swarm.signing import Signed, announce_kind
 from ...swarm.versions import BLOCK_HASH, VersionState
@@ -262,15 +262,10 @@ class Receiving(Parts):
         too, or a swarm's first pushes are declined for requests that went out a moment before. A
         request to the pusher itself is replaced too: across regions it reaches the pusher a one-way
         delay after its push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
-        (``handle_chunk``); kept, it would be served a round trip late."""
-        tasks = self.inflight.get((key, i), {})
+        (``handle_chunk``); kept, it would be served a round trip late (``swarm.push.unstarted``)."""
         part = self.partials.get((key, i))
-        if len(tasks) != 1 or (part is not None and part.got):
-            return None
-        ((peer, t),) = tasks.items()
-        if (ps := self.peers.get(peer)) is None or ps.role == "trainer":
-            return None
-        return None if t in self._taking else t
+        return unstarted(self.inflight.get((key, i), {}), part is not None and part.got > 0,
+                         lambda p: (ps := self.peers.get(p)) is not None and ps.role != "trainer", self._taking)
 
     async def handle_push(self, request: web.Request) -> web.Response:
         """A chunk a peer sends unasked (``_push_to``): taken only from a rollout peer this node knows,
