@@ -67,7 +67,8 @@ The package, by job (each module says what it holds):
 * ``receive``: a chunk's stream coming in, asked for or pushed.
 * ``push``: what a relay sends unasked.
 * ``parts``: ``Parts``, the node's own tables and what reads them (position, wanted, retention),
-  which every part subclasses; it declares what one part calls of another, so mypy checks them.
+  which every job's part but ``seed`` subclasses; it declares what one part calls of another, so
+  mypy checks them.
 * ``node``: ``Swarm``, which wires them: made of the parts, with its lifecycle.
 
 What it may import: the pure packages (``sparrowd.swarm``, ``sparrowd.codec``,

@@ -1,8 +1,9 @@
 """The state every part of the swarm driver shares, and the node's own readings of it: ``Parts``
 holds the per-version and per-peer tables, the change counter the long polls wait on, what the node
 reports (position, what it wants, progress), and the signed statements it takes and retires. Each
-part (``peers``, ``serve``, ``uplink``, ``seed``, ``fetch``, ``receive``, ``push``) subclasses it,
-and ``Swarm`` (``node``) is made of them all.
+job's part (``peers``, ``serve``, ``uplink``, ``fetch``, ``receive``, ``push``) subclasses it, and
+``Swarm`` (``node``) is made of them all; the trainer's part (``seed.Seed``) is an object the
+trainer's ``Parts`` constructs and holds (``seed``).
 
 What a part calls of another part is declared here too, for the type checker only (``TYPE_CHECKING``):
 the part that defines it overrides the declaration, and mypy holds the two to one signature.
