@@ -65,16 +65,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from .picker import _score, designated
 from .policy import CROSSINGS, DEFAULT_PUSH
 
 __all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "STRIPE_HEADER", "PushPeer", "StripePlan", "parse_push",
            "parse_stripe", "push_heads", "push_targets", "region_tree", "relay_fanout", "stream_rate",
-           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "stripes_handed_on", "tree_timing"]
+           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "stripes_handed_on", "tree_timing",
+           "unstarted"]
 
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
 STRIPE_HEADER = "X-Sparrowd-Stripe"  # a push that carries one stripe of a chunk: "s/n" (stripe_plan)
@@ -343,3 +344,21 @@ def parse_stripe(text: str | None, blocks: int) -> tuple[int, int] | None:
     if not 0 <= int(s) < int(n) <= blocks:
         raise ValueError(f"no stripe {text} of a chunk of {blocks} blocks")
     return int(s), int(n)
+
+
+_Request = TypeVar("_Request")
+
+
+def unstarted(asked: Mapping[str, _Request], got: bool, rollout: Callable[[str], bool],
+              taking: Container[_Request]) -> _Request | None:
+    """The request out for a chunk that a push of it takes the place of, if any: the one request out
+    (``asked``: peer -> request), if no byte of it has arrived (``got`` false; one whose response has
+    not begun is the most unstarted of all) and it went to a rollout (``rollout``), the pusher itself
+    included, not to the trainer, whose super-seeding counts it as a first copy taken; never a push
+    being taken (``taking``). Evidence: docs/history/DESIGN-NOTES.md#replace-unstarted-requests."""
+    if len(asked) != 1 or got:
+        return None
+    ((peer, request),) = asked.items()
+    if not rollout(peer) or request in taking:
+        return None
+    return request

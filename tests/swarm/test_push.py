@@ -293,33 +293,24 @@ def test_a_heads_later_crossings_wait_until_it_holds_the_chunk_whole():
 
 
 def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_response_began():
-    """``Swarm._unstarted``: the one request out for the chunk, to a rollout (the pusher too),
+    """``swarm.push.unstarted``: the one request out for the chunk, to a rollout (the pusher too),
     that has had no byte back; a request whose response has not begun has no partial yet and is the
     most unstarted of all (a swarm's first version declined pushes as the nodes' first requests went
     out), and so is one to the pusher itself (across regions, the push began before the request got
     there). Requests to the trainer or with bytes back stay."""
-    from types import SimpleNamespace
+    from sparrowd.swarm.push import unstarted
 
-    from sparrowd.daemon.cutthrough import Partial
-    from sparrowd.daemon.swarm import PeerState, Swarm
-    from sparrowd.swarm.chain import Key
+    task = object()
 
-    key, task = Key(3, False), object()
-    me = SimpleNamespace(inflight={(key, 0): {"r1": task}}, partials={}, _taking=set(),
-                         peers={"r1": PeerState("r1", "a:1", "eu", "rollout"),
-                                "trainer": PeerState("trainer", "a:2", "eu", "trainer")})
-    assert Swarm._unstarted(me, key, 0, "r2") is task  # asked, no response yet
-    me.partials[(key, 0)] = part = Partial(1 << 16, 1 << 14, None)
-    assert Swarm._unstarted(me, key, 0, "r2") is task  # its response began, no byte yet
-    part.feed(b"x" * 100)
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # bytes back: it goes on
-    del me.partials[(key, 0)]
-    assert Swarm._unstarted(me, key, 0, "r1") is task  # the pusher is whom it asked: the push is here first
-    me.inflight[(key, 0)] = {"trainer": task}
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # super-seeding counted it as a first copy taken
-    me.inflight[(key, 0)] = {"r1": task}
-    me._taking.add(task)
-    assert Swarm._unstarted(me, key, 0, "r2") is None  # that one is a push being taken
+    def rollout(peer):
+        return peer != "trainer"
+
+    assert unstarted({"r1": task}, False, rollout, set()) is task  # asked, no byte back (or no response yet)
+    assert unstarted({"r1": task}, True, rollout, set()) is None  # bytes back: it goes on
+    assert unstarted({"r1": task, "r2": object()}, False, rollout, set()) is None  # asked twice (the endgame)
+    assert unstarted({}, False, rollout, set()) is None  # nothing asked
+    assert unstarted({"trainer": task}, False, rollout, set()) is None  # super-seeding counted it as a first copy
+    assert unstarted({"r1": task}, False, rollout, {task}) is None  # that one is a push being taken
 
 
 def test_a_chunk_whose_stripes_stopped_short_takes_no_stripes_while_it_is_asked_for_whole():
@@ -521,25 +512,30 @@ def test_the_trainer_knows_a_version_quick_when_it_leaves_in_less_than_a_round_t
 
 
 def test_the_trainer_counts_its_peers_again_when_one_of_a_region_it_did_not_count_asks():
-    """``Swarm._live`` counts the peers heard from at most once a second. A count taken as a swarm
+    """``Seed.live`` counts the peers heard from at most once a second. A count taken as a swarm
     formed, before any peer of another region was heard, said one region, and ``first_copies_near``
     let first copies go anywhere until the next count (6 MiB to 8 daemons crossed 1.20x (R-1) x
     patch). A peer of a region it did not count now has it counted again at once."""
     import time
     from types import SimpleNamespace
 
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from sparrowd.daemon.swarm import Remote, Swarm
+    from sparrowd.daemon.swarm.seed import Seed
+    from sparrowd.swarm.signing import Signer
 
     regions = {"e1": "eu", "e2": "eu", "u1": "us", "a1": "ap"}
-    me = SimpleNamespace(remotes={}, _live_regions=set(), _live_at=float("-inf"), _wants=lambda r: True,
-                         daemon=SimpleNamespace(settings=SimpleNamespace(region="eu")))
+    me = SimpleNamespace(remotes={}, versions={}, host=SimpleNamespace(settings=SimpleNamespace(region="eu")))
+    me.seed = Seed(me, Signer(Ed25519PrivateKey.generate()))
+    me.seed.wants = lambda r: True
 
     def ask(node):
         r = Swarm._remote(me, node, regions[node])
         assert isinstance(r, Remote) and r.region == regions[node]
 
     def live():
-        return Swarm._live(me)
+        return me.seed.live()
 
     ask("e1")
     ask("e2")
@@ -580,8 +576,8 @@ def test_a_neighbour_the_trainer_tells_of_is_a_peer_before_the_version_in_the_sa
         async def loop(ps):
             started.append(ps.node_id)
 
-        me = SimpleNamespace(daemon=SimpleNamespace(membership=membership, node_id="n6",
-                                                    settings=SimpleNamespace(region="r2")),
+        me = SimpleNamespace(host=SimpleNamespace(membership=membership, node_id="n6",
+                                                  settings=SimpleNamespace(region="r2")),
                              peers={"trainer": trainer}, banned=set(), _peer_loop=loop, _joins_seen=0,
                              versions={}, floor=lambda: 0, signer=None, available_since={}, _touch=lambda: None,
                              _announced=asyncio.Event(), _changed=asyncio.Event(), trainer_heard=False,

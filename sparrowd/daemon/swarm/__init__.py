@@ -55,21 +55,27 @@ Thin asyncio around the pure parts (``Picker``, ``Choker``, ``SuperSeed``,
 
 The package, by job (each module says what it holds):
 
+* ``context``: what the swarm takes of its host, the daemon (``SwarmHost``).
 * ``wire``: headers, message schemas, size limits, a chunk stream's pieces.
 * ``state``: the per-peer tables (``PeerState``, ``Remote``).
 * ``peers``: the peers fetched from: their long polls, contacts, bans.
 * ``serve``: admission, the exchange and chunk handlers.
 * ``uplink``: upload lanes, their slots and queues, pacing.
-* ``seed``: the trainer's part: publishing, its choke loop, super-seeding.
+* ``seed``: the trainer's part, ``Seed`` (constructed on the trainer only: ``Swarm.seed``, None on a
+  relay): publishing, its choke loop, super-seeding, the live peers it counts.
 * ``fetch``: the scheduler and its chunk requests.
 * ``receive``: a chunk's stream coming in, asked for or pushed.
 * ``push``: what a relay sends unasked.
-* ``node``: ``Swarm``, which wires them, and the node's own tables.
+* ``parts``: ``Parts``, the node's own tables and what reads them (position, wanted, retention),
+  which every job's part but ``seed`` subclasses; it declares what one part calls of another, so
+  mypy checks them.
+* ``node``: ``Swarm``, which wires them: made of the parts, with its lifecycle.
 
 What it may import: the pure packages (``sparrowd.swarm``, ``sparrowd.codec``,
 ``sparrowd.schema``), and of ``sparrowd.daemon`` only ``bodies``,
-``cutthrough``, ``logs`` and ``store``; the daemon (``app``) hands ``Swarm``
-itself, and nothing here imports ``app``.
+``cutthrough``, ``logs`` and ``store``. The daemon (``app``) hands ``Swarm``
+itself as its ``SwarmHost`` (``context``): the swarm reads nothing of it beyond that, and nothing
+here imports ``app``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from ...swarm.policy import PLAN_EVERY, PUSH_CLAIM
 from ...swarm.serving import stream_timeout
 from ...swarm.versions import VersionState
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import PIECE, ROOT_HEADER, _declared_rate, _send_time, _Served
 
@@ -25,7 +26,7 @@ __all__ = ["Fetching"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Fetching:
+class Fetching(Parts):
     """``Swarm``'s fetching side: the scheduler and its chunk requests."""
 
     async def _scheduler(self) -> None:
@@ -80,7 +81,7 @@ class Fetching:
                     continue
                 if near_whole is None:
                     near_whole = set().union(*(p.have.get(k, ()) for p in self.peers.values()
-                                               if p.role != "trainer" and p.region == self.daemon.settings.region
+                                               if p.role != "trainer" and p.region == self.host.settings.region
                                                and not p.stalled))
                 near = i in near_whole
                 if not stripes_stopped(now, part.fed_at, round_trip, failed=part.failed, near_whole=near):
@@ -89,8 +90,9 @@ class Fetching:
                     del self.partials[(k, i)]
                     part.abort()
                     self.unstriped.add((k, i))
+                    checked = int(part.checked.sum()) if part.checked is not None else 0  # (a striped partial's)
                     event(log, logging.DEBUG, "stripes stopped short; asking for the chunk whole", object=str(k),
-                          index=i, stripes=len(part.stripe_got), blocks=int(part.checked.sum()), of=part.blocks,
+                          index=i, stripes=len(part.stripe_got), blocks=checked, of=part.blocks,
                           why="a peer of this region holds it" if near else "no stripe came")
             for p in self.peers.values():  # chunks on their way here unasked: not asked for meanwhile
                 for i in p.pushing.get(k, ()) if now - p.pushing_at < PUSH_CLAIM + (p.rtt or round_trip) else ():
@@ -143,8 +145,8 @@ class Fetching:
         """The nodes that share this region's cross-region fetches, as this node sees them
         (``serving.crossers``): the gateways the tracker names, less those that held this node back,
         else itself and the neighbours it counts on."""
-        m = self.daemon.membership
-        return serving.crossers(self.daemon.node_id, m.state.gateways if m is not None else [],
+        m = self.host.membership
+        return serving.crossers(self.host.node_id, m.state.gateways if m is not None else [],
                         lambda g: g in self.peers and not self.peers[g].stalled, trusted)
 
     def _neighbours(self) -> list[tuple[str, int]]:
@@ -152,7 +154,7 @@ class Fetching:
         those that have shown holding chunks, which every node of the region sees alike, decided
         when it starts fetching a version and grown by the peers it learns of since; for the version
         only until they hold this node back (``Picker.stalled``)."""
-        region = self.daemon.settings.region
+        region = self.host.settings.region
         return [(p.node_id, p.held) for p in self.peers.values() if p.region == region and p.role != "trainer"]
 
     async def _fetch(self, ps: PeerState, vs: VersionState, index: int) -> None:
@@ -178,7 +180,7 @@ class Fetching:
                     return
                 if r.status != 200:
                     return
-                self._take_root(vs, index, self.daemon.settings.region if ps.role == "trainer"
+                self._take_root(vs, index, self.host.settings.region if ps.role == "trainer"
                                 else r.headers.get(ROOT_HEADER))
                 if ps.role == "trainer":
                     vs.first_hand.add(index)

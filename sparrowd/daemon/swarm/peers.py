@@ -24,6 +24,7 @@ from ...swarm.signing import Signed
 from ...swarm.versions import VersionState, from_bitmap, to_bitmap
 from ..bodies import read_limited
 from ..logs import event
+from .parts import Parts
 from .state import PeerState, _view
 from .wire import _VERSION_REP, MAX_EXCHANGE, MSGPACK, NotYet, _bounded
 
@@ -32,27 +33,29 @@ __all__ = ["Peers"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Peers:
+class Peers(Parts):
     """``Swarm``'s peers: their long polls and what the replies say, contacts, bans."""
 
     def _proof_for(self, ps: PeerState) -> dict:
         """The headers that prove to ``ps`` that this request comes from this node, a member: the
         lease's ticket and a proof for ``ps`` and that lease."""
-        m = self.daemon.membership
+        m = self.host.membership
         ticket, epoch = (m.state.ticket, m.state.epoch) if m is not None else (None, None)
-        if ticket is None or epoch is None:
+        key = self.host.key
+        if ticket is None or epoch is None or key is None:
             return {}
         now = time.time()
         made, made_for, proof = ps.proof
         if now - made > PROOF_TTL / 2 or made_for != epoch:
-            proof = make_proof(self.daemon.key, self.daemon.node_id, ps.node_id, now, epoch)
+            proof = make_proof(key, self.host.node_id, ps.node_id, now, epoch)
             ps.proof = (now, epoch, proof)
         return {TICKET_HEADER: ticket, PROOF_HEADER: proof}
 
     def _take_listed(self) -> dict[str, dict]:
         """Peers from the membership's list that this node has no exchanges with yet: taken, their long
         polls started. The listed entries."""
-        state = self.daemon.membership.state
+        assert self.host.membership is not None  # a relay's peers come with its lease
+        state = self.host.membership.state
         listed = {p["node_id"]: p for p in state.peers}
         for pid, p in listed.items():
             if pid in self.banned or pid in self.peers:
@@ -60,8 +63,8 @@ class Peers:
             ps = self.peers[pid] = PeerState(pid, p["address"], p["region"], p["role"])
             ps.task = asyncio.create_task(self._peer_loop(ps), name=f"peer-{pid}")
             self._warm(ps)
-        here = self.daemon.settings.region
-        if self.signer is None and any(e["node_id"] == self.daemon.node_id for e in state.heads.get(here, ())):
+        here = self.host.settings.region
+        if self.signer is None and any(e["node_id"] == self.host.node_id for e in state.heads.get(here, ())):
             # A head pushes across to the other regions' heads, peers or not: their contacts, each with
             # its spare connection, made now rather than at the first push.
             for r, es in state.heads.items():
@@ -94,6 +97,8 @@ class Peers:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 try:
                     req = aiohttp.ClientRequest("GET", URL(f"http://{ps.address}/"), loop=asyncio.get_running_loop())
+                    if session.connector is None:  # (a session closed meanwhile)
+                        raise AttributeError("no connector")
                     conn = await session.connector.connect(req, [], aiohttp.ClientTimeout(total=10.0))
                 except (TypeError, AttributeError, ValueError):  # another aiohttp's internals
                     await ping()
@@ -112,7 +117,8 @@ class Peers:
                 if ps.task:
                     ps.task.cancel()
                 self._changed.set()
-            changed = self.daemon.membership.peers_changed
+            assert self.host.membership is not None  # a relay starts with its lease
+            changed = self.host.membership.peers_changed
             try:  # a renewal that lists new peers wakes it at once
                 async with asyncio.timeout(0.5):
                     await changed.wait()
@@ -129,13 +135,14 @@ class Peers:
         return out
 
     async def _exchange(self, ps: PeerState, wait: float) -> None:
-        msg = {"node_id": self.daemon.node_id, "region": self.daemon.settings.region, "after": ps.gen,
+        msg = {"node_id": self.host.node_id, "region": self.host.settings.region, "after": ps.gen,
                "wait": int(wait), "versions": self._my_versions()}
         if ps.role == "trainer":
             msg["joined_after"] = self._joins_seen
             if (delay := self.wan_delay()) is not None:
                 msg["delay_us"] = round(delay * 1e6)
-        t0, traced = time.monotonic(), {}
+        t0, traced = time.monotonic(), dict[str, bool]()
+        assert self._session is not None  # made by start
         async with self._session.post(f"http://{ps.address}/v1/swarm/exchange", data=pack(msg),
                                       headers={"Content-Type": MSGPACK, **self._proof_for(ps)},
                                       timeout=aiohttp.ClientTimeout(total=wait + 10), trace_request_ctx=traced) as r:
@@ -222,13 +229,13 @@ class Peers:
             raise FormatError(f"exchange reply from {ps.node_id}: not a map with versions")
         ps.gen = int(reply.get("gen", -1)) if isinstance(reply.get("gen"), int) else -1
         if ps.role == "trainer" and isinstance(joins := reply.get("joins"), int):
-            if isinstance(joined := reply.get("joined"), list) and self.daemon.membership is not None:
+            if isinstance(joined := reply.get("joined"), list) and self.host.membership is not None:
                 # Peers before versions, and at once: a reply that brings a swarm's first version and
                 # a neighbour that joined a moment ago must count the neighbour among the region's
                 # crossers when the version starts, or the node designates itself for every chunk
                 # and crosses for them while the neighbour brings them too (evidence:
                 # docs/history/DESIGN-NOTES.md#peers-before-versions).
-                self.daemon.membership.learn(joined)
+                self.host.membership.learn(joined)
                 self._take_listed()
             self._joins_seen = joins
         ps.choking = bool(reply.get("choked"))
@@ -308,7 +315,7 @@ class Peers:
         the other regions it peers with, of the shortest round trip to any of their nodes (its
         exchanges, ``PeerState.rtt``, an exchange that opened its connection counted half); None before
         any. It times the chunks' region trees."""
-        me = self.daemon.settings.region
+        me = self.host.settings.region
         best: dict[str, float] = {}
         for p in self.peers.values():
             if p.rtt is not None and p.region != me:
@@ -320,7 +327,7 @@ class Peers:
         to each other across regions), a contact's: no exchanges with it, only pushes."""
         if (ps := self.peers.get(node_id)) is not None:
             return ps
-        m = self.daemon.membership
+        m = self.host.membership
         e = m.head(node_id) if m is not None else None
         return None if e is None else self._contact(e)
 

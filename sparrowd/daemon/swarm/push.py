@@ -30,6 +30,7 @@ from ...swarm.serving import stream_timeout
 from ...swarm.versions import BLOCK_HASH, VersionState
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import ALSO_HEADER, ALSO_HEADER_MAX, PIECE, ROOT_HEADER, _Cut, _send_time, _statement_header
 
@@ -38,22 +39,22 @@ __all__ = ["Pushing"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Pushing:
+class Pushing(Parts):
     """``Swarm``'s pushes: what a relay sends unasked, whole or in stripes."""
 
     def _push_out(self, vs: VersionState, index: int) -> None:
         """Send a chunk this node can serve now (a block of it checked out, or whole) unasked to the
         peers ``swarm.push.push_targets`` names, through the upload lanes; a relay's only."""
-        local, cross = self.daemon.settings.push
+        local, cross = self.host.settings.push
         if self.signer is not None or not (local or cross) or self._closing:
             return
         k = vs.key
         done = self.pushed.setdefault(k, {}).setdefault(index, {})
         now = time.monotonic()
         rollouts = [p for p in self.peers.values() if p.role != "trainer"]
-        m = self.daemon.membership
+        m = self.host.membership
         named = {r: [e["node_id"] for e in es] for r, es in (m.state.heads if m is not None else {}).items()}
-        heads = push_heads(self.daemon.settings.region, self.daemon.node_id, (p.node_id for p in rollouts), named)
+        heads = push_heads(self.host.settings.region, self.host.node_id, (p.node_id for p in rollouts), named)
         # Other regions' heads this node does not peer with (it is a head): pushed to without a view of
         # what they hold, so a push there may be declined at its first block.
         rollouts += [c for hs in heads.values() for h in hs if h not in self.peers and (c := self._peer(h)) is not None]
@@ -65,8 +66,9 @@ class Pushing:
         views = [PushPeer(p.node_id, p.region, p.node_id in done or p.node_id in self.banned or p.node_id in feeding
                           or now < p.cooldown_until or index in p.have.get(k, ()) or index in p.fetching.get(k, ()))
                  for p in rollouts]
-        idle = tuple(max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
-                     for lane in (False, True))
+        idle_near, idle_far = (max(0, RELAY_CONCURRENT - self._busy[lane] - self._waiting[lane] - self._spawned[lane])
+                               for lane in (False, True))
+        idle = (idle_near, idle_far)
         tree = None
         part = None if index in vs.have else self.partials.get((k, index))  # still arriving
         if (root := vs.roots.get(index)) in named:  # timed as the trainer signed it: the same tree everywhere
@@ -78,17 +80,19 @@ class Pushing:
                 tree = {}
             else:
                 tree = region_tree(k.tag, index, root, named, send=send, hop=hop)
-        near, far = push_targets(k.tag, index, self.daemon.node_id, self.daemon.settings.region, views, heads,
+        near, far = push_targets(k.tag, index, self.host.node_id, self.host.settings.region, views, heads,
                                  local=local, cross=cross, sent=(len(done) - sum(done.values()), sum(done.values())),
                                  idle=idle, tree=tree, most=None if part is None else part.room(self.up.rate),
                                  whole=index in vs.have)
         for pid in near + far:
+            if (ps := self._peer(pid)) is None:
+                continue  # (not met: every target is a peer, or a head's contact)
             done[pid] = pid in far
             self.pushing_to.add((pid, k, index))
             self._spawned[done[pid]] += 1  # its slot, kept from the next decision until the task takes it
             if part is not None:
                 part.streams += 1  # its stream, counted from now
-            task = asyncio.create_task(self._push_to(self._peer(pid), vs, index, part), name=f"push-{k.tag}-{index}")
+            task = asyncio.create_task(self._push_to(ps, vs, index, part), name=f"push-{k.tag}-{index}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -100,9 +104,9 @@ class Pushing:
         end, a chunk behind."""
         if index not in vs.have and (part is None or part.failed):
             return
-        region = self.daemon.settings.region
+        region = self.host.settings.region
         took = part is not None and part.striped and bool(part.own)  # a stripe from the root region
-        if index in vs.handed_on or took or (region in plan.stripe and plan.receiver[region] == self.daemon.node_id):
+        if index in vs.handed_on or took or (region in plan.stripe and plan.receiver[region] == self.host.node_id):
             # A receiver hands on the stripe the first holder sent it, as that one dealt them (in a swarm
             # just formed, a node that did not know every region's heads yet dealt 6 stripes where the
             # first holder dealt 7, and its stripe fitted nobody's: every region waited out
@@ -115,7 +119,7 @@ class Pushing:
                 dealt = (plan.stripe[region], plan.n) if region in plan.stripe else None
                 mine |= {st for st in stripes_handed_on(part.own, dealt)
                          if part.has_block(st[0])}  # (not begun here yet: handed on once it has)
-            elif not mine and (index in vs.have or part.servable):
+            elif not mine and (index in vs.have or (part is not None and part.servable)):
                 mine = {(plan.stripe[region], plan.n)}
             if not mine:
                 return
@@ -126,7 +130,7 @@ class Pushing:
                         self._stripe_to(vs, index, h, st)
             return
         first = index in vs.first_hand
-        for pid, s in stripe_targets(plan, self.daemon.node_id, region, first):
+        for pid, s in stripe_targets(plan, self.host.node_id, region, first):
             # The first holder hands a stripe its receiver declines (a node of a swarm just formed that
             # does not know every region's heads yet, one fetching the chunk whole from elsewhere) to
             # the other receivers itself: lost, every region waited out ``STRIPE_WAIT`` for it.
@@ -154,7 +158,7 @@ class Pushing:
         only that stripe of the chunk (``_stripe_out``), in no upload slot; refused, it goes to the
         receivers in ``fallback``."""
         key = (vs.key, index)
-        wan = ps.region != self.daemon.settings.region
+        wan = ps.region != self.host.settings.region
         size = vs.chunks[index].size
         outcome, why = "failed", None
         if stripe is None:
@@ -169,9 +173,11 @@ class Pushing:
                 else:
                     return  # its fetch failed while this push waited for a slot
                 if stripe is not None:
+                    assert vs.block is not None  # a chunk pushed in stripes is hashed in blocks
                     size = stripe_size(size, vs.block, *stripe)
                 event(log, logging.DEBUG, "pushing a chunk", peer=ps.node_id, object=str(vs.key), index=index,
                       whole=index in vs.have, stripe=stripe and f"{stripe[0]}/{stripe[1]}")
+                assert self._session is not None  # made by start
                 for attempt in range(PUSH_TRIES):
                     async with self._session.post(
                             f"http://{ps.address}/v1/swarm/chunk/{vs.key.tag}/{index}",
@@ -206,7 +212,7 @@ class Pushing:
               contact=ps.node_id not in self.peers,  # contact: a head of another region this node does not peer with
               root=vs.roots.get(index))
         if outcome == "taken":
-            self.daemon.count_bytes("up", size, wan)
+            self.host.count_bytes("up", size, wan)
             if stripe is not None:
                 self.stripes["sent"] += 1
         elif outcome == "refused" and stripe is not None and why != "being fetched" and not self._closing:
@@ -223,6 +229,6 @@ class Pushing:
         a chunk from the trainer), kept when it names a region whose heads this node knows: its pushes
         then follow the chunk's region tree. A stream that names none, or a false one, leaves the
         greedy choice (a false root can only make a chunk cross later, by pull)."""
-        m = self.daemon.membership
+        m = self.host.membership
         if root and index not in vs.roots and m is not None and root in m.state.heads:
             vs.roots[index] = root

@@ -16,12 +16,13 @@ from aiohttp import web
 from ...errors import FormatError, IntegrityError
 from ...swarm.chain import Key
 from ...swarm.policy import PUSH_STATEMENT_WAIT, PUSHES_TAKEN, STRIPED_TAKEN
-from ...swarm.push import STRIPE_HEADER, parse_stripe
+from ...swarm.push import STRIPE_HEADER, parse_stripe, unstarted
 from ...swarm.serving import store_pause, stream_timeout
 from ...swarm.signing import Signed, announce_kind
 from ...swarm.versions import BLOCK_HASH, VersionState
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import PeerState
 from .wire import (
     ALSO_HEADER,
@@ -40,7 +41,7 @@ __all__ = ["Receiving"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Receiving:
+class Receiving(Parts):
     """``Swarm``'s receiving side: a chunk's stream coming in, and whether a push is taken."""
 
     async def _receive(self, ps: PeerState, vs: VersionState, index: int, pieces, *, whole: bool,
@@ -56,7 +57,7 @@ class Receiving:
         that completes the chunk stores it."""
         key = (vs.key, index)
         ref = vs.chunks[index]
-        wan = ps.region != self.daemon.settings.region
+        wan = ps.region != self.host.settings.region
         if into is not None:
             buf = into
         else:
@@ -93,7 +94,7 @@ class Receiving:
                 got = buf.stripe_got.get(stripe, 0)
                 if not buf.stripe_whole(stripe) and not buf.whole:
                     raise aiohttp.ClientPayloadError(f"stripe {stripe[0]}/{stripe[1]}: {got} bytes short")
-                self.daemon.count_bytes("down", got, wan)
+                self.host.count_bytes("down", got, wan)
                 if buf.stripe_whole(stripe):
                     self.stripes["received"] += 1
                 if not buf.whole or buf.storing or index in vs.have:
@@ -104,7 +105,7 @@ class Receiving:
                     raise IntegrityError(f"{buf.what}: {buf.got} of its {ref.size} bytes")
                 raise aiohttp.ClientPayloadError(f"{buf.got} of {ref.size} bytes")  # as a cut stream
             else:
-                self.daemon.count_bytes("down", buf.got, wan)
+                self.host.count_bytes("down", buf.got, wan)
             data = buf.buf
             if index in vs.have:
                 return False
@@ -222,9 +223,10 @@ class Receiving:
             return "held"
         part = self.partials.get((key, i))
         joining = stripe is not None and part is not None and part.striped and not part.failed
+        pushed: tuple[int, int] | None = None  # the stripe (s, n), if one
         if stripe is not None:
             try:
-                s, n = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
+                pushed = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
             except ValueError as e:
                 return str(e)
         if stripe is not None and (key, i) in self.unstriped and (key, i) in self.inflight:
@@ -236,7 +238,7 @@ class Receiving:
             # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
             # from another, is still in flight until its task has run its cancellation, and declining
             # the first holder's stripe for it lost that stripe to every region.)
-            if part.holds_stripe((s, n)):
+            if part is not None and pushed is not None and part.holds_stripe(pushed):
                 return "stripe held"
         elif (key, i) in self.inflight and not replacing:
             return "being fetched"
@@ -260,15 +262,10 @@ class Receiving:
         too, or a swarm's first pushes are declined for requests that went out a moment before. A
         request to the pusher itself is replaced too: across regions it reaches the pusher a one-way
         delay after its push has begun here, and the pusher refuses a request for a chunk it is pushing to the asker
-        (``handle_chunk``); kept, it would be served a round trip late."""
-        tasks = self.inflight.get((key, i), {})
+        (``handle_chunk``); kept, it would be served a round trip late (``swarm.push.unstarted``)."""
         part = self.partials.get((key, i))
-        if len(tasks) != 1 or (part is not None and part.got):
-            return None
-        ((peer, t),) = tasks.items()
-        if (ps := self.peers.get(peer)) is None or ps.role == "trainer":
-            return None
-        return None if t in self._taking else t
+        return unstarted(self.inflight.get((key, i), {}), part is not None and part.got > 0,
+                         lambda p: (ps := self.peers.get(p)) is not None and ps.role != "trainer", self._taking)
 
     async def handle_push(self, request: web.Request) -> web.Response:
         """A chunk a peer sends unasked (``_push_to``): taken only from a rollout peer this node knows,
@@ -308,12 +305,13 @@ class Receiving:
             event(log, logging.DEBUG, "declined a push", peer=remote.node_id, object=str(key), index=i, reason=why)
             return web.json_response({"error": why}, status=409)
         ps, vs = self._peer(remote.node_id), self.versions[key]
+        assert ps is not None  # (``_declines`` takes pushes from peers only)
         part = self.partials.get((key, i))
         # (``_declines`` checked the header: it parses)
         striped = None if stripe is None else parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
         self._take_root(vs, i, request.headers.get(ROOT_HEADER))
         if (also := request.headers.get(ALSO_HEADER, "")) and len(also) <= ALSO_HEADER_MAX:
-            self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.daemon.node_id}
+            self.fed_along.setdefault(key, {})[i] = frozenset(also.split(",")) - {self.host.node_id}
         if pull is not None:  # replaced before any await, so the scheduler cannot ask again meanwhile
             self.partials.pop((key, i), None)  # the request's, if its response began: nothing served from it
             pull.cancel()

@@ -5,6 +5,7 @@ connection.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -13,7 +14,6 @@ from aiohttp import web
 
 from ...errors import FormatError, SparrowError
 from ...schema import fields, pack, unpack
-from ...swarm import serving
 from ...swarm.chain import Key
 from ...swarm.identity import NODE_HEADER, PROOF_HEADER, PROOF_TTL, TICKET_HEADER, Refused, Ticket, check_proof
 from ...swarm.policy import DISCOVERY_EVERY, ROW_EVERY, UPLOADS_PER_PEER
@@ -21,6 +21,7 @@ from ...swarm.versions import MAX_TREE_US, StatementPage, from_bitmap, to_bitmap
 from ..bodies import read_limited
 from ..cutthrough import Partial
 from ..logs import event
+from .parts import Parts
 from .state import Remote
 from .wire import (
     _EXCHANGE_REQ,
@@ -39,7 +40,7 @@ __all__ = ["Serving"]
 log = logging.getLogger("sparrowd.swarm")
 
 
-class Serving:
+class Serving(Parts):
     """``Swarm``'s serving side: admission, the exchange, chunk and ping handlers."""
 
     def admit(self, request: web.Request) -> Remote | web.Response:
@@ -61,7 +62,7 @@ class Serving:
         if ticket is None or ticket.node_id != node:
             return self._refuse(request, node, "bad-ticket", 401, "not a ticket of this swarm for that node")
         now = time.time()
-        m, t = self.daemon.membership, self.daemon.tracker
+        m, t = self.host.membership, self.host.tracker
         try:
             ticket.check(now, t.credentials if t is not None else m.state.revoked if m is not None else ())
         except Refused as e:
@@ -73,7 +74,7 @@ class Serving:
                                                                        f"epoch {ticket.epoch}")
         if not self._proof_ok(node, ticket.key, ticket.epoch, request.headers.get(PROOF_HEADER, "")):
             return self._refuse(request, node, "impostor", 403, f"no valid proof of being node {node!r}")
-        if self.signer is None and self.daemon.member(node) is None:
+        if self.signer is None and self.host.member(node) is None:
             self._discover(node)  # a relay with no entry of this member: the tracker lists it soon
         return self._remote(node, ticket.region)
 
@@ -83,11 +84,39 @@ class Serving:
         if r is None:
             r = self.remotes[node] = Remote(node, region)
         r.last_seen = time.monotonic()
-        if r.region not in self._live_regions:
+        if self.seed is not None and r.region not in self.seed.live_regions:
             # A region not counted yet is counted again at once, so that the trainer's first copies
             # stay near from the first exchange of that region (``first_copies_near``).
-            self._live_at = float("-inf")
+            self.seed.recount()
         return r
+
+    def forget(self, node_id: str) -> None:
+        """A node's lease ended: what super-seeding gave it goes to others, its view is dropped."""
+        if self.seed is not None:
+            self.seed.forget(node_id)
+        if (r := self.remotes.pop(node_id, None)) is not None:
+            self._set_have(r, {})
+
+    def _set_have(self, remote: Remote, have: dict[Key, frozenset[int]]) -> None:
+        """A peer's have-maps changed: the counts of holders (``held_by``, and ``_showing``, the peers
+        whose maps show any chunk) follow, so that answering an exchange never walks every peer's
+        maps (a swarm of thousands polls the trainer)."""
+        self._showing += any(have.values()) - any(remote.have.values())
+        for k in remote.have.keys() | have.keys():
+            before: frozenset[int] = remote.have.get(k, frozenset())
+            after = have.get(k, frozenset())
+            if before == after:
+                continue
+            counts = self.held_by.setdefault(k, collections.Counter())
+            counts.update(after - before)
+            gone = before - after
+            counts.subtract(gone)
+            for c in gone:
+                if counts[c] <= 0:
+                    del counts[c]
+            if not counts:
+                del self.held_by[k]
+        remote.have = have
 
     def _ticket(self, text: str, trainer: bytes) -> Ticket | None:
         """A ticket's claims, its signature checked once per text (None: not signed by this trainer)."""
@@ -105,7 +134,7 @@ class Serving:
         checked = self._proofs_ok.get((node, epoch, proof))
         if checked is not None and now - checked < PROOF_TTL:
             return True
-        if not check_proof(proof[:200], key, node, self.daemon.node_id, now, epoch):
+        if not check_proof(proof[:200], key, node, self.host.node_id, now, epoch):
             return False
         if len(self._proofs_ok) > 8192:
             self._proofs_ok.clear()
@@ -124,7 +153,7 @@ class Serving:
         renewal, or is not in this node's sample of a large swarm. Ask the tracker about it (and
         for a fresh peer list) with a renewal now, at most once a second: the tracker's word, not
         what the stranger says about itself, so a swarm just formed relays at once."""
-        m = self.daemon.membership
+        m = self.host.membership
         if m is None or self.signer is not None:
             return
         m.ask(node)
@@ -147,15 +176,15 @@ class Serving:
         try:
             m = fields(unpack(body, what="exchange", max_len=MAX_EXCHANGE_REQUEST), _EXCHANGE_REQ, what="exchange")
             theirs = {}
-            for e in m["versions"][:MAX_VERSIONS_SHOWN]:
-                e = fields(e, _VERSION_REQ, what="exchange version")
-                k = Key(e["version"], bool(e.get("anchor")))
-                theirs[k] = (e["statements"], from_bitmap(_bounded(e["have"], self.versions.get(k))))
+            for raw in m["versions"][:MAX_VERSIONS_SHOWN]:
+                v = fields(raw, _VERSION_REQ, what="exchange version")
+                k = Key(v["version"], bool(v.get("anchor")))
+                theirs[k] = (v["statements"], from_bitmap(_bounded(v["have"], self.versions.get(k))))
         except (FormatError, SparrowError) as e:
             return web.json_response({"error": str(e)}, status=400)
         if m.get("delay_us") is not None:
-            if remote.delay is None:
-                self._live_at = float("-inf")  # a first figure: the median is taken again at once
+            if remote.delay is None and self.seed is not None:
+                self.seed.recount()  # a first figure: the trainer takes the median again at once
             remote.delay = min(m["delay_us"], MAX_TREE_US) / 1e6
         new_have = {v: h for v, (_, h) in theirs.items()}
         wait = min(float(m["wait"] or 0), 15.0)
@@ -179,19 +208,19 @@ class Serving:
             vs = self.versions[k]
             known = theirs.get(k, (0, None))[0]
             n = len(vs.chunks)
-            e = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
-                 "have": to_bitmap(self._shown(remote, vs), n), "fetching": to_bitmap(self._fetching(k), n)}
+            entry = {"version": k.version, "anchor": k.anchor, "statements": page.take(vs.statements, known),
+                     "have": to_bitmap(vs.have if self.seed is None else self.seed.shows(remote, vs), n),
+                     "fetching": to_bitmap(self._fetching(k), n)}
             if pushing := {i for (p, o, i) in self.pushing_to if p == remote.node_id and o == k}:
-                e["pushing"] = to_bitmap(pushing, n)
-            out.append(e)
-        if self.signer is None:
+                entry["pushing"] = to_bitmap(pushing, n)
+            out.append(entry)
+        if self.seed is None:
             choked = not self._may_download(remote)  # its lane's queue (a relay owes nothing)
         else:
-            choked = serving.trainer_chokes(self._slots(), remote.node_id, remote.region != self.daemon.settings.region,
-                                    wants=self._wants(remote), owes=lambda: self._owes(remote))
+            choked = self.seed.chokes(remote)
         reply = {"gen": self.gen, "versions": out, "choked": choked,
                  "cut_through": self._relays_partials()}
-        if (t := self.daemon.tracker) is not None:
+        if (t := self.host.tracker) is not None:
             reply["joins"], joined = t.joined_since(m.get("joined_after") or 0, time.time())
             if joined:
                 reply["joined"] = joined
@@ -225,16 +254,18 @@ class Serving:
             source = part  # being fetched: served block by block as the blocks check out (see _fetching)
         if source is None:
             return web.json_response({"error": "not held"}, status=404)
+        assert vs is not None  # a chunk being fetched is of a version this node knows
         if (remote.node_id, key, i) in self.pushing_to:  # it asked as the push went out: it takes the push
             return web.json_response({"error": "being pushed to you"}, status=409)
-        if not self._may_fetch(remote, key, i):
+        if not (self._may_download(remote) if self.seed is None else self.seed.may_fetch(remote, key, i)):
             return web.json_response({"error": "choked"}, status=503)
         if remote.uploads >= UPLOADS_PER_PEER:
             return web.json_response({"error": "too many requests in flight"}, status=429)
-        if key in self.superseed:
-            self.superseed[key].claim(i, remote.node_id)
+        ss = self.seed.superseed.get(key) if self.seed is not None else None  # the trainer's, for this version
+        if ss is not None:
+            ss.claim(i, remote.node_id)
         size = vs.chunks[i].size
-        wan = remote.region != self.daemon.settings.region
+        wan = remote.region != self.host.settings.region
         part = source if isinstance(source, Partial) else None
         remote.uploads += 1
         try:
@@ -256,14 +287,14 @@ class Serving:
         finally:
             remote.uploads -= 1
         if not sent:
-            if key in self.superseed:  # it hung up before it had the chunk: give it again soon if need be
-                self.superseed[key].unclaim(i, remote.node_id)
+            if ss is not None:  # it hung up before it had the chunk: give it again soon if need be
+                ss.unclaim(i, remote.node_id)
             return resp
         remote.rate_to.add(time.monotonic(), size)
-        self.daemon.count_bytes("up", size, wan)
-        if self.signer is not None and (now := time.monotonic()) - self._row_told >= ROW_EVERY:
-            self._row_told = now
-            self.daemon.report_changed()  # the trainer's own row counts its uploads within a second
+        self.host.count_bytes("up", size, wan)
+        if self.seed is not None and (now := time.monotonic()) - self.seed.row_told >= ROW_EVERY:
+            self.seed.row_told = now
+            self.host.report_changed()  # the trainer's own row counts its uploads within a second
         return resp
 
     async def _send(self, request: web.Request, source: Path | Partial, size: int,
@@ -275,12 +306,12 @@ class Serving:
         headers = {"Content-Type": "application/octet-stream", **({ROOT_HEADER: root} if root else {}),
                    **self._rate_header(wan, source)}
         if isinstance(source, Path) and not (self.up.rate or (wan and self.wan_up.rate)):
-            resp = web.FileResponse(source, headers=headers)
+            whole = web.FileResponse(source, headers=headers)
             try:
-                await resp.prepare(request)  # sendfile where the event loop supports it
+                await whole.prepare(request)  # sendfile where the event loop supports it
             except ConnectionError:
-                return resp, False
-            return resp, True
+                return whole, False
+            return whole, True
         resp = web.StreamResponse(headers={**headers, "Content-Length": str(size)})
         try:
             await resp.prepare(request)

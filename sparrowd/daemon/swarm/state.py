@@ -48,7 +48,7 @@ class Remote:
 
     node_id: str
     region: str
-    have: dict[Key, set[int]] = field(default_factory=dict)
+    have: dict[Key, frozenset[int]] = field(default_factory=dict)
     last_seen: float = 0.0
     rate_to: Rate = field(default_factory=Rate)
     uploads: int = 0

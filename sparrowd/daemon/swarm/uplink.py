@@ -8,37 +8,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ...swarm import serving
 from ...swarm.policy import QUEUE_ADMIT
 from ...swarm.push import RATE_HEADER, stream_rate
 from ..cutthrough import Partial
+from .parts import Parts
 from .state import Remote
 from .wire import PIECE, _pieces, _stripe_pieces
 
 __all__ = ["Uplink"]
 
-class Uplink:
+class Uplink(Parts):
     """``Swarm``'s upload lanes: admission by lane, slots and queues, pacing."""
 
     def _may_download(self, remote: Remote) -> bool:
         """Whether this node serves ``remote`` now: a relay while few requests wait in its lane
-        (``serving.relay_admits``), the trainer as its slots admit (``serving.Slots.admits``)."""
-        if self.signer is None:
-            which = self._lane(remote)
-            if serving.relay_admits(self._waiting[which]):
-                return True
-            self._told_choked[which] = True  # woken when the lane has room again
-            return False
-        return self._slots().admits(remote.node_id, remote.region != self.daemon.settings.region)
+        (``serving.relay_admits``), the trainer as its slots admit (``Seed.admits``)."""
+        if self.seed is not None:
+            return self.seed.admits(remote)
+        which = self._lane(remote)
+        if serving.relay_admits(self._waiting[which]):
+            return True
+        self._told_choked[which] = True  # woken when the lane has room again
+        return False
 
     def _lane(self, remote: Remote) -> bool:
         """This node's upload lane for ``remote`` (``serving.lane``)."""
-        return serving.lane(self.signer is not None, self.daemon.settings.region, remote.region)
+        return serving.lane(self.signer is not None, self.host.settings.region, remote.region)
 
     @contextlib.asynccontextmanager
-    async def _upload_slot(self, lane: bool):
+    async def _upload_slot(self, lane: bool) -> AsyncIterator[None]:
         """One of the lane's upload slots, waited for in its queue (what ``_may_download`` counts)."""
         self._waiting[lane] += 1
         waiting = True
@@ -59,7 +61,7 @@ class Uplink:
                 self._waiting[lane] -= 1
 
     async def _paced(self, source: Path | Partial, wan: bool, block: int = PIECE,
-                     stripe: tuple[int, int] | None = None, size: int = 0):
+                     stripe: tuple[int, int] | None = None, size: int = 0) -> AsyncIterator[bytes | memoryview]:
         """A chunk's pieces (``_pieces``), held to the upload limits; counted as relayed cut-through
         when they come from a chunk still arriving.
 
