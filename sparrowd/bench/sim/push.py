@@ -15,6 +15,7 @@ from ...swarm.push import (
     stripe_size,
     stripe_targets,
     tree_timing,
+    unstarted,
 )
 from .model import CONCURRENT, Known, Node, Req
 
@@ -185,10 +186,9 @@ class Pushing:
         self.dirty.add(y)
 
     def unstarted(self, z: Node, c: int, pusher: Node) -> Req | None:
-        """z's one request out for chunk c, if no byte of it has come and it went to a rollout, the pusher
-        itself included, not to the trainer (the daemon's ``Swarm._unstarted``: a push takes its place)."""
-        reqs = z.fetching.get(c)
-        if not reqs or len(reqs) != 1:
-            return None
-        (r,) = reqs.values()
-        return r if r.left == 0.0 and self.s_got[r.serial] == 0 and not r.cancelled and not r.src.trainer else None
+        """z's one request out for chunk c that a push takes the place of (``swarm.push.unstarted``, as
+        the daemons decide it); a request whose stream has begun (``left`` set) has got something."""
+        reqs = z.fetching.get(c) or {}
+        got = any(r.left != 0.0 or self.s_got[r.serial] > 0 for r in reqs.values())
+        r = unstarted(reqs, got, lambda peer: not reqs[peer].src.trainer, ())
+        return r if r is not None and not r.cancelled else None
