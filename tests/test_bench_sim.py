@@ -320,8 +320,9 @@ def test_push_takes_round_trips_out_of_a_one_chunk_patch():
 
 
 def test_a_push_takes_the_place_of_a_request_with_no_byte_back():
-    """As on the daemons (``swarm.push.unstarted``, which both call): nodes that asked the trainer's first holder, queued
-    behind its pushes, take a push from a neighbour instead of waiting their turn there."""
+    """As on the daemons (``swarm.push.unstarted``, which both call): nodes that asked the trainer's
+    first holder, queued behind its pushes, take a push from a neighbour instead of waiting their
+    turn there."""
 
     class Waiting(Sim):
         def unstarted(self, z, c, pusher):
