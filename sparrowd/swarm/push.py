@@ -70,15 +70,16 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from .picker import _score, designated
-from .policy import CROSSINGS, DEFAULT_PUSH
+from .policy import CROSSINGS, DEFAULT_PUSH, PUSHES_TAKEN, STRIPED_TAKEN
 
-__all__ = ["CROSSINGS", "DEFAULT_PUSH", "RATE_HEADER", "STRIPE_HEADER", "PushPeer", "StripePlan", "parse_push",
-           "parse_stripe", "push_heads", "push_targets", "region_tree", "relay_fanout", "stream_rate",
-           "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets", "stripes_handed_on", "tree_timing",
-           "unstarted"]
+__all__ = ["CROSSINGS", "DEFAULT_PUSH", "NO_HASHES", "RATE_HEADER", "STRIPE_HEADER", "Arriving", "PushPeer",
+           "StripePlan", "declines", "parse_push", "parse_stripe", "push_heads", "push_targets", "region_tree",
+           "relay_fanout", "stream_rate", "stripe_blocks", "stripe_plan", "stripe_size", "stripe_targets",
+           "stripes_handed_on", "tree_timing", "unstarted"]
 
 RATE_HEADER = "X-Sparrowd-Rate"  # a chunk stream's rate as its sender paces it, bytes a second (relay_fanout)
 STRIPE_HEADER = "X-Sparrowd-Stripe"  # a push that carries one stripe of a chunk: "s/n" (stripe_plan)
+NO_HASHES = "no signed block hashes for that chunk here yet"  # a push declined until its announcement is here
 
 
 @dataclass(frozen=True)
@@ -362,3 +363,66 @@ def unstarted(asked: Mapping[str, _Request], got: bool, rollout: Callable[[str],
     if not rollout(peer) or request in taking:
         return None
     return request
+
+
+@dataclass(frozen=True)
+class Arriving:
+    """What a relay knows when a push of one of its chunks arrives (``declines``): of the chunk, and of its
+    own load."""
+
+    blocks: int | None  # the blocks the trainer's signed hashes check the chunk in; None: no hashes here yet
+    held: bool = False  # stored here whole
+    wanted: bool = True  # of a version this node fetches
+    asked: bool = False  # a request for it is out
+    asked_whole: bool = False  # its stripes stopped short, and it is asked for whole (``picker.stripes_stopped``)
+    stripes: Callable[[tuple[int, int]], bool] | None = None  # arriving in stripes: whether stripe (s, n) is
+    # held here or being taken
+    paused_until: float = 0.0  # the store pushes back (a chunk could not be stored) until then
+    taking: int = 0  # whole pushes being taken now
+    striping: int = 0  # chunks arriving in stripes now, none of them whole yet
+
+
+def declines(chunk: Arriving, now: float, stripe: str | None = None, *, replacing: bool = False,
+             trainer: bool = False, peer: bool = True) -> str | None:
+    """Why a push of ``chunk`` is not taken, or None to take it. ``stripe`` is the push's ``STRIPE_HEADER``
+    (None: the chunk whole); ``replacing``: the push is to take the place of the request out for the
+    chunk (``unstarted``); ``trainer``: this node is the trainer, which takes no pushes; ``peer``: the
+    pusher is a rollout peer of this node, the only kind a push is taken from.
+
+    A push is taken only of a chunk this node wants, neither holds nor asks for, and can check block by
+    block against the trainer's signed hashes. A stripe joins the other stripes of its chunk arriving
+    here unless it is held or coming already, whoever pushes it: a request to the same pusher, just
+    replaced by another's stripe, is in flight until its cancellation has run, and declining the first
+    holder's stripe for it loses that stripe to every region. Once a chunk's stripes stopped short and it is asked for
+    whole, no stripe takes that request's place: it would stop short again, and the region would wait
+    out ``STRIPE_WAIT`` twice. A push is declined as busy while the store pushes back, past
+    ``PUSHES_TAKEN`` whole pushes, or past ``STRIPED_TAKEN`` chunks in stripes (each buffers a chunk)."""
+    if trainer:
+        return "the trainer takes no pushes"
+    if not peer:
+        return "not a peer of this node"
+    if chunk.blocks is None:
+        return NO_HASHES
+    if chunk.held:
+        return "held"
+    joining = stripe is not None and chunk.stripes is not None
+    if stripe is not None:
+        try:
+            pushed = parse_stripe(stripe, chunk.blocks)
+        except ValueError as e:
+            return str(e)
+        if chunk.asked_whole and chunk.asked:
+            return "asked for whole"
+        if chunk.stripes is not None and pushed is not None and chunk.stripes(pushed):
+            return "stripe held"
+    if not joining and chunk.asked and not replacing:
+        return "being fetched"
+    if not chunk.wanted:
+        return "not wanted"
+    if now < chunk.paused_until:
+        return "busy"
+    if stripe is None and chunk.taking >= PUSHES_TAKEN:
+        return "busy"
+    if stripe is not None and not joining and chunk.striping >= STRIPED_TAKEN:
+        return "busy"
+    return None

@@ -315,32 +315,48 @@ def test_a_push_takes_the_place_of_a_request_with_no_byte_back_even_before_its_r
 
 def test_a_chunk_whose_stripes_stopped_short_takes_no_stripes_while_it_is_asked_for_whole():
     """Once a chunk's stripes stopped short it is asked for whole; a stripe pushed meanwhile would take
-    that request's place (``_unstarted``) and stop short again, so it is declined, and the pusher hands
+    that request's place (``unstarted``) and stop short again, so it is declined, and the pusher hands
     it to its fallbacks. A whole push is still taken in the request's place, and once no request is
     out for the chunk (it failed), stripes are welcome again."""
-    from types import SimpleNamespace
+    from sparrowd.swarm.push import Arriving, declines
 
-    from sparrowd.daemon.swarm import PeerState, Swarm
-    from sparrowd.swarm.chain import Key
-    from sparrowd.swarm.versions import BLOCK_HASH
+    asked = Arriving(64, asked=True)
+    assert declines(asked, 0.0, "1/4") == "being fetched"  # a request out: it may still take that one's place...
+    assert declines(asked, 0.0, "1/4", replacing=True) is None
+    whole = Arriving(64, asked=True, asked_whole=True)  # ...but not once its stripes stopped short
+    assert declines(whole, 0.0, "1/4") == declines(whole, 0.0, "1/4", replacing=True) == "asked for whole"
+    assert declines(whole, 0.0, replacing=True) is None  # the chunk whole may still take the request's place
+    assert declines(Arriving(64, asked_whole=True), 0.0, "1/4") is None  # the request failed: stripes again
 
-    key, task = Key(3, False), object()
-    vs = SimpleNamespace(chunks={0: SimpleNamespace(size=1 << 20)}, blocks={0: bytes(BLOCK_HASH * 64)}, have=set())
-    me = SimpleNamespace(signer=None, versions={key: vs}, partials={}, inflight={(key, 0): {"r1": task}},
-                         unstriped=set(), wanted=lambda: {key}, store_paused_until=0.0, _taking=set(),
-                         _taking_stripes=set())
-    pusher = PeerState("r2", "a:1", "us", "rollout")
 
-    def declines(**kw):
-        return Swarm._declines(me, key, 0, pusher, **kw)
+def test_a_push_is_taken_only_of_a_chunk_wanted_checkable_and_neither_held_nor_asked_for():
+    """``swarm.push.declines``, the receiver's whole decision, reason by reason: only from a rollout
+    peer, never on the trainer, only once the chunk's signed block hashes are here, and within the
+    store's and the buffers' limits; a stripe joins its chunk's other stripes unless it is held."""
+    from sparrowd.swarm.policy import PUSHES_TAKEN, STRIPED_TAKEN
+    from sparrowd.swarm.push import NO_HASHES, Arriving, declines
 
-    assert declines(stripe="1/4") == "being fetched"  # a request out: it may still take that one's place...
-    assert declines(stripe="1/4", replacing=True) is None
-    me.unstriped.add((key, 0))  # ...but not once its stripes stopped short and it is asked for whole
-    assert declines(stripe="1/4") == declines(stripe="1/4", replacing=True) == "asked for whole"
-    assert declines(replacing=True) is None  # the chunk whole may still take the request's place
-    me.inflight.clear()  # the request failed: stripes are taken again
-    assert declines(stripe="1/4") is None
+    fresh = Arriving(8)
+    assert declines(fresh, 0.0) is None and declines(fresh, 0.0, "3/8") is None
+    assert declines(fresh, 0.0, trainer=True) == "the trainer takes no pushes"
+    assert declines(fresh, 0.0, peer=False) == "not a peer of this node"
+    assert declines(Arriving(None), 0.0) == NO_HASHES  # the push outran the trainer's announcement
+    assert declines(Arriving(8, held=True), 0.0) == "held"
+    assert declines(Arriving(8, wanted=False), 0.0) == "not wanted"
+    assert declines(fresh, 0.0, "8/8") == "no stripe 8/8 of a chunk of 8 blocks"
+    assert declines(fresh, 0.0, "1/9") == "no stripe 1/9 of a chunk of 8 blocks"
+    assert declines(fresh, 0.0, "x") == "a stripe is s/n, not 'x'"
+    paused = Arriving(8, paused_until=10.0)  # the store pushes back until then
+    assert declines(paused, 9.9) == "busy" and declines(paused, 10.0) is None
+    assert declines(Arriving(8, taking=PUSHES_TAKEN), 0.0) == "busy"
+    assert declines(Arriving(8, taking=PUSHES_TAKEN), 0.0, "1/2") is None  # stripes are counted apart
+    assert declines(Arriving(8, taking=PUSHES_TAKEN - 1), 0.0) is None
+    assert declines(Arriving(8, striping=STRIPED_TAKEN), 0.0, "1/2") == "busy"
+    held = {(0, 2)}
+    joining = Arriving(8, asked=True, striping=STRIPED_TAKEN, stripes=held.__contains__)
+    assert declines(joining, 0.0, "0/2") == "stripe held"
+    assert declines(joining, 0.0, "1/2") is None  # joins the stripes arriving, however many chunks stripe
+    assert declines(joining, 0.0) == "being fetched"  # the chunk whole waits for its stripes
 
 
 def test_a_manifest_after_the_last_chunk_completes_the_version_like_the_chunk_would(tmp_path):

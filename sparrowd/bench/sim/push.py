@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from ...swarm.picker import stripes_stopped
 from ...swarm.push import (
+    Arriving,
     PushPeer,
+    declines,
     push_heads,
     push_targets,
     region_tree,
@@ -115,18 +117,21 @@ class Pushing:
             return True  # (nothing to send: not a decline)
         sent.add((z.id, s))
         a = z.partial.get(c)
-        if a is not None and a.parts is not None:
-            if s in a.parts or y.id in z.fetching.get(c, {}):
-                return False  # declined: a stripe held
-        elif z.fetching.get(c):
-            if c in z.unstriped:
-                return False  # declined: asked for whole
-            if (u := self.unstarted(z, c, y)) is None:
-                return False  # declined: being fetched
-            u.cancelled = True
-            self.cancel_pending = True
-            self.release(u)
-            a = None
+        parts = a.parts if a is not None else None
+        if parts is not None and y.id in z.fetching.get(c, {}):
+            return False  # declined: y feeds z this chunk already (a pair has one request here)
+        arriving = Arriving(-(-self.sizes[c] // self.block), asked=bool(z.fetching.get(c)),
+                            asked_whole=c in z.unstriped,
+                            stripes=None if parts is None else (lambda stripe: stripe[0] in parts))
+        why = declines(arriving, self.now, f"{s}/{n}")
+        if why == "being fetched" and (u := self.unstarted(z, c, y)) is not None:
+            if (why := declines(arriving, self.now, f"{s}/{n}", replacing=True)) is None:
+                u.cancelled = True
+                self.cancel_pending = True
+                self.release(u)
+                a = None
+        if why is not None:
+            return False  # declined (the daemon's ``handle_push``)
         if a is None or a.parts is None:
             a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), readers=[], parts={}, done=set())
             z.partial[c] = a

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from ...errors import FormatError, IntegrityError
 from ...swarm.chain import Key
-from ...swarm.policy import PUSH_STATEMENT_WAIT, PUSHES_TAKEN, STRIPED_TAKEN
-from ...swarm.push import STRIPE_HEADER, parse_stripe, unstarted
+from ...swarm.policy import PUSH_STATEMENT_WAIT
+from ...swarm.push import NO_HASHES, STRIPE_HEADER, Arriving, declines, parse_stripe, unstarted
 from ...swarm.serving import store_pause, stream_timeout
 from ...swarm.signing import Signed, announce_kind
 from ...swarm.versions import BLOCK_HASH, VersionState
@@ -27,7 +27,6 @@ from .state import PeerState
 from .wire import (
     ALSO_HEADER,
     ALSO_HEADER_MAX,
-    NO_HASHES,
     ROOT_HEADER,
     STATEMENT_HEADER,
     STATEMENT_HEADER_MAX,
@@ -209,49 +208,23 @@ class Receiving(Parts):
 
     def _declines(self, key: Key, i: int, ps: PeerState | None, *, replacing: bool = False,
                   stripe: str | None = None) -> str | None:
-        """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not (``replacing``:
-        it is to take the place of the request out for the chunk; ``stripe``: it is one stripe of the
-        chunk, its ``STRIPE_HEADER``, taken beside the other stripes arriving)."""
+        """Why a push of chunk ``i`` of ``key`` from ``ps`` is not taken now, if it is not
+        (``swarm.push.declines``)."""
         vs = self.versions.get(key)
-        if self.signer is not None:
-            return "the trainer takes no pushes"
-        if ps is None or ps.role == "trainer":
-            return "not a peer of this node"
-        if vs is None or i not in vs.chunks or vs.blocks.get(i) is None:
-            return NO_HASHES
-        if i in vs.have:
-            return "held"
+        hashes = None if vs is None or i not in vs.chunks else vs.blocks.get(i)
         part = self.partials.get((key, i))
-        joining = stripe is not None and part is not None and part.striped and not part.failed
-        pushed: tuple[int, int] | None = None  # the stripe (s, n), if one
-        if stripe is not None:
-            try:
-                pushed = parse_stripe(stripe, len(vs.blocks[i]) // BLOCK_HASH)
-            except ValueError as e:
-                return str(e)
-        if stripe is not None and (key, i) in self.unstriped and (key, i) in self.inflight:
-            # Its stripes stopped short and it is asked for whole: stripes pushed now would replace that
-            # request (``_unstarted``) and stop short again (at 2 s round trips, a chunk's fallback across
-            # was so replaced by four stripes of a seventh, and the region waited out STRIPE_WAIT twice).
-            return "asked for whole"
-        if joining:
-            # (Not who pushes it: a request this node made to the same peer, just replaced by a stripe
-            # from another, is still in flight until its task has run its cancellation, and declining
-            # the first holder's stripe for it lost that stripe to every region.)
-            if part is not None and pushed is not None and part.holds_stripe(pushed):
-                return "stripe held"
-        elif (key, i) in self.inflight and not replacing:
-            return "being fetched"
-        if key not in self.wanted():
-            return "not wanted"
-        if time.monotonic() < self.store_paused_until:
-            return "busy"
-        if stripe is None and len(self._taking) - len(self._taking_stripes) >= PUSHES_TAKEN:
-            return "busy"
-        if stripe is not None and not joining and \
-                sum(1 for p in self.partials.values() if p.striped and not p.whole) >= STRIPED_TAKEN:
-            return "busy"
-        return None
+        arriving = Arriving(
+            blocks=None if hashes is None else len(hashes) // BLOCK_HASH,
+            held=vs is not None and i in vs.have,
+            wanted=key in self.wanted(),
+            asked=(key, i) in self.inflight,
+            asked_whole=(key, i) in self.unstriped,
+            stripes=part.holds_stripe if part is not None and part.striped and not part.failed else None,
+            paused_until=self.store_paused_until,
+            taking=len(self._taking) - len(self._taking_stripes),
+            striping=sum(1 for p in self.partials.values() if p.striped and not p.whole))
+        return declines(arriving, time.monotonic(), stripe, replacing=replacing, trainer=self.signer is not None,
+                        peer=ps is not None and ps.role != "trainer")
 
     def _unstarted(self, key: Key, i: int, pusher: str) -> asyncio.Task | None:
         """The one request out for chunk ``i`` of ``key``, if no byte of it has arrived yet and it went

@@ -20,7 +20,7 @@ from ..cutthrough import Partial
 
 __all__ = ["MSGPACK", "MAX_CHUNK", "MAX_EXCHANGE", "MAX_EXCHANGE_REQUEST", "MAX_VERSIONS_SHOWN", "UNKNOWN_HAVE_BYTES",
            "REGION_HEADER", "ROOT_HEADER", "STATEMENT_HEADER", "STATEMENT_HEADER_MAX", "ALSO_HEADER",
-           "ALSO_HEADER_MAX", "PIECE", "NO_HASHES", "NotYet", "_EXCHANGE_REQ", "_VERSION_REQ", "_VERSION_REP",
+           "ALSO_HEADER_MAX", "PIECE", "NotYet", "_EXCHANGE_REQ", "_VERSION_REQ", "_VERSION_REP",
            "_new_connections", "_Served", "_send_time", "_declared_rate", "_bounded", "_statement_header", "_body",
            "_Cut", "_pieces", "_stripe_pieces"]
 
@@ -39,7 +39,6 @@ STATEMENT_HEADER, STATEMENT_HEADER_MAX = "X-Sparrowd-Statement", 6144
 # not push it to them (siblings fed by the same sender). Ignored past ALSO_HEADER_MAX characters.
 ALSO_HEADER, ALSO_HEADER_MAX = "X-Sparrowd-Also", 2048
 PIECE = 256 << 10
-NO_HASHES = "no signed block hashes for that chunk here yet"
 
 
 class NotYet(SparrowError):
