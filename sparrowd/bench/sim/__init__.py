@@ -105,14 +105,16 @@ them fail (the peer cools down, as the daemon does). The trainer, which
 hosts the tracker, hears of each leave at once; the other peers at their
 next renewal (within a third of the lease TTL).
 
-The package: ``model`` (the configuration, nodes and requests), ``core``
-(``Sim``: events, membership, churn, the run), ``serve`` (the server side),
-``fetch`` (the fetching side), ``push`` (pushes and stripes), ``links`` (the
-fluid link model) and ``report`` (``simulate`` and the command's output). It
-imports the pure packages (``sparrowd.swarm``, ``sparrowd.codec``) and
-nothing of ``sparrowd.daemon``: the decisions it shares with the daemons are
-``swarm.serving``'s, ``swarm.picker``'s, ``swarm.push``'s and
-``swarm.superseed``'s, with the tuning of ``swarm.policy``.
+The package: ``model`` (the configuration, nodes and requests), ``parts``
+(``SimParts``: the state the parts share, and what one calls of another,
+declared for the type checker), ``core`` (``Sim``: events, membership, churn,
+the run), ``serve`` (the server side), ``fetch`` (the fetching side), ``push``
+(pushes and stripes), ``links`` (the fluid link model) and ``report``
+(``simulate`` and the command's output). It imports the pure packages
+(``sparrowd.swarm``, ``sparrowd.codec``) and nothing of ``sparrowd.daemon``:
+the decisions it shares with the daemons are ``swarm.serving``'s,
+``swarm.picker``'s, ``swarm.push``'s and ``swarm.superseed``'s, with the
+tuning of ``swarm.policy``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Sim(Serving, Links, Fetching, Pushing):
         self.now = 0.0
         self.events: list = []
         self.seq = itertools.count()
-        self.dirty: set[Node] = set()
+        self.dirty = set()
         self.chunk_size = cfg.largest_chunk
         self.chunks = max(1, math.ceil(cfg.patch / cfg.chunk_size))
         self.block = cfg.block_size  # as the trainer's daemon hashes the version's chunks
@@ -46,7 +47,7 @@ class Sim(Serving, Links, Fetching, Pushing):
         self.wasted = 0
         self.relayed = 0.0  # bytes sent by streams served from a partial (cut-through)
         self.cuts = 0  # streams cut because their partial was aborted
-        self.shown_fetching: dict[int, tuple[float, set[int]]] = {}  # by node: (when, what shows_fetching said)
+        self.shown_fetching = {}  # by node: (when, what shows_fetching said)
         self.trace: list[dict] | None = [] if cfg.trace else None
         self.version_start = 0.0
         r = cfg.regions
@@ -56,13 +57,13 @@ class Sim(Serving, Links, Fetching, Pushing):
         self.by_id = {n.id: n for n in self.nodes}
         # Each region's heads, as the tracker names them in a renewal's reply (push_heads): set at
         # join, less the nodes that leave (the pushers learn of replacements only at their renewals).
-        self.heads: dict[str, list[str]] = {}
+        self.heads = {}
         self._join()
         # The trainer's peers in its own region (for first_copies_near), less those that leave.
         self.near_trainer = sum(1 for n in self.nodes if not n.trainer and n.region == self.trainer.region)
         self.near_wanting = 0  # of them, those still short of the version (set at each publish)
         # Flows (uploads being sent): parallel arrays of capacity ``len(self.flows)``..., swap-removed.
-        self.flows: list[Req] = []
+        self.flows = []
         self.f_src = np.zeros(1024, np.int64)
         self.f_pair = np.zeros(1024, np.int64)
         self.f_cross = np.zeros(1024, bool)
@@ -76,7 +77,7 @@ class Sim(Serving, Links, Fetching, Pushing):
         self.f_ss = np.zeros(1024, np.int64)
         self.f_sn = np.zeros(1024, np.int64)
         self.f_fsize = np.zeros(1024, np.float64)
-        self.assemblies: set[Req] = set()  # partials of chunks arriving in stripes (``Req.parts``)
+        self.assemblies = set()  # partials of chunks arriving in stripes (``Req.parts``)
         # Per request (by serial, grown as requests are made): bytes its server has sent of it, and
         # whether the partial it feeds is whole (its node got the chunk, by it or another request).
         self.nreq = 0
@@ -91,7 +92,7 @@ class Sim(Serving, Links, Fetching, Pushing):
                                          if cfg.burst > 0 else np.zeros(len(self.nodes)) for r in (self.up, self.wan))
         self.tok_up, self.tok_wan = self.burst_up.copy(), self.burst_wan.copy()
         self.sent = np.zeros(len(self.nodes), np.float64)  # bytes each node uploaded
-        self.pending: set[Node] = set()  # live rollout nodes without the current version
+        self.pending = set()  # live rollout nodes without the current version
 
     def _join(self) -> None:
         """Every node joins, then takes a peer list from the table as its first renewal would; a node
@@ -110,7 +111,7 @@ class Sim(Serving, Links, Fetching, Pushing):
         self.table = table
         self.heads = {r: [n.node_id for n in hs] for r, hs in table.all_heads(0.0).items()}
 
-    def at(self, t: float, fn, *args) -> None:
+    def at(self, t: float, fn: Callable[..., object], *args: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
 
     def note(self, event: str, r: Req) -> None:
@@ -134,7 +135,10 @@ class Sim(Serving, Links, Fetching, Pushing):
             self.near_wanting -= g.region == self.trainer.region and g in self.pending
             g.fetching, g.partial = {}, {}  # its peers learn it fetches nothing when their requests to it fail
             self.pending.discard(g)
-            self.table.leave(g.id, self.table.get(g.id, self.now).epoch, self.now)
+            lease = self.table.get(g.id, self.now)
+            # The simulator renews no lease: churn more than ``DEFAULT_TTL`` (15 s) into a run finds none.
+            assert lease is not None, f"{g.id}: no live lease at {self.now:.3f} s (the simulator renews none)"
+            self.table.leave(g.id, lease.epoch, self.now)
             for queue in g.queue.values():
                 for r in queue:
                     self.at(self.now + self.owd(g, r.dst), self.failed, r)
@@ -167,6 +171,7 @@ class Sim(Serving, Links, Fetching, Pushing):
         if z.trainer:
             for c in k.have:
                 z.held_by[c] -= 1
+            assert z.superseed is not None  # the trainer's, since the first version's publish
             z.superseed.forget(g.id)
         z.unchoked.discard(g.id)
         z.gateways = [i for i in z.gateways if i != g.id]

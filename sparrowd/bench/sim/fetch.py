@@ -7,11 +7,12 @@ from __future__ import annotations
 from ...swarm import serving
 from ...swarm.picker import STRIPE_WAIT, PeerView, recount, slots_for_rate
 from .model import Node, Req
+from .parts import SimParts
 
 __all__ = ["Fetching"]
 
 
-class Fetching:
+class Fetching(SimParts):
     """The fetching side of a simulated node (the daemon's scheduler, exchanges and streams coming in)"""
 
     def dropped(self, r: Req) -> None:
@@ -107,6 +108,7 @@ class Fetching:
         y, x = r.dst, r.src
         if r.stripe is not None:  # one stripe in: the chunk is stored once all are (the daemon's ``_receive``)
             a = r.asm
+            assert a is not None and a.done is not None  # the partial a stripe fills (``stripe_to``)
             self.s_whole[r.serial] = True  # the stripe's last block may go on now
             a.done.add(r.stripe[0])
             a.fed_at = self.now
@@ -235,7 +237,7 @@ class Fetching:
                                region_nodes=region_nodes, available_since=since, asked_at=asked_at):
             x = self.by_id[q.peer_id]
             r = Req(y, x, q.index, self.version, self.sizes[q.index], serial=self._serial(),
-                    whole=q.index in haves[x.id], readers=[], sent=now)
+                    whole=q.index in haves[x.id], sent=now)
             y.fetching.setdefault(q.index, {})[x.id] = r
             y.partial.setdefault(q.index, r)  # the first request for a chunk feeds what the node relays
             if not r.whole:  # (requests for whole chunks are not held to the timeout here: they always move)

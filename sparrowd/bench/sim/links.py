@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from .model import Req
+from .parts import SimParts
 
 __all__ = ["Links"]
 
 
-class Links:
+class Links(SimParts):
     """The fluid link model: the uploads being sent (flows) share each node's uplink, WAN limit and"""
 
     def _flow_arrays(self) -> tuple[np.ndarray, ...]:
@@ -33,8 +34,8 @@ class Links:
         self.f_serial[i] = r.serial
         self.f_feed[i] = r.feed.serial if r.feed is not None else -1
         self.f_last[i] = r.size - (r.size % self.block or self.block)
-        striped = r.stripe is not None and r.feed is not None and r.feed.size != r.size  # fed by the whole chunk
-        self.f_ss[i], self.f_sn[i] = r.stripe if striped else (0, 0)
+        stripe = r.stripe if r.feed is not None and r.feed.size != r.size else None  # fed by the whole chunk
+        self.f_ss[i], self.f_sn[i] = stripe if stripe is not None else (0, 0)
         self.f_fsize[i] = r.feed.size if r.feed is not None else 0.0
 
     def _remove_flow(self, i: int) -> None:

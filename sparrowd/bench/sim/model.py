@@ -115,7 +115,7 @@ class Req:
     serial: int = -1  # its slot in the Sim's per-request arrays (bytes delivered, whether its partial is whole)
     whole: bool = True  # the requester saw its server hold the chunk (else a cut-through stream: no strike)
     feed: "Req | None" = None  # the server's request whose partial this is served from, cut-through
-    readers: list["Req"] | None = None  # as a node's partial: the streams served from it
+    readers: list["Req"] = field(default_factory=list)  # as a node's partial: the streams served from it
     cut: bool = False  # its partial was aborted: its requester hears one one-way delay later
     sent: float = 0.0  # when its requester asked
     declared: float | None = None  # the rate its server paces it at, as it declares it (``swarm.push.stream_rate``)
@@ -180,5 +180,5 @@ class Node:
         self.planned_at = -1.0
         self.pushed: dict[int, list[int]] = {}  # chunk -> [local, cross] pushes sent (``Config.push``)
         self.root: dict[int, str] = {}  # chunk -> the region it entered the swarm in (its tree's root)
-        self.striped_to: dict[int, set[str]] = {}  # chunk -> the receivers it pushed a stripe of it to
+        self.striped_to: dict[int, set[tuple[str, int]]] = {}  # chunk -> the (receiver, stripe)s it pushed
         self.first_hand: set[int] = set()  # chunks it took from the trainer (``stripe_targets``)

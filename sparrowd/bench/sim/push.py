@@ -8,6 +8,7 @@ from ...swarm.picker import stripes_stopped
 from ...swarm.push import (
     Arriving,
     PushPeer,
+    StripePlan,
     declines,
     push_heads,
     push_targets,
@@ -20,11 +21,12 @@ from ...swarm.push import (
     unstarted,
 )
 from .model import CONCURRENT, Known, Node, Req
+from .parts import SimParts
 
 __all__ = ["Pushing"]
 
 
-class Pushing:
+class Pushing(SimParts):
     """Push: a relay sends what it can serve unasked (``swarm.push``), whole or in stripes, and a push"""
 
     def push(self, y: Node, c: int) -> None:
@@ -43,11 +45,12 @@ class Pushing:
         known += [z for hs in heads.values() for h in hs if h not in y.known and (z := self.by_id[h]).alive]
         views = [PushPeer(z.id, z.rname, c in z.have or (bool(z.fetching.get(c)) and self.unstarted(z, c, y) is None))
                  for z in known]
-        idle = tuple(max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True))
+        idle = [max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True)]
         tree = None
         if y.root.get(c) in self.heads:  # timed as the trainer signs it (the simulator knows the delay)
-            send, hop = tree_timing(self.sizes[c], self.block, self.cfg.trainer_rate, self.cfg.rtt / 2) \
-                if self.cfg.timed_tree else (None, None)
+            timing = tree_timing(self.sizes[c], self.block, self.cfg.trainer_rate, self.cfg.rtt / 2) \
+                if self.cfg.timed_tree else None
+            send, hop = timing if timing is not None else (None, None)
             plan = stripe_plan(self.version, c, y.root[c], self.heads, -(-self.sizes[c] // self.block),
                                send=send, hop=hop) if self.cfg.stripes else None
             if plan is not None:  # across in stripes, not in the tree
@@ -56,7 +59,7 @@ class Pushing:
             else:
                 tree = region_tree(self.version, c, y.root[c], self.heads, send=send, hop=hop)
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
-                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree,
+                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=(idle[0], idle[1]), tree=tree,
                                  most=None if feed is None else self.room(y, feed), whole=c in y.have)
         sent[0] += len(near)
         sent[1] += len(far)
@@ -66,8 +69,7 @@ class Pushing:
                 u.cancelled = True
                 self.cancel_pending = True
                 self.release(u)
-            r = Req(z, y, c, self.version, self.sizes[c], serial=self._serial(), whole=c in y.have, readers=[],
-                    sent=self.now)
+            r = Req(z, y, c, self.version, self.sizes[c], serial=self._serial(), whole=c in y.have, sent=self.now)
             z.fetching.setdefault(c, {})[y.id] = r
             z.partial.setdefault(c, r)
             z.aware = True  # a push carries the version's statements
@@ -83,18 +85,19 @@ class Pushing:
         if targets:
             self.start_uploads(y)
 
-    def stripe_out(self, y: Node, c: int, plan, feed: Req | None) -> None:
+    def stripe_out(self, y: Node, c: int, plan: StripePlan, feed: Req | None) -> None:
         """The daemon's ``Swarm._stripe_out``: y pushes the stripes of chunk c it sends under ``plan``
         (``stripe_targets``), the first holder's as the chunk arrives, a receiver's own from its first
         block; in no upload slot. The receiver takes the first into a new partial of the chunk
         (``Req.parts``, in place of an unstarted request) and the rest beside it."""
-        if c not in y.have and feed is None:
-            return
-        mine = plan.stripe.get(y.rname)
-        if c not in y.have and mine is not None and feed.parts is not None:
-            if (own := feed.parts.get(mine)) is None:
-                return  # its own stripe is not coming here (yet)
-            feed = own  # handed on as it arrives (a fetch of the whole chunk: from that, as its blocks do)
+        if c not in y.have:
+            if feed is None:
+                return
+            mine = plan.stripe.get(y.rname)
+            if mine is not None and feed.parts is not None:
+                if (own := feed.parts.get(mine)) is None:
+                    return  # its own stripe is not coming here (yet)
+                feed = own  # handed on as it arrives (a fetch of the whole chunk: from that, as its blocks do)
         first = c in y.first_hand
         for pid, s in stripe_targets(plan, y.id, y.rname, first):
             if not self.stripe_to(y, c, self.by_id[pid], (s, plan.n), feed) and first:
@@ -133,11 +136,12 @@ class Pushing:
         if why is not None:
             return False  # declined (the daemon's ``handle_push``)
         if a is None or a.parts is None:
-            a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), readers=[], parts={}, done=set())
+            a = Req(z, z, c, self.version, self.sizes[c], serial=self._serial(), parts={}, done=set())
             z.partial[c] = a
             self.assemblies.add(a)
         r = Req(z, y, c, self.version, stripe_size(self.sizes[c], self.block, s, n), serial=self._serial(),
-                whole=c in y.have, readers=[], sent=self.now, stripe=(s, n), asm=a)
+                whole=c in y.have, sent=self.now, stripe=(s, n), asm=a)
+        assert a.parts is not None  # (an assembly: made above if it was not one)
         a.parts[s] = r
         a.fed_at = self.now
         z.fetching.setdefault(c, {})[y.id] = r
@@ -147,12 +151,12 @@ class Pushing:
         z.known.setdefault(y.id, Known(y)).inflight += 1
         y.known.setdefault(z.id, Known(z)).uploads += 1
         if c not in y.have:
+            assert feed is not None  # (returned above otherwise)
             r.feed = feed
             feed.readers.append(r)
         self.note("pushed", r)
-        fed = r.feed is not None
         r.declared = stream_rate(y.up, y.wan, y.active[False] + y.active[True] + 1, y.active[True] + 1, wan=True,
-                                 arriving=r.feed.declared if fed else None)
+                                 arriving=r.feed.declared if r.feed is not None else None)
         r.left = float(r.size)
         self._add_flow(r)
         return True
@@ -160,14 +164,18 @@ class Pushing:
     def assembled(self, a: Req) -> float:
         """The checked prefix of a chunk arriving in stripes (``Partial.ready``): up to its first block
         that no stripe has brought whole."""
-        n = next(iter(a.parts.values())).stripe[1]
+        parts, done = a.parts, a.done
+        assert parts is not None and done is not None  # (an assembly: ``Sim.assemblies``)
+        stripe = next(iter(parts.values())).stripe
+        assert stripe is not None  # (its parts are stripes)
+        n = stripe[1]
         blocks = -(-a.size // self.block)
         first = blocks
         for s in range(n):
-            r = a.parts.get(s)
+            r = parts.get(s)
             if r is None:
                 got = 0
-            elif s in a.done:
+            elif s in done:
                 got = len(range(s, blocks, n))
             else:
                 got = int(self.s_got[r.serial] // self.block)

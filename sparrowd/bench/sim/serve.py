@@ -9,11 +9,12 @@ from ...swarm.choker import ChokerPeer
 from ...swarm.policy import UPLOADS_PER_PEER
 from ...swarm.push import relay_fanout, stream_rate
 from .model import CONCURRENT, Node, Req
+from .parts import SimParts
 
 __all__ = ["Serving"]
 
 
-class Serving:
+class Serving(SimParts):
     """The server side of a simulated node (the daemon's exchange and chunk handlers): what it shows and"""
 
     def wants(self, x: Node, y: Node) -> bool:
@@ -28,7 +29,7 @@ class Serving:
 
     @staticmethod
     def lane(x: Node, y: Node) -> bool:
-        return serving.lane(x.trainer, x.region, y.region)
+        return serving.lane(x.trainer, x.rname, y.rname)
 
     def may_download(self, x: Node, y: Node) -> bool:
         if not x.trainer:
@@ -118,6 +119,7 @@ class Serving:
     def start_uploads(self, x: Node) -> None:
         if x.held:  # requests for a partial's stream: into their lane once it has room (or is whole, or cut)
             for r in list(x.held):
+                assert r.feed is not None  # (held for room in the partial it is served from)
                 room = None if r.cancelled else self.room(x, r.feed)
                 if room is None or room > 0:
                     r.held = False
@@ -133,8 +135,8 @@ class Serving:
                     self.dropped(r)
                     continue
                 x.active[lane] += 1
-                fed = r.feed is not None and r.chunk not in x.have
+                feed = r.feed if r.chunk not in x.have else None  # a partial's stream: no faster than it arrives
                 r.declared = stream_rate(x.up, x.wan, x.active[False] + x.active[True], x.active[True], wan=lane,
-                                         arriving=r.feed.declared if fed else None)
+                                         arriving=feed.declared if feed is not None else None)
                 r.left = float(r.size)
                 self._add_flow(r)
