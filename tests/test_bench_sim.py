@@ -56,6 +56,15 @@ def test_nodes_leaving_mid_version_do_not_stop_the_rest():
     assert r["time_over_bound"] < 4.0, r
 
 
+def test_nodes_leave_later_than_a_lease_lasts():
+    """Simulated nodes renew their leases as the daemons do, so churn past the lease TTL (15 s; this
+    version takes 16 s at the trainer's uplink) finds each leaver's lease live (it once found none, and
+    the run stopped with an AttributeError)."""
+    r = simulate(Config(nodes=4, regions=1, patch=64 * MB, versions=1, churn=0.5, churn_at=0.95))[0]
+    assert r["left"] == 2 and r["nodes"] == 2 and r["all_done"], r
+    assert r["seconds"] > 15, r
+
+
 def _cli(*args, tmp_path):
     return subprocess.run([sys.executable, "-m", "sparrowd.cli.main", "bench", "sim", *args],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)

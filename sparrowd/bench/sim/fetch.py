@@ -13,7 +13,7 @@ __all__ = ["Fetching"]
 
 
 class Fetching(SimParts):
-    """The fetching side of a simulated node (the daemon's scheduler, exchanges and streams coming in)"""
+    """``Sim``'s fetching side: requests ending, chunks arriving, have messages and the plan."""
 
     def dropped(self, r: Req) -> None:
         """A cancelled request left its server: a loser's node already knows; a cut stream's node hears

@@ -13,7 +13,7 @@ __all__ = ["Links"]
 
 
 class Links(SimParts):
-    """The fluid link model: the uploads being sent (flows) share each node's uplink, WAN limit and"""
+    """``Sim``'s fluid links: flows sharing uplinks, WAN limits and the links between regions."""
 
     def _flow_arrays(self) -> tuple[np.ndarray, ...]:
         return (self.f_src, self.f_pair, self.f_cross, self.f_left, self.f_size, self.f_serial, self.f_feed,

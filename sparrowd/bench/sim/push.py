@@ -27,7 +27,7 @@ __all__ = ["Pushing"]
 
 
 class Pushing(SimParts):
-    """Push: a relay sends what it can serve unasked (``swarm.push``), whole or in stripes, and a push"""
+    """``Sim``'s pushes: what a relay sends unasked, whole or in stripes."""
 
     def push(self, y: Node, c: int) -> None:
         """Push (``Config.push``, the daemon's ``Swarm._push_out``): y, as soon as it can serve chunk c

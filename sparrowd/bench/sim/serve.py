@@ -15,7 +15,7 @@ __all__ = ["Serving"]
 
 
 class Serving(SimParts):
-    """The server side of a simulated node (the daemon's exchange and chunk handlers): what it shows and"""
+    """``Sim``'s server side: what a node shows and whom it serves, its lanes and upload queues."""
 
     def wants(self, x: Node, y: Node) -> bool:
         k = x.known.get(y.id)
