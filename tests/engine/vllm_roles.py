@@ -18,8 +18,10 @@ Each writes what it saw under OUT for tests/engine/test_vllm*.py to compare.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -196,13 +198,43 @@ def engine(out: Path, socket_path: str, token_file: str, steps: int) -> None:
 
 def reference(out: Path, checkpoints: list[Path]) -> None:
     """Fresh engines on each checkpoint. Built with the sparrowd backend selected, as the servers
-    under test are, so that both run the same linear kernels (plain F.linear on the CPU)."""
+    under test are, so that both run the same linear kernels (plain F.linear on the CPU).
+
+    A fresh engine's outputs are a function of the checkpoint's bytes (and of the code, one run's):
+    where ``SPARROWD_TEST_REFERENCE_CACHE`` names a folder, they are kept there by the checkpoint's
+    hash, and a test whose training made the same bytes as an earlier test's reads them back
+    instead of starting the same engine again."""
+    cache = os.environ.get("SPARROWD_TEST_REFERENCE_CACHE")
     for checkpoint in checkpoints:
-        llm = make_llm(checkpoint, extension=False)
-        observe(llm, out, f"reference-{checkpoint.name}")
-        [origins] = llm.collective_rpc(cpu_linear_origins)
-        (out / "reference-origins.json").write_text(json.dumps(origins))
-        del llm
+        tag = f"reference-{checkpoint.name}"
+        kept = Path(cache) / _checkpoint_hash(checkpoint) if cache else None
+        if kept is None or not kept.is_dir():
+            made = out / f".{tag}"
+            made.mkdir(exist_ok=True)
+            llm = make_llm(checkpoint, extension=False)
+            observe(llm, made, "reference")
+            [origins] = llm.collective_rpc(cpu_linear_origins)
+            (made / "reference-origins.json").write_text(json.dumps(origins))
+            del llm
+            if kept is not None:
+                shutil.copytree(made, f"{kept}.{os.getpid()}")
+                try:
+                    os.rename(f"{kept}.{os.getpid()}", kept)
+                except OSError:  # another worker kept the same checkpoint's first
+                    shutil.rmtree(f"{kept}.{os.getpid()}")
+        else:
+            made = kept
+        for name in ("reference.params.npz", "reference.generate.json"):
+            shutil.copyfile(made / name, out / name.replace("reference", tag))
+        shutil.copyfile(made / "reference-origins.json", out / "reference-origins.json")
+
+
+def _checkpoint_hash(checkpoint: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(checkpoint.iterdir()):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def drive(out: Path, daemon: str, token_file: str, steps: int, server: str, socket_path: str) -> None:
