@@ -208,8 +208,10 @@ def reference(out: Path, checkpoints: list[Path]) -> None:
     for checkpoint in checkpoints:
         tag = f"reference-{checkpoint.name}"
         kept = Path(cache) / _checkpoint_hash(checkpoint) if cache else None
-        if kept is None or not kept.is_dir():
-            made = out / f".{tag}"
+        made = kept if kept is not None and kept.is_dir() else None
+        if made is None:
+            # Made under a name of this process's, then renamed whole: another worker never reads half.
+            made = Path(f"{kept}.{os.getpid()}") if kept is not None else out / f".{tag}"
             made.mkdir(exist_ok=True)
             llm = make_llm(checkpoint, extension=False)
             observe(llm, made, "reference")
@@ -217,13 +219,11 @@ def reference(out: Path, checkpoints: list[Path]) -> None:
             (made / "reference-origins.json").write_text(json.dumps(origins))
             del llm
             if kept is not None:
-                shutil.copytree(made, f"{kept}.{os.getpid()}")
                 try:
-                    os.rename(f"{kept}.{os.getpid()}", kept)
-                except OSError:  # another worker kept the same checkpoint's first
-                    shutil.rmtree(f"{kept}.{os.getpid()}")
-        else:
-            made = kept
+                    made = made.rename(kept)
+                except OSError:  # another worker kept the same checkpoint's first: read from its copy
+                    shutil.rmtree(made)
+                    made = kept
         for name in ("reference.params.npz", "reference.generate.json"):
             shutil.copyfile(made / name, out / name.replace("reference", tag))
         shutil.copyfile(made / "reference-origins.json", out / "reference-origins.json")

@@ -48,9 +48,14 @@ class Fetching(SimParts):
         """The daemon's request timeout, for a stream from a partial (which waits as long as its feed
         does: in a circle of partials, each fed by the next, for ever)."""
         if r.dst.fetching.get(r.chunk, {}).get(r.src.id) is r:
-            r.cancelled = True
-            self.cancel_pending = True
-            self.release(r)
+            self.withdraw(r)
+
+    def withdraw(self, r: Req) -> None:
+        """Its node gives the request up: its flow ends at the next step and the chunk goes back to the
+        picker."""
+        r.cancelled = True
+        self.cancel_pending = True
+        self.release(r)
 
     def whole(self, y: Node, c: int) -> None:
         """y got chunk c whole: the streams served from its partial go on from this copy."""

@@ -45,7 +45,8 @@ class Pushing(SimParts):
         known += [z for hs in heads.values() for h in hs if h not in y.known and (z := self.by_id[h]).alive]
         views = [PushPeer(z.id, z.rname, c in z.have or (bool(z.fetching.get(c)) and self.unstarted(z, c, y) is None))
                  for z in known]
-        idle = [max(0, CONCURRENT[False] - y.active[lane] - len(y.queue[lane])) for lane in (False, True)]
+        idle = (max(0, CONCURRENT[False] - y.active[False] - len(y.queue[False])),
+                max(0, CONCURRENT[False] - y.active[True] - len(y.queue[True])))
         tree = None
         if y.root.get(c) in self.heads:  # timed as the trainer signs it (the simulator knows the delay)
             timing = tree_timing(self.sizes[c], self.block, self.cfg.trainer_rate, self.cfg.rtt / 2) \
@@ -59,16 +60,14 @@ class Pushing(SimParts):
             else:
                 tree = region_tree(self.version, c, y.root[c], self.heads, send=send, hop=hop)
         near, far = push_targets(self.version, c, y.id, y.rname, views, heads, local=self.cfg.push[0],
-                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=(idle[0], idle[1]), tree=tree,
+                                 cross=self.cfg.push[1], sent=(sent[0], sent[1]), idle=idle, tree=tree,
                                  most=None if feed is None else self.room(y, feed), whole=c in y.have)
         sent[0] += len(near)
         sent[1] += len(far)
         targets = [self.by_id[i] for i in near + far]
         for z in targets:
             if (u := self.unstarted(z, c, y)) is not None:  # the push takes the place of z's request
-                u.cancelled = True
-                self.cancel_pending = True
-                self.release(u)
+                self.withdraw(u)
             r = Req(z, y, c, self.version, self.sizes[c], serial=self._serial(), whole=c in y.have, sent=self.now)
             z.fetching.setdefault(c, {})[y.id] = r
             z.partial.setdefault(c, r)
@@ -129,9 +128,7 @@ class Pushing(SimParts):
         why = declines(arriving, self.now, f"{s}/{n}")
         if why == "being fetched" and (u := self.unstarted(z, c, y)) is not None:
             if (why := declines(arriving, self.now, f"{s}/{n}", replacing=True)) is None:
-                u.cancelled = True
-                self.cancel_pending = True
-                self.release(u)
+                self.withdraw(u)
                 a = None
         if why is not None:
             return False  # declined (the daemon's ``handle_push``)
