@@ -118,6 +118,9 @@ def test_a_credential_that_cannot_be_written_is_not_issued(cluster, inputs):
     (["rl", "--link-rate", "4X"], "--link-rate: not a size"),
     (["rl", "--rtt", "-1"], "--rtt -1.0: give seconds, 0 or more"),
     (["rl", "--rtt", "inf"], "--rtt inf"),
+    (["rl", "--churn", "--join-pace", "-1"], "--join-pace -1.0: give seconds from 0 to 600"),
+    (["rl", "--churn", "--join-pace", "nan"], "--join-pace nan"),
+    (["rl", "--join-pace", "10"], "--join-pace paces the steps while a box joins: give it with --churn"),
 ])
 def test_benchmarks_refuse_bad_input_in_one_line_before_anything_starts(inputs, args, says):
     before = _tree(inputs)

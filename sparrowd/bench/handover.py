@@ -217,6 +217,10 @@ class Strategy:
         """Whether the run goes on past its steps (``elapsed`` seconds into it)."""
         return False
 
+    def pace(self) -> float:
+        """The least time the step now ending lasts (the loop waits out the rest)."""
+        return 0.0
+
     def finish(self, last: int) -> dict | None:
         """After the last step: what the strategy checks or reports beyond the steps."""
         return None
@@ -403,6 +407,13 @@ class _Churn(_Sparrow):
         if out["joiner"] is not None:
             self.joiner_seen.append(out["joiner"])
         return out
+
+    def pace(self) -> float:
+        """``join_pace`` while the joiner boots. Every emulated box shares this machine's CPUs, and
+        the steps, run back to back, slow the joiner's vLLM start several times over; a real box
+        boots on its own machine, at no cost to the others."""
+        booting = self._boot_job is not None and not self._boot_job.done()
+        return self.cfg.join_pace if booting else 0.0
 
     def more(self, elapsed: float) -> bool:
         """Training goes on until follow mode has moved the joiner while the steps run (its server

@@ -83,6 +83,7 @@ class RLConfig:
     node_rate: str = "8M"
     rtt: float = 0.08
     on_policy: bool = False
+    join_pace: float = 0.0  # ``churn``: while the empty box boots, a step lasts at least this long (s)
     strategies: tuple[str, ...] = ("full", "star", "swarm", "ideal")
     seed: int = 0
 
@@ -100,6 +101,7 @@ class StepRecord:
     publish: float = 0.0
     wait: float = 0.0  # the servers idle, waiting for the version they must generate on (pause included)
     pause: float = 0.0  # of that, the servers paused for the update
+    paced: float = 0.0  # waited out at the end so that the step lasted ``join_pace``
     wire: float | None = None  # publish to every rollout box holding the version (overlaps the next steps)
     tokens: int = 0
     reward: float = 0.0
@@ -127,7 +129,7 @@ class StrategyResult:
                 "wan_bytes_per_step": sum(s.wan_bytes for s in self.steps) / len(self.steps),
                 "rewards": [s.reward for s in self.steps],
                 "split": {k: sum(getattr(s, k) for s in steady) / n
-                          for k in ("generate", "train", "publish", "wait", "pause")},
+                          for k in ("generate", "train", "publish", "wait", "pause", "paced")},
                 "wire_seconds": [s.wire for s in self.steps],
                 "versions": {name: [s.versions.get(name) for s in self.steps]
                              for name in dict.fromkeys(k for s in self.steps for k in s.versions)},
@@ -275,11 +277,15 @@ def _run_strategy(w: _World, strategy: Strategy) -> StrategyResult:
             t0 = time.monotonic()
             strategy.publish(model, step)
             rec.publish = time.monotonic() - t0
+            if (rest := strategy.pace() - (time.monotonic() - t_step)) > 0:
+                time.sleep(rest)
+                rec.paced = rest
             rec.seconds = time.monotonic() - t_step
             res.steps.append(rec)
             print(f"   {strategy.name:<5} step {step}: {rec.seconds:5.2f} s (generate {rec.generate:.2f} on version "
                   f"{version}, train {rec.train:.2f}, publish {rec.publish:.2f}, waited {rec.wait:.2f} for weights, "
-                  f"paused {rec.pause:.2f}), reward {rec.reward:.4f}", flush=True)
+                  f"paused {rec.pause:.2f}{f', paced {rec.paced:.2f}' if rec.paced else ''}), reward {rec.reward:.4f}",
+                  flush=True)
         # The last versions' transfers finish, so every step's wire time and bytes are known.
         for v in range(1, step + 1):
             wait(lambda v=v: v in strategy.held, 600, f"version {v} to arrive")

@@ -356,6 +356,10 @@ def register_rl(bs) -> None:
                    help="then the swarm again while boxes come and go: after a third of the steps one box (daemon "
                         "and vllm serve) is killed and an empty one joins, boots from the swarm and is kept current "
                         "by follow mode; the trainer side is unchanged. Reports each server's version per step")
+    s.add_argument("--join-pace", type=float, default=d.join_pace, metavar="SECONDS",
+                   help="with --churn: while the empty box boots, each step lasts at least SECONDS (default 0). The "
+                        "emulated boxes share this machine's CPUs, so steps run back to back slow the joiner's vLLM "
+                        "start; a real box boots on its own")
     s.add_argument("--json", metavar="FILE", type=json_file, help="also write the figures as JSON")
     s.add_argument("--plot", metavar="PNG", type=json_file, help="also draw tokens/s and the step split (matplotlib)")
     s.add_argument("--keep", action="store_true", help="keep the run's folders and logs")
@@ -372,8 +376,13 @@ def cmd_rl(args) -> int:
     if not 2 <= args.servers <= 4:
         raise InputError("--servers must be 2 to 4")
     _check_wan(args, _WAN_RATES, unlimited=("link_rate",))
-    kw = {"servers": args.servers, "on_policy": args.on_policy, "link_rate": args.link_rate,
-          "trainer_rate": args.trainer_rate, "rtt": args.rtt, "strategies": names + ("churn",) * args.churn}
+    if not 0 <= args.join_pace <= 600:
+        raise InputError(f"--join-pace {args.join_pace}: give seconds from 0 to 600")
+    if args.join_pace and not args.churn:
+        raise InputError("--join-pace paces the steps while a box joins: give it with --churn")
+    kw = {"servers": args.servers, "on_policy": args.on_policy, "join_pace": args.join_pace,
+          "link_rate": args.link_rate, "trainer_rate": args.trainer_rate, "rtt": args.rtt,
+          "strategies": names + ("churn",) * args.churn}
     if args.steps is not None:
         if args.steps < 1:
             raise InputError("--steps must be at least 1")
