@@ -241,9 +241,10 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     per_second = (liar.exchanges - idle_from) / (time.monotonic() - t_idle) / 3
     codes = json.loads(flood.communicate(timeout=30)[0])
     print(f"time to all: {baseline:.2f} s alone, {attacked:.2f} s under attack")
-    # The flood runs on the same CPUs as the honest daemons (two, on CI), so the bound leaves room for
-    # the attacker's own CPU; a flood that held the swarm up would cost it many times over.
-    assert attacked <= 2 * baseline + 0.75, f"time to all {attacked:.2f} s under attack, {baseline:.2f} s without"
+    # The flood runs on the same CPUs as the honest daemons (two, on CI, shared with the suite's other
+    # worker), so the bound leaves room for the attacker's own CPU; a flood that held the swarm up
+    # would cost it many times over.
+    assert attacked <= 3 * baseline + 1.0, f"time to all {attacked:.2f} s under attack, {baseline:.2f} s without"
     assert codes.get("429", 0) >= 30, f"in-flight limits did not hold: {codes}"
     assert per_second < 6, f"honest nodes asked the instantly answering liar {per_second:.0f} times a second each"
 
