@@ -400,9 +400,11 @@ def ray_actors(out: Path, daemon: str, token_file: str, steps: int, socket_path:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     save_bf16(model, out / "step0")
     ray.init(num_cpus=len(kinds) + 1, include_dashboard=False, log_to_driver=False)
-    env = {"VLLM_TARGET_DEVICE": "cpu",
+    # Both actors run their one worker in the engine's own process (vLLM's default for one GPU):
+    # the LLM in the actor, the AsyncLLM in its engine core, not in a worker process of its own.
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            **{k: v for k, v in os.environ.items() if k.startswith(("SPARROWD_", "VLLM_CPU"))}}
-    llm = ray.remote(num_cpus=1)(LLM).options(runtime_env={"env_vars": {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
+    llm = ray.remote(num_cpus=1)(LLM).options(runtime_env={"env_vars": env})
     wrapped = ray.remote(num_cpus=1)(AsyncServer).options(runtime_env={"env_vars": env})
     actors = [llm.remote(str(out / "step0"), **ENGINE_KW) if k == "llm" else wrapped.remote() for k in kinds]
     ray.get([a.start.remote(str(out / "step0")) for a, k in zip(actors, kinds) if k == "async"])
