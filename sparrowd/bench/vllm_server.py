@@ -12,13 +12,11 @@ script does not start with the CPU build's package name) with vLLM's RL routes
 weight-version spans (``--enable-scale-out``), no tokenizer (prompts are token
 ids) and a small KV cache. Its log goes to ``log_path``.
 
-A single-worker server runs its worker inside the engine core process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the server's environment: vLLM's
-``uni`` executor, its default for one GPU). vLLM's CPU platform would
-otherwise start the worker as a process of its own, a third import of vLLM
-(about 15 CPU-seconds a server on these machines). The API server and the
-engine core stay separate processes, as they always are behind ``vllm serve``.
-Tensor-parallel servers keep one process per worker (``mp``).
+The server's topology is vLLM's own for its platform (on CPU, a process per
+worker beside the engine core). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in
+``env``, a single-worker server runs its worker inside the engine core
+instead (vLLM's ``uni`` executor, its default for one GPU): the suite's
+servers do, one vLLM import fewer each (about 15 CPU-seconds here).
 """
 
 from __future__ import annotations
@@ -55,8 +53,6 @@ class VllmServer:
                     "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         if tensor_parallel > 1:
             self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tensor_parallel)))
-        else:
-            self.env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
 

@@ -262,7 +262,9 @@ def test_a_hostile_member_is_refused_contained_counted_and_revoked(cluster, tmp_
     flood_over = time.monotonic()
     wait_for(lambda: liar.polled_at > flood_over, 10, "the flood's held polls to end (the liar's slots at the trainer)")
     lied = max(time_to_all(6), time_to_all(7))
-    assert lied <= 1.5 * baseline + 0.5, f"time to all {lied:.2f} s with the liar, {baseline:.2f} s without"
+    # As above, room for this machine's shared CPUs; a liar believed would hold each chunk it claimed
+    # until the request gave up on it, seconds where the swarm takes a fraction of one.
+    assert lied <= 2 * baseline + 1.0, f"time to all {lied:.2f} s with the liar, {baseline:.2f} s without"
     assert sum(metric(n.url, cluster.token, "sparrowd_peer_false_haves_total") for n in nodes) >= 1, (
         liar.exchanges, liar.chunk_requests, sorted(liar.statements))
     assert liar.chunk_requests <= 2 * 2 * 16  # two us nodes, two versions: each chunk asked once at most

@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("SPARROWD_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
             "TOKENIZERS_PARALLELISM": "false"}
+# The suite's single-worker `vllm serve` runs its worker in the engine core (vLLM's `uni` executor, its
+# default for one GPU) rather than in a process of its own, as vLLM's CPU platform would: one vLLM
+# import fewer a server, about 15 CPU-seconds. Tensor-parallel servers keep a process per worker.
+ONE_WORKER_IN_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def engine_python() -> str:

@@ -15,11 +15,12 @@ boots (``--join-pace``): on two cores, steps run back to back leave its vLLM sta
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
-from tests.engine.roles import ROOT, engine_python
+from tests.engine.roles import ONE_WORKER_IN_CORE, ROOT, engine_python
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_every_strategy_gives_identical_rewards_and_weights_while_boxes_come_and
     out = tmp_path / "rl.json"
     r = subprocess.run([engine_python(), "-m", "sparrowd.cli.main", "bench", "rl", "--quick", "--steps", str(STEPS),
                         "--churn", "--join-pace", str(JOIN_PACE), "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **ONE_WORKER_IN_CORE})
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     figures = json.loads(out.read_text())
     assert figures["identical"] and figures["problems"] == []

@@ -18,7 +18,7 @@ import pytest
 
 from sparrowd.bench.vllm_server import VllmServer
 from tests.daemon.harness import Daemon, free_port, make_token, node_row, status, wait_for
-from tests.engine.roles import engine_python, role
+from tests.engine.roles import ONE_WORKER_IN_CORE, engine_python, role
 from tests.engine.vllm_roles import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,8 @@ def world(tmp_path_factory):
     w.out = root / "run"
     w.out.mkdir()
     role("base", w.out)
-    w.server = VllmServer(engine_python(), w.out / "step0", free_port(), log_path=root / "server.log").start()
+    w.server = VllmServer(engine_python(), w.out / "step0", free_port(), log_path=root / "server.log",
+                          env=ONE_WORKER_IN_CORE).start()
     try:
         w.server.wait_ready()
         yield w
