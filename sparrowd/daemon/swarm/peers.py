@@ -76,14 +76,10 @@ class Peers(Parts):
     def _warm(self, ps: PeerState) -> None:
         """Open a spare connection to a peer, kept idle for its first push or chunk request: its long
         poll holds the connection it has, and a new one across regions costs TCP's handshake, a round
-        trip, before the first byte (evidence: docs/history/DESIGN-NOTES.md#spare-connections).
-
-        The connection is opened bare, through the session's connector, and put in its pool as soon
-        as the handshake is done: opened by a request (``GET /v1/swarm/ping``, still the fallback
-        where aiohttp's connector takes other arguments), it stayed busy a round trip longer, and in
-        a swarm just formed every stripe pushed meanwhile opened a connection of its own (at 300 ms
-        round trips, one chunk to 8 rollouts in 8 regions: each of the two crossings took a handshake
-        more, 1.0 s to all against a bound of 0.36 s)."""
+        trip, before the first byte. The connection is opened bare, through the session's connector,
+        and goes into its pool as soon as the handshake is done; a request (``GET /v1/swarm/ping``)
+        opens it only where aiohttp's connector takes other arguments, since it holds the connection
+        a round trip longer (evidence: docs/history/DESIGN-NOTES.md#spare-connections)."""
         if self._session is None or self._closing:
             return
         session = self._session
